@@ -1,0 +1,124 @@
+"""`QueueStorageConfig`: validated construction input and the relation-name helpers.
+
+Nothing here performs I/O. A config is immutable and hashable, so it can key caches
+(compiled statements, metadata).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from qstore.errors import ValidationError
+
+__all__ = [
+    "DEFAULT_SCHEMA",
+    "MIN_CLAIM_SLOTS",
+    "MIN_LEASE_SLOTS",
+    "MIN_QUEUE_SLOTS",
+    "QueueStorageConfig",
+    "validate_identifier",
+]
+
+DEFAULT_SCHEMA = "qstore"
+MIN_QUEUE_SLOTS = 4
+MIN_LEASE_SLOTS = 2
+MIN_CLAIM_SLOTS = 2
+MAX_SLOTS = 256
+MAX_STRIPES = 64
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]*$")
+# Leave room for the longest derived name ("<schema>_alembic_version" style suffixes are not
+# used, but child relnames are <parent>_<slot> inside the schema; the schema itself is <= 48).
+_MAX_SCHEMA_LEN = 48
+
+
+def validate_identifier(name: object, field_name: str = "schema") -> str:
+    """Return ``name`` if it is a lower-case unquoted PostgreSQL identifier, else raise."""
+    if not isinstance(name, str) or not _IDENT.fullmatch(name) or len(name) > _MAX_SCHEMA_LEN:
+        raise ValidationError(
+            field_name,
+            name,
+            f"must match ^[a-z_][a-z0-9_]*$ and be at most {_MAX_SCHEMA_LEN} characters",
+        )
+    if name.startswith("pg_"):
+        raise ValidationError(field_name, name, "names starting with pg_ are reserved")
+    return name
+
+
+def _check_int(field_name: str, value: object, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(field_name, value, "must be an integer")
+    if value < minimum:
+        raise ValidationError(field_name, value, f"must be >= {minimum}")
+    if value > maximum:
+        raise ValidationError(field_name, value, f"must be <= {maximum}")
+    return value
+
+
+@dataclass(frozen=True)
+class QueueStorageConfig:
+    """Shape of one storage install.
+
+    ``schema`` holds every qstore object of the install (tables, partitions, functions,
+    sequences and the Alembic version table). The default schema is migration-owned and
+    must keep the default slot counts and receipt mode, so every deploy of the default
+    install agrees on its shape.
+    """
+
+    schema: str = DEFAULT_SCHEMA
+    queue_slot_count: int = 16
+    lease_slot_count: int = 8
+    claim_slot_count: int = 8
+    queue_stripe_count: int = 1
+    lease_claim_receipts: bool = True
+    notify_prefix: str = field(default="qstore")
+
+    def __post_init__(self) -> None:
+        validate_identifier(self.schema, "schema")
+        _check_int("queue_slot_count", self.queue_slot_count, MIN_QUEUE_SLOTS, MAX_SLOTS)
+        _check_int("lease_slot_count", self.lease_slot_count, MIN_LEASE_SLOTS, MAX_SLOTS)
+        _check_int("claim_slot_count", self.claim_slot_count, MIN_CLAIM_SLOTS, MAX_SLOTS)
+        _check_int("queue_stripe_count", self.queue_stripe_count, 1, MAX_STRIPES)
+        if not isinstance(self.lease_claim_receipts, bool):
+            raise ValidationError("lease_claim_receipts", self.lease_claim_receipts, "must be a bool")
+        validate_identifier(self.notify_prefix, "notify_prefix")
+        if self.schema == DEFAULT_SCHEMA and not self.uses_defaults():
+            raise ValidationError(
+                "schema",
+                self.schema,
+                "the default schema is migration-owned and must use the default slot counts, "
+                "one stripe and receipts on; choose another schema for a custom shape",
+            )
+
+    def uses_defaults(self) -> bool:
+        """True when every shape field has its default value."""
+        return (
+            self.queue_slot_count == 16
+            and self.lease_slot_count == 8
+            and self.claim_slot_count == 8
+            and self.queue_stripe_count == 1
+            and self.lease_claim_receipts is True
+        )
+
+    # -- relation names (no schema prefix, no range check: mirrors the seed) -------------
+    def ready_child_relname(self, slot: int) -> str:
+        return f"ready_entries_{slot}"
+
+    def done_child_relname(self, slot: int) -> str:
+        return f"done_entries_{slot}"
+
+    def leases_child_relname(self, slot: int) -> str:
+        return f"leases_{slot}"
+
+    @property
+    def version_table(self) -> str:
+        """Name of the Alembic version table kept inside the storage schema."""
+        return "qstore_alembic_version"
+
+    def notify_channel(self, logical_queue: str) -> str:
+        """LISTEN/NOTIFY channel that wakes claimers of ``logical_queue``."""
+        return f"{self.notify_prefix}:{self.schema}:{logical_queue}"
+
+    @property
+    def cancel_channel(self) -> str:
+        return f"{self.notify_prefix}:{self.schema}:cancel"

@@ -1,0 +1,116 @@
+"""The qstore error hierarchy and the one place that translates driver errors.
+
+Every public operation raises only :class:`QueueStorageError` subclasses. Driver errors
+(SQLAlchemy ``DBAPIError`` / psycopg errors) are wrapped, never leaked raw.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+from sqlalchemy import exc as sa_exc
+
+__all__ = [
+    "CallbackNotFoundError",
+    "DatabaseError",
+    "QueueStorageError",
+    "SchemaNotInstalledError",
+    "UniqueConflictError",
+    "ValidationError",
+    "translate_errors",
+    "wrap_driver_error",
+]
+
+
+class QueueStorageError(Exception):
+    """Base class of every error qstore raises."""
+
+
+class ValidationError(QueueStorageError, ValueError):
+    """Bad input: the message names the offending field and value. Nothing was written."""
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        super().__init__(f"invalid {field}={value!r}: {reason}")
+
+
+class UniqueConflictError(QueueStorageError):
+    """A unique key is owned by another job (or a 23505 violation). Nothing was written."""
+
+    def __init__(self, constraint: str, detail: str | None = None) -> None:
+        self.constraint = constraint
+        self.detail = detail
+        msg = f"unique conflict on {constraint}"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class CallbackNotFoundError(QueueStorageError):
+    """No live attempt holds the given callback id."""
+
+    def __init__(self, callback_id: uuid.UUID) -> None:
+        self.callback_id = callback_id
+        super().__init__(f"callback {callback_id} not found")
+
+
+class SchemaNotInstalledError(QueueStorageError):
+    """The storage schema (or its recorded configuration) does not exist in the database."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+        super().__init__(
+            f"qstore schema {schema!r} is not installed; run `alembic upgrade head` "
+            f"(or QueueStorage.prepare_schema) first"
+        )
+
+
+class DatabaseError(QueueStorageError):
+    """Wraps a driver error. ``sqlstate`` is the PostgreSQL error code when known."""
+
+    def __init__(self, original: BaseException) -> None:
+        self.original = original
+        self.sqlstate: str | None = _sqlstate(original)
+        super().__init__(f"database error ({self.sqlstate or 'unknown'}): {original}")
+
+
+def _sqlstate(err: BaseException) -> str | None:
+    orig = getattr(err, "orig", err)
+    return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+
+
+def wrap_driver_error(err: BaseException) -> QueueStorageError:
+    """Map a driver error to the qstore hierarchy (23505 → UniqueConflictError)."""
+    if isinstance(err, QueueStorageError):
+        return err
+    state = _sqlstate(err)
+    if state == "23505":
+        orig = getattr(err, "orig", err)
+        diag = getattr(orig, "diag", None)
+        constraint = getattr(diag, "constraint_name", None) or "unique"
+        return UniqueConflictError(constraint, str(getattr(diag, "message_detail", "") or ""))
+    return DatabaseError(err)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def translate_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator: re-raise driver errors as :class:`QueueStorageError` subclasses."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except QueueStorageError:
+            raise
+        except (sa_exc.DBAPIError, sa_exc.OperationalError) as err:
+            raise wrap_driver_error(err) from err
+        except sa_exc.SQLAlchemyError as err:
+            raise DatabaseError(err) from err
+
+    return wrapper

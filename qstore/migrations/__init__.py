@@ -1,0 +1,1 @@
+"""Packaged Alembic environment and revisions (branch label ``qstore``)."""

@@ -1,0 +1,214 @@
+"""Immutable row and value types returned by the storage API."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from qstore.schema.types import JOB_STATES
+
+__all__ = [
+    "BusyCounts",
+    "CallbackConfig",
+    "CallbackPollResult",
+    "ClaimedEntry",
+    "ClaimedRuntimeJob",
+    "JobRow",
+    "JobState",
+    "ListDlqFilter",
+    "PruneOutcome",
+    "QueueClaimerLease",
+    "QueueCounts",
+    "RetryFromDlqOpts",
+    "RotateOutcome",
+    "SkipReason",
+    "TerminalDeltaRollupOutcome",
+]
+
+
+class JobState(str, enum.Enum):
+    SCHEDULED = "scheduled"
+    AVAILABLE = "available"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    RETRYABLE = "retryable"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    WAITING_EXTERNAL = "waiting_external"
+
+    @property
+    def bit(self) -> int:
+        """Bit index in a ``unique_states`` mask (enum declaration order)."""
+        return JOB_STATES.index(self.value)
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """The public view of one job (STORAGE.md §6.1)."""
+
+    id: int
+    kind: str
+    queue: str
+    args: Any
+    state: JobState
+    priority: int
+    attempt: int
+    run_lease: int
+    max_attempts: int
+    run_at: datetime
+    created_at: datetime
+    heartbeat_at: datetime | None = None
+    deadline_at: datetime | None = None
+    attempted_at: datetime | None = None
+    finalized_at: datetime | None = None
+    errors: list[Any] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tags: list[str] = field(default_factory=list)
+    unique_key: bytes | None = None
+    unique_states: str | None = None
+    callback_id: uuid.UUID | None = None
+    callback_timeout_at: datetime | None = None
+    callback_filter: str | None = None
+    callback_on_complete: str | None = None
+    callback_on_fail: str | None = None
+    callback_transform: str | None = None
+    progress: Any = None
+
+
+@dataclass(frozen=True)
+class ClaimedEntry:
+    """Where a claimed attempt lives: enough to close it without re-reading the body."""
+
+    queue: str
+    priority: int  # lane priority (join key)
+    lane_seq: int
+    ready_slot: int
+    ready_generation: int
+    lease_slot: int
+    lease_generation: int
+    claim_slot: int
+    lease_claim_receipt: bool
+    enqueue_shard: int
+    job_id: int = 0
+    run_lease: int = 0
+
+
+@dataclass(frozen=True)
+class ClaimedRuntimeJob:
+    claim: ClaimedEntry
+    job: JobRow
+    unique_states: str | None = None
+
+
+@dataclass(frozen=True)
+class QueueClaimerLease:
+    claimer_slot: int
+    lease_epoch: int
+
+
+@dataclass(frozen=True)
+class QueueCounts:
+    available: int = 0
+    running: int = 0
+    terminal: int = 0
+
+
+@dataclass(frozen=True)
+class BusyCounts:
+    queue_ready: int = 0
+    queue_done: int = 0
+    queue_tombstones: int = 0
+    queue_terminal_deltas: int = 0
+    leases: int = 0
+    claims: int = 0
+    closures: int = 0
+
+
+class SkipReason(str, enum.Enum):
+    QUEUE_ACTIVE_LEASES = "queue.active_leases"
+    QUEUE_PENDING_READY = "queue.pending_ready"
+    QUEUE_OPEN_CLAIMS = "queue.open_claims"
+    LEASE_CURRENT = "lease.current"
+    LEASE_ACTIVE = "lease.active"
+    CLAIM_CURRENT = "claim.current"
+    CLAIM_OPEN = "claim.open"
+
+    def as_str(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class RotateOutcome:
+    """``Rotated(slot, generation)`` or ``SkippedBusy(slot, busy)``."""
+
+    kind: str  # "rotated" | "skipped_busy" | "skipped_idle"
+    slot: int
+    generation: int | None = None
+    busy: BusyCounts | None = None
+
+    @classmethod
+    def rotated(cls, slot: int, generation: int) -> RotateOutcome:
+        return cls("rotated", slot, generation)
+
+    @classmethod
+    def skipped_busy(cls, slot: int, busy: BusyCounts) -> RotateOutcome:
+        return cls("skipped_busy", slot, None, busy)
+
+
+@dataclass(frozen=True)
+class PruneOutcome:
+    """``Noop`` | ``Pruned(slot)`` | ``Blocked(slot)`` | ``SkippedActive(slot, reason, count)``."""
+
+    kind: str  # "noop" | "pruned" | "blocked" | "skipped_active"
+    slot: int | None = None
+    reason: SkipReason | None = None
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class TerminalDeltaRollupOutcome:
+    rolled_slots: int = 0
+    delta_rows: int = 0
+    grouped_keys: int = 0
+    skipped_active_slots: int = 0
+    blocked_slots: int = 0
+    skipped_mvcc_pinned: bool = False
+
+
+@dataclass(frozen=True)
+class CallbackConfig:
+    filter: str | None = None
+    on_complete: str | None = None
+    on_fail: str | None = None
+    transform: str | None = None
+
+
+@dataclass(frozen=True)
+class CallbackPollResult:
+    """``Resolved(payload)`` | ``Pending`` | ``Stale`` | ``UnexpectedState`` | ``NotFound``."""
+
+    kind: str
+    payload: Any = None
+    token: uuid.UUID | None = None
+    current: uuid.UUID | None = None
+    state: JobState | None = None
+
+
+@dataclass(frozen=True)
+class RetryFromDlqOpts:
+    run_at: datetime | None = None
+    priority: int | None = None
+    queue: str | None = None
+
+
+@dataclass(frozen=True)
+class ListDlqFilter:
+    kind: str | None = None
+    queue: str | None = None
+    tag: str | None = None
+    before_id: int | None = None
+    before_dlq_at: datetime | None = None
+    limit: int | None = None

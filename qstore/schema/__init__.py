@@ -1,0 +1,230 @@
+"""The only place a qstore table, index, sequence, function or view is named.
+
+:func:`build_metadata` declares the whole substrate of one install for a
+:class:`~qstore.config.QueueStorageConfig`; :func:`storage_schema` returns the same
+declaration as a typed bundle the storage operations build their statements from.
+``metadata.create_all`` alone produces a working install (seed rows, functions and views are
+attached as DDL events); Alembic revisions build from the same declaration.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, MetaData, Sequence, Table, event, insert, text
+
+from qstore.config import QueueStorageConfig
+from qstore.schema import control_plane, execution_plane, queue_plane
+from qstore.schema.functions import ServerFunction, ServerView, declare_functions, declare_views
+from qstore.schema.rings import RingFamily, is_partition_child
+from qstore.schema.types import job_state_enum
+
+__all__ = [
+    "REVISIONS",
+    "RingFamily",
+    "StorageSchema",
+    "build_metadata",
+    "is_partition_child",
+    "seed_rows",
+    "storage_schema",
+]
+
+#: Revision ids in order; ``as_of`` in :func:`build_metadata` selects a historical shape.
+REVISIONS = ("0001", "0002")
+SEED_KEY = "qstore_seed"
+
+
+@dataclass(frozen=True)
+class StorageSchema:
+    """Every declared object of one install, by role."""
+
+    config: QueueStorageConfig
+    metadata: MetaData
+    ready: RingFamily
+    tombstones: RingFamily
+    claim_ranges: RingFamily
+    done: RingFamily
+    deltas: RingFamily
+    leases: RingFamily
+    claims: RingFamily
+    closures: RingFamily
+    deferred: Table
+    dlq: Table
+    attempt_state: Table
+    queue_ring_state: Table
+    queue_ring_slots: Table
+    lease_ring_state: Table
+    lease_ring_slots: Table
+    claim_ring_state: Table
+    claim_ring_slots: Table
+    lanes: Table
+    enqueue_heads: Table
+    claim_heads: Table
+    live_counts: Table
+    rollups: Table
+    queue_meta: Table
+    unique_claims: Table
+    claimer_leases: Table
+    claimer_state: Table
+    storage_config: Table
+    backends: Table
+    transition: Table
+    job_id_seq: Sequence
+    functions: tuple[ServerFunction, ...]
+    views: tuple[ServerView, ...]
+
+    @property
+    def queue_ring(self) -> tuple[RingFamily, ...]:
+        """Families reclaimed together by a queue-ring prune."""
+        return (self.ready, self.tombstones, self.claim_ranges, self.done, self.deltas)
+
+    @property
+    def rings(self) -> dict[str, tuple[Table, Table, tuple[RingFamily, ...]]]:
+        return {
+            "queue": (self.queue_ring_state, self.queue_ring_slots, self.queue_ring),
+            "lease": (self.lease_ring_state, self.lease_ring_slots, (self.leases,)),
+            "claim": (self.claim_ring_state, self.claim_ring_slots, (self.claims, self.closures)),
+        }
+
+
+def _since_predicate(as_of: str | None):  # type: ignore[no-untyped-def]
+    if as_of is None:
+        return lambda rev: True
+    if as_of not in REVISIONS:
+        raise ValueError(f"unknown qstore revision {as_of!r}")
+    limit = REVISIONS.index(as_of)
+    return lambda rev: REVISIONS.index(rev) <= limit
+
+
+def _build(config: QueueStorageConfig, as_of: str | None) -> StorageSchema:
+    since = _since_predicate(as_of)
+    s = config.schema
+    md = MetaData(schema=s)
+    state = job_state_enum(s)
+    job_id_seq = Sequence("job_id_seq", schema=s, metadata=md, start=1)
+
+    ready = queue_plane.declare_ready_entries(md, config)
+    tombstones = queue_plane.declare_ready_tombstones(md, config)
+    claim_ranges = queue_plane.declare_claim_ranges(md, config)
+    done = queue_plane.declare_done_entries(md, config, state)
+    deltas = queue_plane.declare_terminal_deltas(md, config)
+    deferred = queue_plane.declare_deferred_jobs(md, config, state)
+    dlq = queue_plane.declare_dlq_entries(md, config, state)
+    leases = execution_plane.declare_leases(md, config, state)
+    claims = execution_plane.declare_lease_claims(md, config)
+    closures = execution_plane.declare_lease_claim_closures(md, config)
+    attempt_state = execution_plane.declare_attempt_state(md, config)
+    rings = {r: control_plane.declare_ring_control(md, config, r) for r in ("queue", "lease", "claim")}
+    lanes, enqueue_heads, claim_heads = control_plane.declare_lanes(md, config)
+    live_counts, rollups = control_plane.declare_counters(md, config)
+    queue_meta = control_plane.declare_queue_meta(md, config, since)
+    unique_claims = control_plane.declare_unique_claims(md, config)
+    claimer_leases, claimer_state = control_plane.declare_claimers(md, config)
+    storage_config, backends, transition = control_plane.declare_install_tables(md, config)
+
+    functions = declare_functions(config)
+    views = declare_views(config)
+    sch = StorageSchema(
+        config=config, metadata=md, ready=ready, tombstones=tombstones,
+        claim_ranges=claim_ranges, done=done, deltas=deltas, leases=leases, claims=claims,
+        closures=closures, deferred=deferred, dlq=dlq, attempt_state=attempt_state,
+        queue_ring_state=rings["queue"][0], queue_ring_slots=rings["queue"][1],
+        lease_ring_state=rings["lease"][0], lease_ring_slots=rings["lease"][1],
+        claim_ring_state=rings["claim"][0], claim_ring_slots=rings["claim"][1],
+        lanes=lanes, enqueue_heads=enqueue_heads, claim_heads=claim_heads,
+        live_counts=live_counts, rollups=rollups, queue_meta=queue_meta,
+        unique_claims=unique_claims, claimer_leases=claimer_leases,
+        claimer_state=claimer_state, storage_config=storage_config, backends=backends,
+        transition=transition, job_id_seq=job_id_seq, functions=functions, views=views,
+    )
+    md.info["qstore_schema"] = sch
+    _attach_ddl_events(sch)
+    return sch
+
+
+def _attach_ddl_events(sch: StorageSchema) -> None:
+    """create_all: seed rows after the tables, functions + views after everything;
+    drop_all: views, functions and runtime lane sequences first."""
+
+    def after_create(target: MetaData, connection: Connection, **_: Any) -> None:
+        seed_rows(connection, sch)
+        for fn in sch.functions:
+            connection.execute(text(fn.create_sql()))
+        for view in sch.views:
+            connection.execute(text(view.create_sql()))
+
+    def before_drop(target: MetaData, connection: Connection, **_: Any) -> None:
+        drop_runtime_objects(connection, sch)
+
+    event.listen(sch.metadata, "after_create", after_create)
+    event.listen(sch.metadata, "before_drop", before_drop)
+
+
+def seed_rows(connection: Connection, sch: StorageSchema) -> None:
+    """Insert ring cursors, slot rows, the recorded config and the transition singleton.
+
+    Fresh installs are marked counter-trusted (``done_entries`` is empty by construction).
+    """
+    cfg = sch.config
+    counts = {"queue": cfg.queue_slot_count, "lease": cfg.lease_slot_count, "claim": cfg.claim_slot_count}
+    for ring, (state, slots, _families) in sch.rings.items():
+        values: dict[str, Any] = {"current_slot": 0, "generation": 0, "slot_count": counts[ring]}
+        if ring == "queue":
+            values["terminal_counter_trusted_at"] = text("clock_timestamp()")
+        connection.execute(insert(state).values(**values))
+        connection.execute(
+            insert(slots),
+            [{"slot": k, "generation": 0 if k == 0 else -1} for k in range(counts[ring])],
+        )
+    connection.execute(
+        insert(sch.storage_config).values(
+            schema_name=cfg.schema,
+            queue_slot_count=cfg.queue_slot_count,
+            lease_slot_count=cfg.lease_slot_count,
+            claim_slot_count=cfg.claim_slot_count,
+            queue_stripe_count=cfg.queue_stripe_count,
+            lease_claim_receipts=cfg.lease_claim_receipts,
+        )
+    )
+    connection.execute(insert(sch.transition).values())
+
+
+def drop_runtime_objects(connection: Connection, sch: StorageSchema) -> None:
+    """Drop what is not a table: views, functions and the per-lane sequences created at
+    runtime by ``ensure_lane`` (named ``queue_{enqueue,claim}_seq_<md5>``)."""
+    for view in sch.views:
+        connection.execute(text(view.drop_sql()))
+    for fn in sch.functions:
+        connection.execute(text(fn.drop_sql()))
+    lane_seqs = connection.execute(
+        text(
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = :schema AND c.relkind = 'S' "
+            "AND (c.relname LIKE 'queue\\_enqueue\\_seq\\_%' OR c.relname LIKE 'queue\\_claim\\_seq\\_%')"
+        ),
+        {"schema": sch.config.schema},
+    ).scalars()
+    prep = connection.dialect.identifier_preparer
+    for name in list(lane_seqs):
+        connection.execute(
+            text(f"DROP SEQUENCE IF EXISTS {prep.quote_schema(sch.config.schema)}.{prep.quote(name)}")
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def storage_schema(config: QueueStorageConfig, as_of: str | None = None) -> StorageSchema:
+    """The (cached) declaration of ``config``'s install, optionally as of a past revision."""
+    return _build(config, as_of)
+
+
+def build_metadata(config: QueueStorageConfig, as_of: str | None = None) -> MetaData:
+    """A fresh ``MetaData`` declaring every object of ``config``'s install.
+
+    Parent tables, their derived slot children (``PARTITION OF … FOR VALUES IN (k)``),
+    unpartitioned tables, the ``job_state`` enum and ``job_id_seq`` are metadata objects;
+    functions and views are listed in ``metadata.info['qstore_schema']`` and created by
+    ``create_all`` through DDL events. ``as_of`` selects the shape of an older revision.
+    """
+    return _build(config, as_of).metadata

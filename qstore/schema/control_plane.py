@@ -1,0 +1,209 @@
+"""Control plane: ring cursors, lanes and heads, counters, queue metadata, unique claims,
+bounded-claimer slots, the backend registry and the recorded install configuration."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import (
+    Boolean,
+    CheckConstraint,
+    Column,
+    Index,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    UniqueConstraint,
+    text,
+)
+
+from qstore.config import QueueStorageConfig
+from qstore.schema.types import BIGINT, BYTES, INT, JSON, NOW, REGCLASS, SMALLINT, TEXT, TS, UUIDT, warm
+
+Since = Callable[[str], bool]
+
+
+def declare_ring_control(md: MetaData, cfg: QueueStorageConfig, ring: str) -> tuple[Table, Table]:
+    """``<ring>_ring_state`` (singleton cursor) and ``<ring>_ring_slots`` (generation per slot)."""
+    cols = [
+        Column("singleton", Boolean, nullable=False, server_default=text("true")),
+        Column("current_slot", INT, nullable=False),
+        Column("generation", BIGINT, nullable=False),
+        Column("slot_count", INT, nullable=False),
+    ]
+    if ring == "queue":
+        cols.append(Column("terminal_counter_trusted_at", TS))
+    state = Table(
+        f"{ring}_ring_state", md, *cols,
+        PrimaryKeyConstraint("singleton", name=f"{ring}_ring_state_pkey"),
+        CheckConstraint("singleton", name=f"{ring}_ring_state_singleton"),
+        schema=cfg.schema, postgresql_with=warm(50),
+    )
+    slots = Table(
+        f"{ring}_ring_slots", md,
+        Column("slot", INT, nullable=False),
+        Column("generation", BIGINT, nullable=False),
+        PrimaryKeyConstraint("slot", name=f"{ring}_ring_slots_pkey"),
+        schema=cfg.schema, postgresql_with=warm(70),
+    )
+    return state, slots
+
+
+def declare_lanes(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Table, Table]:
+    """Lane registry plus the enqueue/claim head tables.
+
+    Lane cursors are PostgreSQL sequences (no MVCC heap update per enqueue or claim); the head
+    rows name them and the claim head row is the ``FOR UPDATE SKIP LOCKED`` target of claim.
+    """
+    lanes = Table(
+        "queue_lanes", md,
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("created_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint("queue", "priority", name="queue_lanes_pkey"),
+        schema=cfg.schema,
+    )
+    enqueue_heads = Table(
+        "queue_enqueue_heads", md,
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False),
+        Column("enqueue_seq", REGCLASS, nullable=False),
+        PrimaryKeyConstraint("queue", "priority", "enqueue_shard", name="queue_enqueue_heads_pkey"),
+        schema=cfg.schema, postgresql_with=warm(50),
+    )
+    claim_heads = Table(
+        "queue_claim_heads", md,
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False),
+        Column("logical_queue", TEXT, nullable=False),
+        Column("enqueue_seq", REGCLASS, nullable=False),
+        Column("claim_seq", REGCLASS, nullable=False),
+        PrimaryKeyConstraint("queue", "priority", "enqueue_shard", name="queue_claim_heads_pkey"),
+        Index("queue_claim_heads_logical_idx", "logical_queue"),
+        schema=cfg.schema, postgresql_with=warm(50),
+    )
+    return lanes, enqueue_heads, claim_heads
+
+
+def declare_counters(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Table]:
+    live = Table(
+        "queue_terminal_live_counts", md,
+        Column("ready_slot", INT, nullable=False),
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False),
+        Column("counter_bucket", SMALLINT, nullable=False),
+        Column("live_terminal_count", BIGINT, nullable=False, server_default=text("0")),
+        PrimaryKeyConstraint("ready_slot", "queue", "priority", "enqueue_shard", "counter_bucket",
+                             name="queue_terminal_live_counts_pkey"),
+        Index("queue_terminal_live_counts_queue_idx", "queue", "priority"),
+        schema=cfg.schema, postgresql_with={"fillfactor": 50},
+    )
+    rollups = Table(
+        "queue_terminal_rollups", md,
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("pruned_completed_count", BIGINT, nullable=False, server_default=text("0")),
+        PrimaryKeyConstraint("queue", "priority", name="queue_terminal_rollups_pkey"),
+        schema=cfg.schema,
+    )
+    return live, rollups
+
+
+def declare_queue_meta(md: MetaData, cfg: QueueStorageConfig, since: Since) -> Table:
+    """Per logical queue: pause gate, enqueue shard count and (0002) DLQ policy."""
+    cols = [
+        Column("queue", TEXT, nullable=False),
+        Column("paused", Boolean, nullable=False, server_default=text("false")),
+        Column("paused_at", TS),
+        Column("paused_by", TEXT),
+        Column("enqueue_shards", SMALLINT, nullable=False, server_default=text("1")),
+    ]
+    if since("0002"):
+        cols.append(Column("dlq_enabled", Boolean, nullable=False, server_default=text("false")))
+    return Table(
+        "queue_meta", md, *cols,
+        PrimaryKeyConstraint("queue", name="queue_meta_pkey"),
+        CheckConstraint("enqueue_shards BETWEEN 1 AND 64", name="queue_meta_enqueue_shards"),
+        schema=cfg.schema,
+    )
+
+
+def declare_unique_claims(md: MetaData, cfg: QueueStorageConfig) -> Table:
+    return Table(
+        "job_unique_claims", md,
+        Column("unique_key", BYTES, nullable=False),
+        Column("job_id", BIGINT, nullable=False),
+        UniqueConstraint("unique_key", name="job_unique_claims_unique_key_key"),
+        Index("job_unique_claims_job_idx", "job_id"),
+        schema=cfg.schema,
+    )
+
+
+def declare_claimers(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Table]:
+    leases = Table(
+        "queue_claimer_leases", md,
+        Column("queue", TEXT, nullable=False),
+        Column("claimer_slot", SMALLINT, nullable=False),
+        Column("owner_instance_id", UUIDT, nullable=False),
+        Column("lease_epoch", BIGINT, nullable=False, server_default=text("0")),
+        Column("leased_at", TS, nullable=False, server_default=NOW),
+        Column("last_claimed_at", TS, nullable=False, server_default=NOW),
+        Column("expires_at", TS, nullable=False),
+        PrimaryKeyConstraint("queue", "claimer_slot", name="queue_claimer_leases_pkey"),
+        Index("queue_claimer_leases_owner_idx", "queue", "owner_instance_id"),
+        schema=cfg.schema, postgresql_with=warm(50),
+    )
+    state = Table(
+        "queue_claimer_state", md,
+        Column("queue", TEXT, nullable=False),
+        Column("target_claimers", SMALLINT, nullable=False),
+        Column("updated_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint("queue", name="queue_claimer_state_pkey"),
+        schema=cfg.schema, postgresql_with=warm(50),
+    )
+    return leases, state
+
+
+def declare_install_tables(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Table, Table]:
+    """Recorded configuration, backend registry row and the transition singleton."""
+    storage_config = Table(
+        "storage_config", md,
+        Column("singleton", Boolean, nullable=False, server_default=text("true")),
+        Column("schema_name", TEXT, nullable=False),
+        Column("queue_slot_count", INT, nullable=False),
+        Column("lease_slot_count", INT, nullable=False),
+        Column("claim_slot_count", INT, nullable=False),
+        Column("queue_stripe_count", INT, nullable=False),
+        Column("lease_claim_receipts", Boolean, nullable=False),
+        Column("installed_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint("singleton", name="storage_config_pkey"),
+        CheckConstraint("singleton", name="storage_config_singleton"),
+        schema=cfg.schema,
+    )
+    backends = Table(
+        "runtime_storage_backends", md,
+        Column("backend", TEXT, nullable=False),
+        Column("schema_name", TEXT, nullable=False),
+        Column("updated_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint("backend", name="runtime_storage_backends_pkey"),
+        schema=cfg.schema,
+    )
+    transition = Table(
+        "storage_transition_state", md,
+        Column("singleton", Boolean, nullable=False, server_default=text("true")),
+        Column("current_engine", TEXT, nullable=False, server_default=text("'queue_storage'")),
+        Column("prepared_engine", TEXT),
+        Column("state", TEXT, nullable=False, server_default=text("'prepared'")),
+        Column("transition_epoch", BIGINT, nullable=False, server_default=text("0")),
+        Column("details", JSON, nullable=False, server_default=text("'{}'::jsonb")),
+        Column("updated_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint("singleton", name="storage_transition_state_pkey"),
+        CheckConstraint("singleton", name="storage_transition_state_singleton"),
+        CheckConstraint("state IN ('canonical', 'prepared', 'mixed_transition', 'active')",
+                        name="storage_transition_state_state"),
+        schema=cfg.schema,
+    )
+    return storage_config, backends, transition

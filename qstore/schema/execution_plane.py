@@ -1,0 +1,119 @@
+"""Execution plane: the lease ring, the claim ring (receipts + closures) and the optional
+per-attempt mutable state."""
+
+from __future__ import annotations
+
+from sqlalchemy import Column, Index, MetaData, PrimaryKeyConstraint, Table, text
+from sqlalchemy.types import TypeEngine
+
+from qstore.config import QueueStorageConfig
+from qstore.schema.rings import RingFamily, ring_table
+from qstore.schema.types import BIGINT, INT, JSON, NOW, SMALLINT, TEXT, TS, UUIDT, warm
+
+LANE = ("queue", "priority", "enqueue_shard")
+
+
+def declare_leases(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> RingFamily:  # type: ignore[type-arg]
+    """Materialised, mutable attempts (callbacks, receipts-off claims).
+
+    ``priority`` is the lane priority (the join key back to the ready row);
+    ``effective_priority`` is the aged priority the attempt was claimed at (trap T4).
+    """
+    return ring_table(
+        md, "leases", "lease_slot", cfg.lease_slot_count,
+        Column("lease_slot", INT, nullable=False),
+        Column("lease_generation", BIGINT, nullable=False),
+        Column("ready_slot", INT, nullable=False),
+        Column("ready_generation", BIGINT, nullable=False),
+        Column("job_id", BIGINT, nullable=False),
+        Column("queue", TEXT, nullable=False),
+        Column("state", state_type, nullable=False, server_default=text("'running'")),
+        Column("priority", SMALLINT, nullable=False),
+        Column("effective_priority", SMALLINT, nullable=False),
+        Column("attempt", SMALLINT, nullable=False, server_default=text("1")),
+        Column("run_lease", BIGINT, nullable=False, server_default=text("1")),
+        Column("max_attempts", SMALLINT, nullable=False),
+        Column("lane_seq", BIGINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False, server_default=text("0")),
+        Column("claim_slot", INT),
+        Column("heartbeat_at", TS),
+        Column("deadline_at", TS),
+        Column("attempted_at", TS),
+        Column("callback_id", UUIDT),
+        Column("callback_timeout_at", TS),
+        PrimaryKeyConstraint("lease_slot", *LANE, "lane_seq", name="leases_pkey"),
+        Index("leases_callback_idx", "callback_id"),
+        Index("leases_attempt_idx", "job_id", "run_lease"),
+        Index("leases_lane_idx", *LANE, "lane_seq"),
+        Index("leases_ready_ref_idx", "ready_slot", "ready_generation"),
+        Index("leases_callback_timeout_idx", "state", "callback_timeout_at"),
+        Index("leases_deadline_idx", "state", "deadline_at"),
+        schema=cfg.schema,
+        child_with=warm(50, 200),
+    )
+
+
+def declare_lease_claims(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
+    """Append-only claim receipts: one row per attempt ``(job_id, run_lease)``."""
+    return ring_table(
+        md, "lease_claims", "claim_slot", cfg.claim_slot_count,
+        Column("claim_slot", INT, nullable=False),
+        Column("job_id", BIGINT, nullable=False),
+        Column("run_lease", BIGINT, nullable=False),
+        Column("ready_slot", INT, nullable=False),
+        Column("ready_generation", BIGINT, nullable=False),
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("effective_priority", SMALLINT, nullable=False),
+        Column("attempt", SMALLINT, nullable=False),
+        Column("max_attempts", SMALLINT, nullable=False),
+        Column("lane_seq", BIGINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False),
+        Column("claimed_at", TS, nullable=False, server_default=NOW),
+        Column("materialized_at", TS),
+        Column("deadline_at", TS),
+        PrimaryKeyConstraint("claim_slot", "job_id", "run_lease", name="lease_claims_pkey"),
+        Index("lease_claims_attempt_idx", "job_id", "run_lease"),
+        Index("lease_claims_stale_idx", "materialized_at", "claimed_at", "job_id"),
+        Index("lease_claims_deadline_idx", "deadline_at", postgresql_using="brin",
+              postgresql_with={"pages_per_range": 16}),
+        Index("lease_claims_ready_ref_idx", "ready_slot", "ready_generation"),
+        schema=cfg.schema,
+        child_with={"fillfactor": 50},
+    )
+
+
+def declare_lease_claim_closures(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
+    """Append-only receipt closures; the PK makes finalisation at-most-once."""
+    return ring_table(
+        md, "lease_claim_closures", "claim_slot", cfg.claim_slot_count,
+        Column("claim_slot", INT, nullable=False),
+        Column("job_id", BIGINT, nullable=False),
+        Column("run_lease", BIGINT, nullable=False),
+        Column("outcome", TEXT, nullable=False),
+        Column("closed_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint("claim_slot", "job_id", "run_lease",
+                             name="lease_claim_closures_pkey"),
+        Index("lease_claim_closures_attempt_idx", "job_id", "run_lease"),
+        schema=cfg.schema,
+    )
+
+
+def declare_attempt_state(md: MetaData, cfg: QueueStorageConfig) -> Table:
+    """Optional mutable state of a live attempt (heartbeat, progress, callback data)."""
+    return Table(
+        "attempt_state", md,
+        Column("job_id", BIGINT, nullable=False),
+        Column("run_lease", BIGINT, nullable=False),
+        Column("heartbeat_at", TS),
+        Column("progress", JSON),
+        Column("callback_filter", TEXT),
+        Column("callback_on_complete", TEXT),
+        Column("callback_on_fail", TEXT),
+        Column("callback_transform", TEXT),
+        Column("callback_result", JSON),
+        Column("updated_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint("job_id", "run_lease", name="attempt_state_pkey"),
+        schema=cfg.schema,
+        postgresql_with=warm(80),
+    )

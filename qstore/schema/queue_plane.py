@@ -1,0 +1,183 @@
+"""Queue plane: the queue ring (ready entries, tombstones, claim ranges, done entries,
+terminal count deltas), the deferred backlog and the DLQ."""
+
+from __future__ import annotations
+
+from sqlalchemy import CheckConstraint, Column, Index, MetaData, PrimaryKeyConstraint, Table, text
+from sqlalchemy.types import TypeEngine
+
+from qstore.config import QueueStorageConfig
+from qstore.schema.rings import RingFamily, ring_table
+from qstore.schema.types import BIGINT, BYTES, INT, JSON, NOW, SMALLINT, TEXT, TS
+
+LANE = ("queue", "priority", "enqueue_shard")
+LANE_KEY = ("ready_slot", *LANE, "lane_seq")
+
+
+def _ring(md: MetaData, cfg: QueueStorageConfig, name: str, *items) -> RingFamily:  # type: ignore[no-untyped-def]
+    return ring_table(md, name, "ready_slot", cfg.queue_slot_count, *items, schema=cfg.schema)
+
+
+def declare_ready_entries(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
+    """Immutable runnable bodies: never updated, never deleted row by row."""
+    return _ring(
+        md, cfg, "ready_entries",
+        Column("ready_slot", INT, nullable=False),
+        Column("ready_generation", BIGINT, nullable=False),
+        Column("job_id", BIGINT, nullable=False),
+        Column("kind", TEXT, nullable=False),
+        Column("queue", TEXT, nullable=False),
+        Column("args", JSON, nullable=False, server_default=text("'{}'::jsonb")),
+        Column("priority", SMALLINT, nullable=False),
+        Column("attempt", SMALLINT, nullable=False, server_default=text("0")),
+        Column("run_lease", BIGINT, nullable=False, server_default=text("0")),
+        Column("max_attempts", SMALLINT, nullable=False, server_default=text("25")),
+        Column("lane_seq", BIGINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False, server_default=text("0")),
+        Column("run_at", TS, nullable=False, server_default=NOW),
+        Column("attempted_at", TS),
+        Column("created_at", TS, nullable=False, server_default=NOW),
+        Column("unique_key", BYTES),
+        Column("unique_states", TEXT),
+        Column("payload", JSON),
+        PrimaryKeyConstraint(*LANE_KEY, name="ready_entries_pkey"),
+        Index("ready_entries_job_id_idx", "job_id"),
+        Index("ready_entries_lane_idx", *LANE, "lane_seq"),
+    )
+
+
+def declare_ready_tombstones(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
+    """Append-only "this unclaimed lane position is void" markers."""
+    return _ring(
+        md, cfg, "ready_tombstones",
+        Column("ready_slot", INT, nullable=False),
+        Column("ready_generation", BIGINT, nullable=False),
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False),
+        Column("lane_seq", BIGINT, nullable=False),
+        Column("job_id", BIGINT, nullable=False),
+        Column("tombstoned_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint(*LANE_KEY, "ready_generation", name="ready_tombstones_pkey"),
+        Index("ready_tombstones_job_id_idx", "job_id"),
+        Index("ready_tombstones_lane_idx", *LANE, "lane_seq"),
+    )
+
+
+def declare_claim_ranges(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
+    """Append-only claim evidence: lane positions ``first_seq..last_seq`` were handed out.
+
+    A claim records the whole span it consumed (claimed rows, tombstoned rows and aborted
+    gaps). The claim cursor is only a hint; the committed chain of ranges from the hint is
+    the truth, so a claim never has to move a non-transactional cursor before it commits.
+    """
+    return _ring(
+        md, cfg, "ready_claim_ranges",
+        Column("ready_slot", INT, nullable=False),
+        Column("ready_generation", BIGINT, nullable=False),
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False),
+        Column("first_seq", BIGINT, nullable=False),
+        Column("last_seq", BIGINT, nullable=False),
+        Column("claimed_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint("ready_slot", *LANE, "first_seq", name="ready_claim_ranges_pkey"),
+        CheckConstraint("last_seq >= first_seq", name="ready_claim_ranges_span"),
+        Index("ready_claim_ranges_lane_idx", *LANE, "first_seq"),
+    )
+
+
+def declare_done_entries(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> RingFamily:  # type: ignore[type-arg]
+    """Terminal facts. Narrow rows (claimed attempts) leave the body columns NULL and
+    hydrate from their ready row; wide rows carry the body themselves."""
+    return _ring(
+        md, cfg, "done_entries",
+        Column("ready_slot", INT, nullable=False),
+        Column("ready_generation", BIGINT, nullable=False),
+        Column("job_id", BIGINT, nullable=False),
+        Column("kind", TEXT, nullable=False),
+        Column("queue", TEXT, nullable=False),
+        Column("state", state_type, nullable=False, server_default=text("'completed'")),
+        Column("priority", SMALLINT, nullable=False),
+        Column("attempt", SMALLINT, nullable=False),
+        Column("run_lease", BIGINT, nullable=False),
+        Column("lane_seq", BIGINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False, server_default=text("0")),
+        Column("attempted_at", TS),
+        Column("finalized_at", TS, nullable=False, server_default=NOW),
+        Column("args", JSON),
+        Column("max_attempts", SMALLINT),
+        Column("run_at", TS),
+        Column("created_at", TS),
+        Column("unique_key", BYTES),
+        Column("unique_states", TEXT),
+        Column("payload", JSON),
+        PrimaryKeyConstraint(*LANE_KEY, name="done_entries_pkey"),
+        Index("done_entries_job_id_idx", "job_id"),
+        Index("done_entries_lane_idx", *LANE, "lane_seq"),
+        Index("done_entries_failed_idx", "queue", postgresql_where=text("state = 'failed'")),
+    )
+
+
+def declare_terminal_deltas(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
+    """Append-only signed terminal-count ledger (no PK: rows are only ever inserted)."""
+    return _ring(
+        md, cfg, "queue_terminal_count_deltas",
+        Column("ready_slot", INT, nullable=False),
+        Column("ready_generation", BIGINT, nullable=False),
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False),
+        Column("counter_bucket", SMALLINT, nullable=False),
+        Column("terminal_delta", BIGINT, nullable=False),
+        Column("recorded_at", TS, nullable=False, server_default=NOW),
+        CheckConstraint("terminal_delta <> 0", name="queue_terminal_count_deltas_nonzero"),
+        Index("queue_terminal_count_deltas_queue_idx", "queue", "priority"),
+    )
+
+
+def _job_snapshot_columns(state_type: TypeEngine, state_default: str, *, dlq: bool) -> list[Column]:  # type: ignore[type-arg]
+    return [
+        Column("job_id", BIGINT, primary_key=True, autoincrement=False),
+        Column("kind", TEXT, nullable=False),
+        Column("queue", TEXT, nullable=False),
+        Column("args", JSON, nullable=False, server_default=text("'{}'::jsonb")),
+        Column("state", state_type, nullable=False, server_default=text(f"'{state_default}'")),
+        Column("priority", SMALLINT, nullable=False),
+        Column("attempt", SMALLINT, nullable=False, server_default=text("1" if dlq else "0")),
+        Column("run_lease", BIGINT, nullable=False, server_default=text("1" if dlq else "0")),
+        Column("max_attempts", SMALLINT, nullable=False, server_default=text("25")),
+        Column("run_at", TS, nullable=False, server_default=NOW),
+        Column("attempted_at", TS),
+        Column("finalized_at", TS),
+        Column("created_at", TS, nullable=False, server_default=NOW),
+        Column("unique_key", BYTES),
+        Column("unique_states", TEXT),
+        Column("payload", JSON),
+    ]
+
+
+def declare_deferred_jobs(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> Table:  # type: ignore[type-arg]
+    """Future / backoff backlog (scheduled, retryable); promotion deletes and re-enqueues."""
+    return Table(
+        "deferred_jobs", md,
+        *_job_snapshot_columns(state_type, "scheduled", dlq=False),
+        CheckConstraint("state IN ('scheduled', 'retryable')", name="deferred_jobs_state"),
+        Index("deferred_jobs_due_idx", "state", "run_at", "queue", "priority", "job_id"),
+        Index("deferred_jobs_unique_key_idx", "unique_key"),
+        schema=cfg.schema,
+    )
+
+
+def declare_dlq_entries(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> Table:  # type: ignore[type-arg]
+    """Operator hold table for dead-lettered jobs."""
+    return Table(
+        "dlq_entries", md,
+        *_job_snapshot_columns(state_type, "failed", dlq=True),
+        Column("dlq_reason", TEXT, nullable=False),
+        Column("dlq_at", TS, nullable=False, server_default=NOW),
+        Column("original_run_lease", BIGINT, nullable=False),
+        Index("dlq_entries_queue_idx", "queue", "dlq_at"),
+        Index("dlq_entries_kind_idx", "kind"),
+        schema=cfg.schema,
+    )

@@ -1,0 +1,64 @@
+"""Column types and storage-parameter presets shared by the table declarations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import BigInteger, Enum, Integer, SmallInteger, Text, text
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB, REGCLASS, TIMESTAMP, UUID
+
+__all__ = [
+    "BIGINT",
+    "BYTES",
+    "INT",
+    "JSON",
+    "JOB_STATES",
+    "NOW",
+    "REGCLASS",
+    "SMALLINT",
+    "TEXT",
+    "TS",
+    "UUIDT",
+    "WARM",
+    "job_state_enum",
+]
+
+BIGINT = BigInteger()
+INT = Integer()
+SMALLINT = SmallInteger()
+TEXT = Text()
+JSON = JSONB()
+BYTES = BYTEA()
+TS = TIMESTAMP(timezone=True)
+UUIDT = UUID(as_uuid=True)
+NOW = text("clock_timestamp()")
+
+JOB_STATES = (
+    "scheduled",
+    "available",
+    "running",
+    "completed",
+    "retryable",
+    "failed",
+    "cancelled",
+    "waiting_external",
+)
+
+
+def job_state_enum(schema: str) -> Enum:
+    """The per-schema ``job_state`` enum (created with the metadata, dropped with it)."""
+    return Enum(*JOB_STATES, name="job_state", schema=schema, metadata=None, create_type=True)
+
+
+def warm(fillfactor: int, threshold: int = 50) -> dict[str, Any]:
+    """Storage parameters for warm hot-spot tables: HOT-friendly fill, eager autovacuum."""
+    return {
+        "fillfactor": fillfactor,
+        "autovacuum_vacuum_scale_factor": 0,
+        "autovacuum_vacuum_threshold": threshold,
+        "autovacuum_vacuum_cost_limit": 2000,
+        "autovacuum_vacuum_cost_delay": 2,
+    }
+
+
+WARM = warm

@@ -1,0 +1,49 @@
+"""The one transaction contract every operation follows.
+
+An operation's target is one of:
+
+* ``Engine`` — the operation opens a connection, runs in its own transaction and commits
+  (rolls back on error) before returning;
+* ``Connection`` — the operation joins the caller's transaction (autobegun if none is open)
+  and never commits or rolls back: the caller decides;
+* ORM ``Session`` — the operation runs on ``session.connection()`` and likewise leaves
+  commit/rollback to the session's owner.
+
+Async targets are served by :class:`qstore.aio.AsyncQueueStorage`, which hands the sync
+connection of an ``AsyncConnection``/``AsyncSession`` to the same code through ``run_sync``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TypeAlias
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.orm import Session
+
+from qstore.errors import ValidationError
+
+__all__ = ["Target", "owns_transaction", "transaction"]
+
+Target: TypeAlias = Engine | Connection | Session
+
+
+@contextmanager
+def transaction(target: Target) -> Iterator[Connection]:
+    """Yield a connection inside a transaction according to the contract above."""
+    if isinstance(target, Engine):
+        with target.begin() as conn:
+            yield conn
+    elif isinstance(target, Connection):
+        yield target
+    elif isinstance(target, Session):
+        yield target.connection()
+    else:
+        raise ValidationError("target", type(target).__name__,
+                              "expected an Engine, Connection or Session")
+
+
+def owns_transaction(target: Target) -> bool:
+    """True when the operation commits its own transaction (an ``Engine`` target)."""
+    return isinstance(target, Engine)

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from alembic import command
 from alembic.config import Config as AlembicConfig
 from sqlalchemy import Connection, create_engine, func, inspect, pool, select, text
 from sqlalchemy.schema import CreateSchema
 
+from alembic import command
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import ValidationError
 from qstore.schema import StorageSchema, drop_runtime_objects, storage_schema
@@ -217,6 +217,7 @@ def alembic_config(config: QueueStorageConfig, connection: Connection | None = N
     """An Alembic ``Config`` for the packaged environment, bound to ``connection``."""
     acfg = AlembicConfig()
     acfg.set_main_option("script_location", str(PACKAGE_MIGRATIONS))
+    acfg.set_main_option("path_separator", "os")
     acfg.set_main_option("version_locations", version_location())
     acfg.attributes[CONFIG_ATTRIBUTE] = config
     if connection is not None:

@@ -18,7 +18,19 @@ from sqlalchemy import (
 )
 
 from qstore.config import QueueStorageConfig
-from qstore.schema.types import BIGINT, BYTES, INT, JSON, NOW, REGCLASS, SMALLINT, TEXT, TS, UUIDT, warm
+from qstore.schema.types import (
+    BIGINT,
+    BYTES,
+    INT,
+    JSON,
+    NOW,
+    REGCLASS,
+    SMALLINT,
+    TEXT,
+    TS,
+    UUIDT,
+    warm,
+)
 
 Since = Callable[[str], bool]
 

@@ -8,13 +8,26 @@ Every operation takes a target first — an ``Engine`` (own transaction, committ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import nullcontext
+from datetime import timedelta
+
 from sqlalchemy import Connection
 
 from qstore.config import QueueStorageConfig
-from qstore.errors import translate_errors
+from qstore.errors import ValidationError, translate_errors
+from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobRow, QueueCounts
 from qstore.schema import StorageSchema, storage_schema
-from qstore.storage import lifecycle
-from qstore.storage._tx import Target
+from qstore.storage import complete, enqueue, lifecycle, read
+from qstore.storage._tx import Target, owns_transaction, transaction
+from qstore.storage.claim import ClaimRouter, validate_batch
+from qstore.storage.jobs import (
+    InsertOpts,
+    InsertParams,
+    prepare_jobs,
+    validate_priority,
+    validate_queue,
+)
 
 __all__ = ["QueueStorage"]
 
@@ -25,6 +38,8 @@ class QueueStorage:
     def __init__(self, config: QueueStorageConfig | None = None) -> None:
         self._config = config or QueueStorageConfig()
         self._schema: StorageSchema = storage_schema(self._config)
+        self._lanes = enqueue.LaneRouter()
+        self._claims = ClaimRouter()
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -127,6 +142,123 @@ class QueueStorage:
     def reset(self, engine: Target, *, force: bool = False) -> None:
         """Drop this schema entirely. Refuses the default schema unless ``force=True``."""
         lifecycle.reset(engine, self._schema, force=force)
+
+    # -- enqueue ----------------------------------------------------------------------
+    def _enqueue(self, target: Target, jobs: Sequence[InsertParams], use_copy: bool) -> int:
+        rows = prepare_jobs(list(jobs), self._config.queue_stripe_count)
+        if not rows:
+            return 0
+        with transaction(target) as conn:
+            keyed = any(r.unique_key is not None for r in rows)
+            # In a caller's transaction a unique conflict must leave nothing of the batch.
+            guard = conn.begin_nested() if keyed and not owns_transaction(target) else nullcontext()
+            with guard:
+                return enqueue.write_jobs(conn, self._schema, self._lanes, rows, use_copy=use_copy)
+
+    @translate_errors
+    def enqueue_params_batch(self, target: Target, jobs: Sequence[InsertParams]) -> int:
+        """Write ``jobs`` in one transaction (multi-row INSERT). All rows are validated before
+        anything is written; a unique conflict writes nothing. Returns rows written."""
+        return self._enqueue(target, jobs, use_copy=False)
+
+    @translate_errors
+    def enqueue_params_copy(self, target: Target, jobs: Sequence[InsertParams]) -> int:
+        """Same semantics as :meth:`enqueue_params_batch`, streaming ready rows with COPY."""
+        return self._enqueue(target, jobs, use_copy=True)
+
+    @translate_errors
+    def enqueue_batch(self, target: Target, queue: str, priority: int, count: int) -> int:
+        """Benchmark helper: ``count`` available ``bench_job`` jobs with args ``{"seq": i}``,
+        round-robin over the stripes. Returns rows written."""
+        validate_queue(queue)
+        validate_priority(priority)
+        validate_batch(count, "count")
+        opts = InsertOpts(queue=queue, priority=priority)
+        return self._enqueue(target, [InsertParams("bench_job", {"seq": i}, opts) for i in range(count)],
+                             use_copy=True)
+
+    # -- claim --------------------------------------------------------------------------
+    @translate_errors
+    def claim_runtime_batch_with_aging(
+        self, target: Target, queue: str, max_batch: int, deadline_duration: timedelta | float | None,
+        aging_interval: timedelta | float | None,
+    ) -> list[ClaimedRuntimeJob]:
+        """Claim up to ``max_batch`` attempts of ``queue`` (all stripes), lanes picked by
+        effective (aged) priority. Each returned job is running with ``run_lease`` and
+        ``attempt`` incremented; ``deadline_at`` is set when ``deadline_duration`` > 0."""
+        return self._claims.claim(target, self._schema, queue, max_batch, deadline_duration, aging_interval)
+
+    def claim_runtime_batch(self, target: Target, queue: str, max_batch: int,
+                            deadline_duration: timedelta | float | None = None) -> list[ClaimedRuntimeJob]:
+        return self.claim_runtime_batch_with_aging(target, queue, max_batch, deadline_duration, None)
+
+    def claim_job_batch(self, target: Target, queue: str, max_batch: int,
+                        deadline_duration: timedelta | float | None = None) -> list[JobRow]:
+        return [j.job for j in self.claim_runtime_batch(target, queue, max_batch, deadline_duration)]
+
+    @translate_errors
+    def claim_batch(self, target: Target, queue: str, max_batch: int) -> list[ClaimedEntry]:
+        """Benchmark path: claim across all stripes in one transaction, no deadline/aging."""
+        jobs = self._claims.claim(target, self._schema, queue, max_batch, None, None, one_transaction=True)
+        return [j.claim for j in jobs]
+
+    # -- complete -----------------------------------------------------------------------
+    @translate_errors
+    def complete_runtime_batch(self, target: Target, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
+        """Complete each attempt at most once; returns the ``(job_id, run_lease)`` pairs that
+        completed (stale, rescued or already-closed attempts are absent)."""
+        if not claimed:
+            return []
+        with transaction(target) as conn:
+            return complete.complete_runtime(conn, self._schema, list(claimed))
+
+    @translate_errors
+    def complete_runtime_batch_slow_in_tx(self, conn: Target, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
+        """General completion path on the caller's transaction (receipts and leases)."""
+        with transaction(conn) as c:
+            return complete.complete_pairs(c, self._schema, [(j.job.id, j.job.run_lease) for j in claimed])
+
+    @translate_errors
+    def complete_job_batch_by_id(self, target: Target, completions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Complete by ``(job_id, run_lease)``: materialised leases and receipt-only attempts."""
+        for pair in completions:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, int) for x in pair)):
+                raise ValidationError("completions", pair, "expected (job_id, run_lease) integer pairs")
+        if not completions:
+            return []
+        with transaction(target) as conn:
+            return complete.complete_pairs(conn, self._schema, list(completions))
+
+    complete_job_batch_by_id_in_tx = complete_job_batch_by_id
+
+    @translate_errors
+    def complete_claimed_batch(self, target: Target, claimed: Sequence[ClaimedEntry]) -> list[tuple[int, int]]:
+        """Complete claims identified by their entries (receipts and leases)."""
+        if not claimed:
+            return []
+        with transaction(target) as conn:
+            return complete.complete_pairs(conn, self._schema, [(c.job_id, c.run_lease) for c in claimed])
+
+    def complete_batch(self, target: Target, claimed: Sequence[ClaimedEntry]) -> int:
+        return len(self.complete_claimed_batch(target, claimed))
+
+    # -- read ---------------------------------------------------------------------------
+    @translate_errors
+    def load_job(self, target: Target, job_id: int) -> JobRow | None:
+        with transaction(target) as conn:
+            return read.load_job(conn, self._schema, job_id)
+
+    @translate_errors
+    def queue_counts(self, target: Target, queue: str) -> QueueCounts:
+        validate_queue(queue)
+        with transaction(target) as conn:
+            return read.queue_counts(conn, self._schema, queue)
+
+    @translate_errors
+    def queue_counts_fast(self, target: Target, queue: str) -> QueueCounts:
+        validate_queue(queue)
+        with transaction(target) as conn:
+            return read.queue_counts_fast(conn, self._schema, queue)
 
     def __repr__(self) -> str:
         return f"QueueStorage({self._config!r})"

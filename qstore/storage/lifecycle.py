@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, case, column, func, inspect, literal, select, table, text, union_all, update
+from sqlalchemy import (
+    Connection,
+    case,
+    column,
+    func,
+    inspect,
+    literal,
+    select,
+    table,
+    text,
+    union_all,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.types import DateTime, Text
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from alembic import op
 from sqlalchemy.schema import CreateSchema
 
+from alembic import op
 from qstore.migrate import drop_install, migration_config
 from qstore.schema import storage_schema
 

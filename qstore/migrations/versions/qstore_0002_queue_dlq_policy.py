@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from alembic import op
 
+from alembic import op
 from qstore.migrate import migration_config
 
 revision = "0002"

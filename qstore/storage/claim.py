@@ -1,0 +1,164 @@
+"""Claim: hand out ready positions as attempts, one server round trip per physical queue.
+
+``<schema>.claim_ready`` (see :mod:`qstore.schema.functions`) picks lanes by effective
+priority with ``FOR UPDATE SKIP LOCKED`` on the claim head, follows the committed chain of
+claim ranges from the cursor hint, records the consumed span and writes receipts (or
+leases). Nothing non-transactional moves past uncommitted work, so a claim that runs in a
+caller's transaction and is rolled back leaves no trace and strands nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import BigInteger, Boolean, Connection, Integer, Text, bindparam, column, select
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
+
+from qstore.errors import QueueStorageError, ValidationError
+from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobRow, JobState
+from qstore.schema import StorageSchema
+from qstore.storage._tx import Target, owns_transaction, transaction
+from qstore.storage.jobs import is_stripe, validate_queue
+from qstore.storage.statements import schema_func
+
+__all__ = ["ClaimRouter", "claim_physical", "duration_ms", "stripes_for"]
+
+TS = TIMESTAMP(timezone=True)
+_CLAIM_COLUMNS = [
+    ("claim_slot", Integer()), ("lease_slot", Integer()), ("lease_generation", BigInteger()),
+    ("ready_slot", Integer()), ("ready_generation", BigInteger()), ("queue", Text()),
+    ("priority", Integer()), ("effective_priority", Integer()), ("enqueue_shard", Integer()),
+    ("lane_seq", BigInteger()), ("job_id", BigInteger()), ("run_lease", BigInteger()),
+    ("attempt", Integer()), ("max_attempts", Integer()), ("kind", Text()), ("args", JSONB()),
+    ("run_at", TS), ("created_at", TS), ("claimed_at", TS), ("deadline_at", TS),
+    ("unique_key", BYTEA()), ("unique_states", Text()), ("payload", JSONB()),
+]
+ORIGINAL_PRIORITY_KEY = "_qstore_original_priority"
+
+
+@functools.lru_cache(maxsize=64)
+def _claim_stmt(sch: StorageSchema) -> Any:
+    fn = schema_func(
+        sch, "claim_ready",
+        bindparam("queue", type_=Text()), bindparam("max_batch", type_=Integer()),
+        bindparam("deadline_ms", type_=BigInteger()), bindparam("aging_ms", type_=BigInteger()),
+        bindparam("receipts", type_=Boolean()),
+    )
+    return select(fn.table_valued(*(column(n, t) for n, t in _CLAIM_COLUMNS)))
+
+
+def duration_ms(value: timedelta | float | int | None, field: str) -> int:
+    """Milliseconds of a non-negative duration (timedelta or seconds)."""
+    if value is None:
+        return 0
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValidationError(field, value, "must be a timedelta or a number of seconds")
+    if seconds < 0 or seconds > 10 * 365 * 86400:
+        raise ValidationError(field, value, "must be between 0 and 10 years")
+    return int(seconds * 1000)
+
+
+def validate_batch(max_batch: object, field: str = "max_batch") -> int:
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch <= 0:
+        raise ValidationError(field, max_batch, "must be a positive integer")
+    return max_batch
+
+
+def stripes_for(queue: str, stripe_count: int, start: int) -> list[str]:
+    """Physical queues of a logical queue, starting at a rotating probe index."""
+    if stripe_count <= 1 or is_stripe(queue):
+        return [queue]
+    k = start % stripe_count
+    return [f"{queue}#{(k + i) % stripe_count}" for i in range(stripe_count)]
+
+
+def _to_runtime(row: Any, receipts: bool) -> ClaimedRuntimeJob:
+    payload = row.payload or {}
+    metadata = dict(payload.get("metadata") or {})
+    if row.effective_priority != row.priority:
+        metadata.setdefault(ORIGINAL_PRIORITY_KEY, row.priority)
+    entry = ClaimedEntry(
+        queue=row.queue, priority=row.priority, lane_seq=row.lane_seq,
+        ready_slot=row.ready_slot, ready_generation=row.ready_generation,
+        lease_slot=row.lease_slot, lease_generation=row.lease_generation,
+        claim_slot=row.claim_slot, lease_claim_receipt=receipts,
+        enqueue_shard=row.enqueue_shard, job_id=row.job_id, run_lease=row.run_lease,
+    )
+    job = JobRow(
+        id=row.job_id, kind=row.kind, queue=row.queue, args=row.args, state=JobState.RUNNING,
+        priority=row.effective_priority, attempt=row.attempt, run_lease=row.run_lease,
+        max_attempts=row.max_attempts, run_at=row.run_at, created_at=row.created_at,
+        heartbeat_at=row.claimed_at, deadline_at=row.deadline_at, attempted_at=row.claimed_at,
+        errors=payload.get("errors") or None, metadata=metadata,
+        tags=list(payload.get("tags") or []), unique_key=row.unique_key,
+        unique_states=row.unique_states, progress=payload.get("progress"),
+    )
+    return ClaimedRuntimeJob(claim=entry, job=job, unique_states=row.unique_states)
+
+
+def claim_physical(conn: Connection, sch: StorageSchema, queue: str, max_batch: int,
+                   deadline_ms: int, aging_ms: int) -> list[ClaimedRuntimeJob]:
+    """One ``claim_ready`` call on ``conn``'s transaction."""
+    receipts = sch.config.lease_claim_receipts
+    rows = conn.execute(_claim_stmt(sch), {
+        "queue": queue, "max_batch": max_batch, "deadline_ms": deadline_ms,
+        "aging_ms": aging_ms, "receipts": receipts,
+    }).all()
+    return [_to_runtime(r, receipts) for r in rows]
+
+
+class ClaimRouter:
+    """Per-process stripe probe rotor."""
+
+    def __init__(self) -> None:
+        self._probe = itertools.count()
+
+    def claim(self, target: Target, sch: StorageSchema, queue: str, max_batch: int,
+              deadline: timedelta | float | None, aging: timedelta | float | None,
+              *, one_transaction: bool = False) -> list[ClaimedRuntimeJob]:
+        """Claim up to ``max_batch`` attempts across the queue's stripes.
+
+        With an ``Engine`` each stripe is claimed in its own transaction (the lock order
+        every producer also follows); an error on a later stripe returns what was already
+        claimed. With a caller's Connection/Session all stripes run in that transaction.
+        """
+        validate_queue(queue)
+        validate_batch(max_batch)
+        deadline_ms = duration_ms(deadline, "deadline_duration")
+        aging_ms = duration_ms(aging, "aging_interval")
+        stripes = stripes_for(queue, sch.config.queue_stripe_count, next(self._probe))
+        out: list[ClaimedRuntimeJob] = []
+        if one_transaction or not owns_transaction(target):
+            with transaction(target) as conn:
+                for q in stripes:
+                    out += claim_physical(conn, sch, q, max_batch - len(out), deadline_ms, aging_ms)
+                    if len(out) >= max_batch:
+                        break
+            return out
+        for q in stripes:
+            try:
+                with transaction(target) as conn:
+                    out += claim_physical(conn, sch, q, max_batch - len(out), deadline_ms, aging_ms)
+            except QueueStorageError:
+                if not out:
+                    raise
+                break
+            except Exception:
+                if not out:
+                    raise
+                break
+            if len(out) >= max_batch:
+                break
+        return out
+
+
+def entries(jobs: Sequence[ClaimedRuntimeJob]) -> list[ClaimedEntry]:
+    return [j.claim for j in jobs]

@@ -1,0 +1,183 @@
+"""Reads: ``load_job`` (newest view across every plane) and queue counts (exact and fast)."""
+
+from __future__ import annotations
+
+import functools
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, and_, bindparam, column, func, select, table
+from sqlalchemy.types import BigInteger
+
+from qstore.model import JobRow, JobState, QueueCounts
+from qstore.schema import StorageSchema
+from qstore.storage.claim import stripes_for
+
+__all__ = ["load_job", "queue_counts", "queue_counts_fast"]
+
+_RANK = {JobState.RUNNING: 4, JobState.WAITING_EXTERNAL: 4, JobState.RETRYABLE: 3,
+         JobState.SCHEDULED: 3, JobState.AVAILABLE: 2}
+
+
+@functools.lru_cache(maxsize=64)
+def _statements(sch: StorageSchema) -> dict[str, Any]:
+    r, t, cr = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent
+    c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
+    job = bindparam("job_id", type_=BigInteger())
+    tj = table("terminal_jobs", *(column(n) for n in (
+        "job_id", "kind", "queue", "state", "priority", "attempt", "run_lease", "args",
+        "max_attempts", "run_at", "created_at", "attempted_at", "finalized_at", "unique_key",
+        "unique_states", "payload")), schema=sch.config.schema)
+    queues = bindparam("queues", expanding=True)
+    tombstoned = select(t.c.job_id).where(
+        t.c.ready_slot == r.c.ready_slot, t.c.queue == r.c.queue, t.c.priority == r.c.priority,
+        t.c.enqueue_shard == r.c.enqueue_shard, t.c.lane_seq == r.c.lane_seq).exists()
+    claimed = select(cr.c.first_seq).where(
+        cr.c.queue == r.c.queue, cr.c.priority == r.c.priority,
+        cr.c.enqueue_shard == r.c.enqueue_shard, cr.c.first_seq <= r.c.lane_seq,
+        cr.c.last_seq >= r.c.lane_seq).exists()
+    closed = select(cl.c.job_id).where(cl.c.claim_slot == c.c.claim_slot, cl.c.job_id == c.c.job_id,
+                                        cl.c.run_lease == c.c.run_lease).exists()
+    leased = select(le.c.job_id).where(le.c.job_id == c.c.job_id, le.c.run_lease == c.c.run_lease).exists()
+    h = sch.claim_heads
+    last = lambda seq: func.coalesce(func.pg_sequence_last_value(seq), 0)  # noqa: E731
+    return {
+        "ready": select(r).where(r.c.job_id == job),
+        "tombstoned": select(t.c.lane_seq, t.c.ready_slot, t.c.queue, t.c.priority, t.c.enqueue_shard).where(t.c.job_id == job),
+        "deferred": select(sch.deferred).where(sch.deferred.c.job_id == job),
+        "dlq": select(sch.dlq).where(sch.dlq.c.job_id == job),
+        "leases": select(le, st.c.progress, st.c.heartbeat_at.label("state_heartbeat_at"))
+        .select_from(le.outerjoin(st, and_(st.c.job_id == le.c.job_id, st.c.run_lease == le.c.run_lease)))
+        .where(le.c.job_id == job),
+        "open_claims": select(c, st.c.progress, st.c.heartbeat_at.label("state_heartbeat_at"))
+        .select_from(c.outerjoin(st, and_(st.c.job_id == c.c.job_id, st.c.run_lease == c.c.run_lease)))
+        .where(c.c.job_id == job, ~closed, ~leased),
+        "terminal": select(tj).where(tj.c.job_id == job),
+        "available": select(func.count()).select_from(r).where(r.c.queue.in_(queues), ~tombstoned, ~claimed),
+        "running": select(
+            select(func.count()).select_from(le).where(le.c.queue.in_(queues), le.c.state == "running").scalar_subquery()
+            + select(func.count()).select_from(c).where(c.c.queue.in_(queues), ~closed, ~leased).scalar_subquery()
+        ),
+        "terminal_count": select(
+            func.coalesce(select(func.sum(sch.rollups.c.pruned_completed_count)).where(sch.rollups.c.queue.in_(queues)).scalar_subquery(), 0)
+            + func.coalesce(select(func.sum(sch.live_counts.c.live_terminal_count)).where(sch.live_counts.c.queue.in_(queues)).scalar_subquery(), 0)
+            + func.coalesce(select(func.sum(sch.deltas.parent.c.terminal_delta)).where(sch.deltas.parent.c.queue.in_(queues)).scalar_subquery(), 0)
+        ),
+        "terminal_scan": select(
+            func.coalesce(select(func.sum(sch.rollups.c.pruned_completed_count)).where(sch.rollups.c.queue.in_(queues)).scalar_subquery(), 0)
+            + select(func.count()).select_from(sch.done.parent).where(sch.done.parent.c.queue.in_(queues)).scalar_subquery()
+        ),
+        "trusted": select(sch.queue_ring_state.c.terminal_counter_trusted_at.isnot(None)),
+        "fast_available": select(func.coalesce(func.sum(func.greatest(last(h.c.enqueue_seq) - last(h.c.claim_seq), 0)), 0))
+        .where(h.c.queue.in_(queues)),
+        "fast_running": select(func.count()).select_from(le).where(le.c.queue.in_(queues), le.c.state == "running"),
+        "fast_terminal": select(func.coalesce(func.sum(sch.rollups.c.pruned_completed_count), 0)).where(sch.rollups.c.queue.in_(queues)),
+    }
+
+
+def _payload_fields(payload: dict[str, Any] | None) -> dict[str, Any]:
+    p = payload or {}
+    return {"errors": p.get("errors") or None, "metadata": dict(p.get("metadata") or {}),
+            "tags": list(p.get("tags") or []), "progress": p.get("progress")}
+
+
+def load_job(conn: Connection, sch: StorageSchema, job_id: int) -> JobRow | None:
+    """Newest view of ``job_id`` across ready, deferred, running, terminal and DLQ rows:
+    greatest ``(run_lease, transition time, state rank)``. None once its history is pruned."""
+    s = _statements(sch)
+    arg = {"job_id": job_id}
+    cands: list[tuple[tuple[int, datetime, int], JobRow]] = []
+    tomb = {(x.ready_slot, x.queue, x.priority, x.enqueue_shard, x.lane_seq) for x in conn.execute(s["tombstoned"], arg)}
+    ready_by_key = {}
+    for r in conn.execute(s["ready"], arg):
+        ready_by_key[(r.ready_slot, r.queue, r.priority, r.enqueue_shard, r.lane_seq)] = r
+        if (r.ready_slot, r.queue, r.priority, r.enqueue_shard, r.lane_seq) in tomb:
+            continue
+        row = JobRow(id=r.job_id, kind=r.kind, queue=r.queue, args=r.args, state=JobState.AVAILABLE,
+                     priority=r.priority, attempt=r.attempt, run_lease=r.run_lease,
+                     max_attempts=r.max_attempts, run_at=r.run_at, created_at=r.created_at,
+                     attempted_at=r.attempted_at, unique_key=r.unique_key,
+                     unique_states=r.unique_states, **_payload_fields(r.payload))
+        cands.append(((r.run_lease, r.run_at, 2), row))
+    for d in conn.execute(s["deferred"], arg):
+        state = JobState(d.state)
+        row = JobRow(id=d.job_id, kind=d.kind, queue=d.queue, args=d.args, state=state,
+                     priority=d.priority, attempt=d.attempt, run_lease=d.run_lease,
+                     max_attempts=d.max_attempts, run_at=d.run_at, created_at=d.created_at,
+                     attempted_at=d.attempted_at, finalized_at=d.finalized_at,
+                     unique_key=d.unique_key, unique_states=d.unique_states, **_payload_fields(d.payload))
+        cands.append(((d.run_lease, d.finalized_at or d.run_at, 3), row))
+    for kind in ("leases", "open_claims"):
+        for x in conn.execute(s[kind], arg):
+            body = ready_by_key.get((x.ready_slot, x.queue, x.priority, x.enqueue_shard, x.lane_seq))
+            if body is None:
+                continue
+            is_lease = kind == "leases"
+            state = JobState(x.state) if is_lease else JobState.RUNNING
+            attempted = x.attempted_at if is_lease else x.claimed_at
+            hb = x.state_heartbeat_at or (x.heartbeat_at if is_lease else None)
+            fields = _payload_fields(body.payload)
+            if x.effective_priority != x.priority:
+                fields["metadata"].setdefault("_qstore_original_priority", x.priority)
+            if x.progress is not None:
+                fields["progress"] = x.progress
+            row = JobRow(id=x.job_id, kind=body.kind, queue=x.queue, args=body.args, state=state,
+                         priority=x.effective_priority, attempt=x.attempt, run_lease=x.run_lease,
+                         max_attempts=x.max_attempts, run_at=body.run_at, created_at=body.created_at,
+                         heartbeat_at=hb, deadline_at=x.deadline_at, attempted_at=attempted,
+                         unique_key=body.unique_key, unique_states=body.unique_states,
+                         callback_id=getattr(x, "callback_id", None) if is_lease else None,
+                         callback_timeout_at=getattr(x, "callback_timeout_at", None) if is_lease else None,
+                         **fields)
+            cands.append(((x.run_lease, hb or attempted or body.run_at, 4), row))
+    for d in conn.execute(s["terminal"], arg):
+        row = JobRow(id=d.job_id, kind=d.kind, queue=d.queue, args=d.args, state=JobState(d.state),
+                     priority=d.priority, attempt=d.attempt, run_lease=d.run_lease,
+                     max_attempts=d.max_attempts, run_at=d.run_at, created_at=d.created_at,
+                     attempted_at=d.attempted_at, finalized_at=d.finalized_at,
+                     unique_key=d.unique_key, unique_states=d.unique_states, **_payload_fields(d.payload))
+        cands.append(((d.run_lease, d.finalized_at, 1), row))
+    for d in conn.execute(s["dlq"], arg):
+        row = JobRow(id=d.job_id, kind=d.kind, queue=d.queue, args=d.args, state=JobState(d.state),
+                     priority=d.priority, attempt=d.attempt, run_lease=d.run_lease,
+                     max_attempts=d.max_attempts, run_at=d.run_at, created_at=d.created_at,
+                     attempted_at=d.attempted_at, finalized_at=d.finalized_at,
+                     unique_key=d.unique_key, unique_states=d.unique_states, **_payload_fields(d.payload))
+        cands.append(((d.run_lease, d.dlq_at, 1), row))
+    if not cands:
+        return None
+    return max(cands, key=lambda c: c[0])[1]
+
+
+def _queues(sch: StorageSchema, queue: str) -> list[str]:
+    return stripes_for(queue, sch.config.queue_stripe_count, 0)
+
+
+def queue_counts(conn: Connection, sch: StorageSchema, queue: str) -> QueueCounts:
+    """Exact counts over all stripes of ``queue``: available = untombstoned ready rows not
+    covered by a claim range; running = running leases + receipt-only open claims;
+    terminal = pruned rollups + live counters and deltas (trusted) or a done-row scan."""
+    s = _statements(sch)
+    arg = {"queues": _queues(sch, queue)}
+    trusted = bool(conn.execute(s["trusted"]).scalar())
+    return QueueCounts(
+        available=int(conn.execute(s["available"], arg).scalar_one()),
+        running=int(conn.execute(s["running"], arg).scalar_one()),
+        terminal=int(conn.execute(s["terminal_count" if trusted else "terminal_scan"], arg).scalar_one()),
+    )
+
+
+def queue_counts_fast(conn: Connection, sch: StorageSchema, queue: str) -> QueueCounts:
+    """Head-table arithmetic only. ``available`` is an upper bound (Σ enqueue − claim cursor:
+    counts in-flight reservations, aborted gaps, tombstones and up to one claim batch per
+    lane whose cursor hint has not caught up); ``running`` omits receipt-only attempts;
+    ``terminal`` counts pruned history only (a lower bound)."""
+    s = _statements(sch)
+    arg = {"queues": _queues(sch, queue)}
+    return QueueCounts(
+        available=int(conn.execute(s["fast_available"], arg).scalar_one()),
+        running=int(conn.execute(s["fast_running"], arg).scalar_one()),
+        terminal=int(conn.execute(s["fast_terminal"], arg).scalar_one()),
+    )
+
+

@@ -16,9 +16,11 @@ from sqlalchemy import Connection
 
 from qstore.config import QueueStorageConfig
 from qstore.errors import ValidationError, translate_errors
-from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobRow, QueueCounts
+import uuid
+
+from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobRow, QueueClaimerLease, QueueCounts
 from qstore.schema import StorageSchema, storage_schema
-from qstore.storage import complete, enqueue, lifecycle, read
+from qstore.storage import claimers, complete, enqueue, lifecycle, read
 from qstore.storage._tx import Target, owns_transaction, transaction
 from qstore.storage.claim import ClaimRouter, validate_batch
 from qstore.storage.jobs import (
@@ -201,6 +203,49 @@ class QueueStorage:
         """Benchmark path: claim across all stripes in one transaction, no deadline/aging."""
         jobs = self._claims.claim(target, self._schema, queue, max_batch, None, None, one_transaction=True)
         return [j.claim for j in jobs]
+
+    # -- bounded claimers ----------------------------------------------------------------
+    @translate_errors
+    def acquire_queue_claimer(self, target: Target, queue: str, instance_id: uuid.UUID, max_claimers: int,
+                              lease_ttl: timedelta | float, idle_threshold: timedelta | float) -> QueueClaimerLease | None:
+        """This instance's claimer slot for ``queue`` (kept, taken over or inserted), or None
+        when ``max_claimers`` <= 0 or every slot is busy."""
+        validate_queue(queue)
+        ttl = claimers.validate_duration(lease_ttl, "lease_ttl")
+        idle = claimers.validate_duration(idle_threshold, "idle_threshold")
+        with transaction(target) as conn:
+            return claimers.acquire(conn, self._schema, queue, instance_id, max_claimers, ttl, idle)
+
+    @translate_errors
+    def mark_queue_claimer_active(self, target: Target, queue: str, instance_id: uuid.UUID,
+                                  lease: QueueClaimerLease, lease_ttl: timedelta | float) -> bool:
+        """Refresh the slot; False means it was lost (taken over by another instance)."""
+        ttl = claimers.validate_duration(lease_ttl, "lease_ttl")
+        with transaction(target) as conn:
+            return claimers.mark_active(conn, self._schema, queue, instance_id, lease, ttl)
+
+    @translate_errors
+    def claim_runtime_batch_with_aging_for_instance(
+        self, target: Target, queue: str, max_batch: int, deadline_duration: timedelta | float | None,
+        aging_interval: timedelta | float | None, instance_id: uuid.UUID, max_claimers: int,
+        lease_ttl: timedelta | float, idle_threshold: timedelta | float,
+    ) -> list[ClaimedRuntimeJob]:
+        """Claim only while holding one of the queue's (adaptive, ≤ ``max_claimers``) claimer
+        slots; returns [] when no slot is free."""
+        validate_queue(queue)
+        ttl = claimers.validate_duration(lease_ttl, "lease_ttl")
+        idle = claimers.validate_duration(idle_threshold, "idle_threshold")
+        with transaction(target) as conn:
+            goal = claimers.adaptive_target(conn, self._schema, queue, max_claimers) if max_claimers > 0 else 0
+            lease = claimers.acquire(conn, self._schema, queue, instance_id, goal, ttl, idle)
+        if lease is None:
+            return []
+        jobs = self.claim_runtime_batch_with_aging(target, queue, max_batch, deadline_duration, aging_interval)
+        if jobs:
+            with transaction(target) as conn:
+                if claimers.needs_refresh(conn, self._schema, queue, instance_id, lease, ttl, idle):
+                    claimers.mark_active(conn, self._schema, queue, instance_id, lease, ttl)
+        return jobs
 
     # -- complete -----------------------------------------------------------------------
     @translate_errors

@@ -101,5 +101,5 @@ def _compile_create_table(element: CreateTable, compiler: Any, **kw: Any) -> str
     )
     with_opts = table.dialect_options["postgresql"]["with"]
     if with_opts:
-        ddl += " WITH (%s)" % ", ".join(f"{k} = {v}" for k, v in with_opts.items())
+        ddl += " WITH ({})".format(", ".join(f"{k} = {v}" for k, v in with_opts.items()))
     return ddl + "\n\n"

@@ -8,21 +8,44 @@ Every operation takes a target first — an ``Engine`` (own transaction, committ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import nullcontext
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from qstore.config import QueueStorageConfig
 from qstore.errors import ValidationError, translate_errors
-import uuid
-
-from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobRow, QueueClaimerLease, QueueCounts
+from qstore.model import (
+    CallbackConfig,
+    CallbackPollResult,
+    ClaimedEntry,
+    ClaimedRuntimeJob,
+    JobRow,
+    JobState,
+    ListDlqFilter,
+    QueueClaimerLease,
+    QueueCounts,
+    RetryFromDlqOpts,
+)
 from qstore.schema import StorageSchema, storage_schema
-from qstore.storage import claimers, complete, enqueue, lifecycle, read
+from qstore.storage import (
+    admin,
+    callbacks,
+    claimers,
+    complete,
+    dlq,
+    enqueue,
+    lifecycle,
+    outcomes,
+    read,
+    rescue,
+)
 from qstore.storage._tx import Target, owns_transaction, transaction
-from qstore.storage.claim import ClaimRouter, validate_batch
+from qstore.storage.claim import ClaimRouter, duration_ms, validate_batch
 from qstore.storage.jobs import (
     InsertOpts,
     InsertParams,
@@ -30,8 +53,13 @@ from qstore.storage.jobs import (
     validate_priority,
     validate_queue,
 )
+from qstore.storage.transitions import Decision
 
 __all__ = ["QueueStorage"]
+
+
+def select_now() -> Any:
+    return select(func.clock_timestamp())
 
 
 class QueueStorage:
@@ -304,6 +332,306 @@ class QueueStorage:
         validate_queue(queue)
         with transaction(target) as conn:
             return read.queue_counts_fast(conn, self._schema, queue)
+
+    # -- internal: atomic unit inside a caller's transaction ---------------------------------
+    @contextmanager
+    def _atomic(self, target: Target) -> Iterator[Connection]:
+        """Own transaction for an Engine; a SAVEPOINT inside a caller's transaction, so an
+        operation that raises (e.g. a unique conflict) leaves nothing half-written."""
+        with transaction(target) as conn:
+            if owns_transaction(target):
+                yield conn
+            else:
+                with conn.begin_nested():
+                    yield conn
+
+    def _outcome(self, target: Target, name: str, job_id: int, run_lease: int, **kw: Any) -> JobRow | None:
+        with self._atomic(target) as conn:
+            return outcomes.outcome(conn, self._schema, self._lanes, name, int(job_id), int(run_lease), **kw)
+
+    # -- worker outcomes of a live attempt (stale -> None, nothing changed) ----------------
+    @translate_errors
+    def retry_after(self, target: Target, job_id: int, run_lease: int, retry_after: timedelta | float,
+                    progress: Any = None) -> JobRow | None:
+        """Live attempt -> retryable, due ``retry_after`` from now (attempt kept)."""
+        delay = timedelta(milliseconds=duration_ms(retry_after, "retry_after"))
+        return self._outcome(target, "retry_after", job_id, run_lease, delay=delay, progress=progress)
+
+    @translate_errors
+    def snooze(self, target: Target, job_id: int, run_lease: int, snooze_for: timedelta | float,
+               progress: Any = None) -> JobRow | None:
+        """Live attempt -> scheduled ``snooze_for`` from now; the attempt is given back."""
+        delay = timedelta(milliseconds=duration_ms(snooze_for, "snooze_for"))
+        return self._outcome(target, "snooze", job_id, run_lease, delay=delay, progress=progress)
+
+    @translate_errors
+    def cancel_running(self, target: Target, job_id: int, run_lease: int, reason: str,
+                       progress: Any = None) -> JobRow | None:
+        return self._outcome(target, "cancel_running", job_id, run_lease, reason=reason, progress=progress)
+
+    @translate_errors
+    def fail_terminal(self, target: Target, job_id: int, run_lease: int, error: str,
+                      progress: Any = None) -> JobRow | None:
+        return self._outcome(target, "fail_terminal", job_id, run_lease, error=error, progress=progress)
+
+    @translate_errors
+    def fail_to_dlq(self, target: Target, job_id: int, run_lease: int, dlq_reason: str, error: str,
+                    progress: Any = None) -> JobRow | None:
+        return self._outcome(target, "fail_to_dlq", job_id, run_lease, reason=dlq_reason, error=error,
+                             progress=progress)
+
+    @translate_errors
+    def fail_retryable(self, target: Target, job_id: int, run_lease: int, error: str,
+                       progress: Any = None) -> JobRow | None:
+        """Retryable with backoff; when attempts are exhausted -> failed, or the DLQ when
+        the queue's DLQ policy (``queue_meta.dlq_enabled``) is on."""
+        return self._outcome(target, "fail_retryable", job_id, run_lease, error=error, progress=progress)
+
+    retry_after_in_tx = retry_after
+    cancel_running_in_tx = cancel_running
+    fail_terminal_in_tx = fail_terminal
+    fail_to_dlq_in_tx = fail_to_dlq
+    fail_retryable_in_tx = fail_retryable
+
+    # -- heartbeat and progress -------------------------------------------------------
+    @translate_errors
+    def heartbeat_batch(self, target: Target, jobs: Sequence[tuple[int, int]]) -> int:
+        """Record heartbeats of live attempts; returns how many were live."""
+        with transaction(target) as conn:
+            return outcomes.heartbeat(conn, self._schema, [(j, r, None) for j, r in jobs],
+                                      with_heartbeat=True, with_progress=False)
+
+    @translate_errors
+    def heartbeat_progress_batch(self, target: Target, jobs: Sequence[tuple[int, int, Any]]) -> int:
+        with transaction(target) as conn:
+            return outcomes.heartbeat(conn, self._schema, list(jobs), with_heartbeat=True, with_progress=True)
+
+    @translate_errors
+    def flush_progress(self, target: Target, job_id: int, run_lease: int, progress: Any) -> None:
+        """Store progress for the live attempt (running or waiting); silent no-op if stale."""
+        with transaction(target) as conn:
+            outcomes.heartbeat(conn, self._schema, [(job_id, run_lease, progress)], with_heartbeat=False,
+                               with_progress=True, lease_states=callbacks.LIVE)
+
+    # -- external callbacks -----------------------------------------------------------
+    @translate_errors
+    def register_callback(self, target: Target, job_id: int, run_lease: int, timeout: timedelta | float) -> uuid.UUID:
+        return self.register_callback_with_config(target, job_id, run_lease, timeout, CallbackConfig())
+
+    @translate_errors
+    def register_callback_with_config(self, target: Target, job_id: int, run_lease: int,
+                                      timeout: timedelta | float, config: CallbackConfig) -> uuid.UUID:
+        """Materialise the attempt's lease and give it a fresh random token with a timeout.
+        Raises ``ValidationError`` when the attempt is not running (stale) or when the
+        config carries CEL expressions (unsupported)."""
+        t = claimers.validate_duration(timeout, "timeout")
+        with self._atomic(target) as conn:
+            return callbacks.register(conn, self._schema, job_id, run_lease, t, config)
+
+    @translate_errors
+    def cancel_callback(self, target: Target, job_id: int, run_lease: int) -> bool:
+        with transaction(target) as conn:
+            return callbacks.cancel_callback(conn, self._schema, job_id, run_lease)
+
+    @translate_errors
+    def enter_callback_wait(self, target: Target, job_id: int, run_lease: int, callback_id: uuid.UUID) -> bool:
+        """running -> waiting_external when the token matches (heartbeat/deadline cleared)."""
+        with transaction(target) as conn:
+            return callbacks.enter_wait(conn, self._schema, job_id, run_lease, callback_id)
+
+    enter_callback_wait_in_tx = enter_callback_wait
+
+    @translate_errors
+    def check_callback_state(self, target: Target, job_id: int, callback_id: uuid.UUID) -> CallbackPollResult:
+        with transaction(target) as conn:
+            def state() -> JobState | None:
+                row = read.load_job(conn, self._schema, job_id)
+                return row.state if row is not None else None
+            return callbacks.check_callback_state(conn, self._schema, job_id, callback_id, state)
+
+    @translate_errors
+    def callback_job(self, target: Target, callback_id: uuid.UUID, run_lease: int | None = None,
+                     for_update: bool = False) -> JobRow | None:
+        with transaction(target) as conn:
+            return callbacks.callback_job(conn, self._schema, callback_id, run_lease, for_update)
+
+    callback_job_in_tx = callback_job
+
+    @translate_errors
+    def load_active_lease_in_tx(self, target: Target, job_id: int, run_lease: int) -> JobRow | None:
+        with transaction(target) as conn:
+            return callbacks.load_active_lease(conn, self._schema, job_id, run_lease)
+
+    @translate_errors
+    def complete_external(self, target: Target, callback_id: uuid.UUID, payload: Any = None,
+                          run_lease: int | None = None, resume: bool = False) -> JobRow:
+        """Resolve the callback: ``resume`` hands ``payload`` back to the same attempt
+        (running again); otherwise the job completes. ``CallbackNotFoundError`` if no live
+        attempt holds the token."""
+        with self._atomic(target) as conn:
+            if resume:
+                return callbacks.resume(conn, self._schema, callback_id, payload, run_lease)
+            return callbacks.resolve(conn, self._schema, self._lanes, callback_id, run_lease,
+                                     Decision("terminal", JobState.COMPLETED, clear_progress=True), "completed")
+
+    complete_external_in_tx = complete_external
+
+    @translate_errors
+    def fail_external(self, target: Target, callback_id: uuid.UUID, error: str, run_lease: int | None = None) -> JobRow:
+        return self.fail_external_with_error_entry(target, callback_id, {"error": error}, run_lease)
+
+    @translate_errors
+    def fail_external_with_error_entry(self, target: Target, callback_id: uuid.UUID, error_entry: Any,
+                                       run_lease: int | None = None) -> JobRow:
+        entry = dict(error_entry) if isinstance(error_entry, dict) else {"error": error_entry}
+        with self._atomic(target) as conn:
+            at = conn.execute(select_now()).scalar_one()
+            live = callbacks.callback_job(conn, self._schema, callback_id, run_lease)
+            entry.setdefault("attempt", live.attempt if live else 0)
+            entry.setdefault("at", at.isoformat())
+            entry.setdefault("terminal", True)
+            return callbacks.resolve(conn, self._schema, self._lanes, callback_id, run_lease,
+                                     Decision("terminal", JobState.FAILED, error_obj=entry), "failed")
+
+    fail_external_with_error_entry_in_tx = fail_external_with_error_entry
+
+    @translate_errors
+    def retry_external(self, target: Target, callback_id: uuid.UUID, run_lease: int | None = None) -> JobRow:
+        """waiting_external only: re-enqueue with attempt 0 (progress kept)."""
+        with self._atomic(target) as conn:
+            return callbacks.resolve(conn, self._schema, self._lanes, callback_id, run_lease,
+                                     Decision("ready", attempt=0), "retried", ("waiting_external",))
+
+    retry_external_in_tx = retry_external
+
+    @translate_errors
+    def heartbeat_callback(self, target: Target, callback_id: uuid.UUID, timeout: timedelta | float) -> JobRow:
+        t = claimers.validate_duration(timeout, "timeout")
+        with transaction(target) as conn:
+            job_id = callbacks.heartbeat_callback(conn, self._schema, callback_id, t)
+            row = read.load_job(conn, self._schema, job_id)
+            assert row is not None
+            return row
+
+    # -- rescue and promotion ----------------------------------------------------------
+    @translate_errors
+    def rescue_stale_heartbeats(self, target: Target, staleness: timedelta | float) -> list[JobRow]:
+        st = claimers.validate_duration(staleness, "staleness")
+        with transaction(target) as conn:
+            return rescue.rescue(conn, self._schema, self._lanes, "heartbeat", st)
+
+    @translate_errors
+    def rescue_expired_deadlines(self, target: Target) -> list[JobRow]:
+        with transaction(target) as conn:
+            return rescue.rescue(conn, self._schema, self._lanes, "deadline")
+
+    @translate_errors
+    def rescue_expired_callbacks(self, target: Target) -> list[JobRow]:
+        with transaction(target) as conn:
+            return rescue.rescue(conn, self._schema, self._lanes, "callback")
+
+    @translate_errors
+    def promote_due(self, target: Target, state: JobState | str, batch_size: int) -> int:
+        """Move up to ``batch_size`` due scheduled/retryable jobs into the ready ring."""
+        st = JobState(state)
+        with self._atomic(target) as conn:
+            return rescue.promote_due(conn, self._schema, self._lanes, st, batch_size)
+
+    # -- admin --------------------------------------------------------------------------
+    @translate_errors
+    def retry_job(self, target: Target, job_id: int) -> JobRow | None:
+        with self._atomic(target) as conn:
+            return admin.retry_job(conn, self._schema, self._lanes, job_id)
+
+    @translate_errors
+    def retry_jobs_by_ids(self, target: Target, ids: Sequence[int]) -> list[JobRow]:
+        """``retry_job`` for each id in one transaction (all-or-nothing on error)."""
+        with self._atomic(target) as conn:
+            return [r for i in ids if (r := admin.retry_job(conn, self._schema, self._lanes, i)) is not None]
+
+    @translate_errors
+    def cancel_job(self, target: Target, job_id: int) -> JobRow | None:
+        with self._atomic(target) as conn:
+            return admin.cancel_job(conn, self._schema, self._lanes, job_id)
+
+    @translate_errors
+    def cancel_jobs_by_ids(self, target: Target, ids: Sequence[int]) -> list[JobRow]:
+        with self._atomic(target) as conn:
+            return [r for i in ids if (r := admin.cancel_job(conn, self._schema, self._lanes, i)) is not None]
+
+    @translate_errors
+    def set_priority(self, target: Target, job_id: int, priority: int) -> bool:
+        validate_priority(priority)
+        with self._atomic(target) as conn:
+            return admin.move_job(conn, self._schema, self._lanes, job_id, None, priority)
+
+    set_priority_tx = set_priority
+
+    @translate_errors
+    def move_queue(self, target: Target, job_id: int, queue: str, priority: int | None = None) -> bool:
+        validate_queue(queue)
+        if priority is not None:
+            validate_priority(priority)
+        with self._atomic(target) as conn:
+            return admin.move_job(conn, self._schema, self._lanes, job_id, queue, priority)
+
+    move_queue_tx = move_queue
+
+    @translate_errors
+    def age_waiting_priorities(self, target: Target, aging_interval: timedelta | float, limit: int) -> list[int]:
+        interval = claimers.validate_duration(aging_interval, "aging_interval")
+        validate_batch(limit, "limit")
+        with self._atomic(target) as conn:
+            return admin.age_waiting(conn, self._schema, self._lanes, interval, limit)
+
+    # -- queue settings -------------------------------------------------------------------
+    @translate_errors
+    def set_queue_options(self, target: Target, queue: str, *, paused: bool | None = None,
+                          enqueue_shards: int | None = None, dlq_enabled: bool | None = None) -> None:
+        """Upsert the logical queue's ``queue_meta`` row (pause gate, shards, DLQ policy)."""
+        validate_queue(queue)
+        if enqueue_shards is not None and (isinstance(enqueue_shards, bool) or not isinstance(enqueue_shards, int)
+                                           or not 1 <= enqueue_shards <= 64):
+            raise ValidationError("enqueue_shards", enqueue_shards, "must be an integer between 1 and 64")
+        values: dict[str, Any] = {}
+        if paused is not None:
+            values.update(paused=paused, paused_at=func.clock_timestamp() if paused else None)
+        if enqueue_shards is not None:
+            values["enqueue_shards"] = enqueue_shards
+        if dlq_enabled is not None:
+            values["dlq_enabled"] = dlq_enabled
+        m = self._schema.queue_meta
+        with transaction(target) as conn:
+            stmt = pg_insert(m).values(queue=queue, **values)
+            conn.execute(stmt.on_conflict_do_update(index_elements=[m.c.queue], set_=values) if values
+                         else stmt.on_conflict_do_nothing())
+        self._lanes.clear()
+
+    # -- DLQ ------------------------------------------------------------------------------
+    @translate_errors
+    def move_failed_to_dlq(self, target: Target, job_id: int, dlq_reason: str) -> JobRow | None:
+        with self._atomic(target) as conn:
+            return dlq.move_failed(conn, self._schema, job_id, dlq_reason)
+
+    @translate_errors
+    def bulk_move_failed_to_dlq(self, target: Target, kind: str | None, queue: str | None, dlq_reason: str) -> int:
+        with self._atomic(target) as conn:
+            return dlq.bulk_move_failed(conn, self._schema, kind, queue, dlq_reason)
+
+    @translate_errors
+    def retry_from_dlq(self, target: Target, job_id: int, opts: RetryFromDlqOpts | None = None) -> JobRow | None:
+        with self._atomic(target) as conn:
+            return dlq.retry_from_dlq(conn, self._schema, self._lanes, job_id, opts or RetryFromDlqOpts())
+
+    @translate_errors
+    def bulk_retry_from_dlq(self, target: Target, filter: ListDlqFilter) -> int:
+        with self._atomic(target) as conn:
+            return dlq.bulk_retry(conn, self._schema, self._lanes, filter)
+
+    @translate_errors
+    def discard_failed_by_kind(self, target: Target, kind: str) -> int:
+        with self._atomic(target) as conn:
+            return dlq.discard_failed_by_kind(conn, self._schema, kind)
 
     def __repr__(self) -> str:
         return f"QueueStorage({self._config!r})"

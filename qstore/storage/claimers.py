@@ -15,7 +15,8 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, case, func, literal, or_, select, update
-from sqlalchemy.dialects.postgresql import INTERVAL, UUID, insert as pg_insert
+from sqlalchemy.dialects.postgresql import INTERVAL, UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.types import Integer, SmallInteger, Text
 
 from qstore.errors import ValidationError
@@ -130,7 +131,7 @@ def desired_target(current: int, available: int, max_claimers: int) -> int:
 
 def adaptive_target(conn: Connection, sch: StorageSchema, queue: str, max_claimers: int) -> int:
     """The shared claimer target for ``queue``: the stored one while fresh, else recomputed
-    from Σ(enqueue − claim cursor) and upserted (one refresher wins)."""
+    from Σ(enqueue - claim cursor) and upserted (one refresher wins)."""
     s = _statements(sch)
     row = conn.execute(s["state"], {"q_name": queue}).first()
     if row is not None and row[1]:

@@ -96,9 +96,8 @@ def _fast_candidate(job: ClaimedRuntimeJob) -> bool:
     if not job.claim.lease_claim_receipt:
         return False
     states = job.unique_states or job.job.unique_states
-    if job.job.unique_key is not None and holds_key(states, JobState.RUNNING) != holds_key(states, JobState.COMPLETED):
-        return False
-    return True
+    # a unique key whose ownership changes on completion needs the general path's sync
+    return job.job.unique_key is None or holds_key(states, JobState.RUNNING) == holds_key(states, JobState.COMPLETED)
 
 
 def complete_pairs(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -168,7 +168,7 @@ def queue_counts(conn: Connection, sch: StorageSchema, queue: str) -> QueueCount
 
 
 def queue_counts_fast(conn: Connection, sch: StorageSchema, queue: str) -> QueueCounts:
-    """Head-table arithmetic only. ``available`` is an upper bound (Σ enqueue − claim cursor:
+    """Head-table arithmetic only. ``available`` is an upper bound (Σ enqueue - claim cursor:
     counts in-flight reservations, aborted gaps, tombstones and up to one claim batch per
     lane whose cursor hint has not caught up); ``running`` omits receipt-only attempts;
     ``terminal`` counts pruned history only (a lower bound)."""

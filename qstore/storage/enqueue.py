@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
 from psycopg.types.json import Jsonb
 from sqlalchemy import (
     BigInteger,
@@ -31,6 +32,7 @@ from sqlalchemy import (
     true,
 )
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
+from sqlalchemy.util.concurrency import await_
 
 from qstore.schema import StorageSchema
 from qstore.storage import unique
@@ -249,10 +251,21 @@ def _copy_ready(conn: Connection, sch: StorageSchema, rows: Sequence[PreparedJob
     raw = conn.connection.driver_connection
     prep = conn.dialect.identifier_preparer
     target = f"{prep.quote_schema(sch.config.schema)}.{prep.quote(sch.ready.parent.name)}"
-    with raw.cursor() as cur, cur.copy(f"COPY {target} ({', '.join(_COPY_FIELDS)}) FROM STDIN") as cp:
-        for r in rows:
-            cp.write_row((
-                slot, generation, r.job_id, r.kind, r.queue, Jsonb(r.args), r.priority, 0, 0,
-                r.max_attempts, r.lane_seq, r.shard, r.unique_key, r.unique_states,
-                Jsonb(r.payload) if r.payload is not None else None,
-            ))
+    sql = f"COPY {target} ({', '.join(_COPY_FIELDS)}) FROM STDIN"
+    values = [(
+        slot, generation, r.job_id, r.kind, r.queue, Jsonb(r.args), r.priority, 0, 0,
+        r.max_attempts, r.lane_seq, r.shard, r.unique_key, r.unique_states,
+        Jsonb(r.payload) if r.payload is not None else None,
+    ) for r in rows]
+    if isinstance(raw, psycopg.AsyncConnection):  # async engine, reached through run_sync
+        await_(_copy_async(raw, sql, values))
+        return
+    with raw.cursor() as cur, cur.copy(sql) as cp:
+        for v in values:
+            cp.write_row(v)
+
+
+async def _copy_async(raw: Any, sql: str, values: Sequence[tuple[Any, ...]]) -> None:
+    async with raw.cursor() as cur, cur.copy(sql) as cp:
+        for v in values:
+            await cp.write_row(v)

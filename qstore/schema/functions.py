@@ -150,7 +150,8 @@ def _claim_ready(s: str) -> ServerFunction:
         s,
         "claim_ready(p_queue text, p_max integer, p_deadline_ms bigint, p_aging_ms bigint, "
         "p_receipts boolean)",
-        f"""RETURNS TABLE({CLAIM_COLUMNS}) LANGUAGE plpgsql VOLATILE AS $$
+        f"""RETURNS TABLE({CLAIM_COLUMNS}) LANGUAGE plpgsql VOLATILE
+SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
   v_logical text := regexp_replace(p_queue, '#[0-9]+$', '');
   v_now timestamptz := clock_timestamp();
@@ -257,9 +258,9 @@ BEGIN
       FROM picked p
       WHERE NOT p.tombstoned
     ), rings AS (
-      SELECT c.current_slot AS claim_slot, l.current_slot AS lease_slot,
-             l.generation AS lease_generation
-      FROM {s}.claim_ring_state c CROSS JOIN {s}.lease_ring_state l
+      SELECT (SELECT c.current_slot FROM {s}.claim_ring_state c) AS claim_slot,
+             (SELECT l.current_slot FROM {s}.lease_ring_state l) AS lease_slot,
+             (SELECT l.generation FROM {s}.lease_ring_state l) AS lease_generation
     ), receipts AS (
       INSERT INTO {s}.lease_claims AS lc
         (claim_slot, job_id, run_lease, ready_slot, ready_generation, queue, priority,
@@ -298,9 +299,72 @@ $$""",
     )
 
 
+def _complete_receipts(s: str) -> ServerFunction:
+    """Fast completion of plain receipt-only attempts in one round trip: lock each receipt
+    by primary key (index probe, runtime-pruned to its claim slot), append closures
+    (``ON CONFLICT DO NOTHING``: whoever closed first wins), narrow done rows from the
+    claim-time snapshot and grouped count deltas. Returns the attempts it completed; a
+    receipt that was materialised (heartbeat, callback) is left to the general path."""
+    return ServerFunction(
+        s,
+        "complete_receipts(p_claim_slots integer[], p_job_ids bigint[], p_run_leases bigint[], "
+        "p_ready_slots integer[], p_ready_generations bigint[], p_queues text[], "
+        "p_priorities smallint[], p_shards smallint[], p_lane_seqs bigint[], p_kinds text[], "
+        "p_attempts smallint[], p_attempted_at timestamp with time zone[])",
+        f"""RETURNS TABLE(job_id bigint, run_lease bigint) LANGUAGE plpgsql VOLATILE
+SET jit = off SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+  RETURN QUERY
+  WITH input AS (
+    SELECT * FROM unnest(p_claim_slots, p_job_ids, p_run_leases, p_ready_slots,
+                         p_ready_generations, p_queues, p_priorities, p_shards, p_lane_seqs,
+                         p_kinds, p_attempts, p_attempted_at)
+      AS i(claim_slot, job_id, run_lease, ready_slot, ready_generation, queue, priority,
+           enqueue_shard, lane_seq, kind, attempt, attempted_at)
+  ), locked AS (
+    SELECT i.*
+    FROM input i
+    CROSS JOIN LATERAL (
+      SELECT 1 FROM {s}.lease_claims c
+      WHERE c.claim_slot = i.claim_slot AND c.job_id = i.job_id AND c.run_lease = i.run_lease
+        AND c.materialized_at IS NULL
+      FOR UPDATE) c
+    ORDER BY i.job_id, i.run_lease
+  ), closed AS (
+    INSERT INTO {s}.lease_claim_closures AS cl (claim_slot, job_id, run_lease, outcome)
+    SELECT l.claim_slot, l.job_id, l.run_lease, 'completed' FROM locked l
+    ON CONFLICT DO NOTHING
+    RETURNING cl.claim_slot, cl.job_id, cl.run_lease
+  ), done AS (
+    INSERT INTO {s}.done_entries AS d
+      (ready_slot, ready_generation, job_id, kind, queue, state, priority, attempt, run_lease,
+       lane_seq, enqueue_shard, attempted_at, finalized_at)
+    SELECT l.ready_slot, l.ready_generation, l.job_id, l.kind, l.queue, 'completed',
+           l.priority, l.attempt, l.run_lease, l.lane_seq, l.enqueue_shard, l.attempted_at,
+           clock_timestamp()
+    FROM locked l
+    JOIN closed c ON c.claim_slot = l.claim_slot AND c.job_id = l.job_id
+                 AND c.run_lease = l.run_lease
+    RETURNING d.ready_slot, d.ready_generation, d.queue, d.priority, d.enqueue_shard, d.job_id
+  ), deltas AS (
+    INSERT INTO {s}.queue_terminal_count_deltas
+      (ready_slot, ready_generation, queue, priority, enqueue_shard, counter_bucket,
+       terminal_delta)
+    SELECT d.ready_slot, d.ready_generation, d.queue, d.priority, d.enqueue_shard,
+           (d.job_id % 256)::smallint, count(*)
+    FROM done d
+    GROUP BY 1, 2, 3, 4, 5, 6
+    ORDER BY 1, 2, 3, 4, 5, 6
+  )
+  SELECT c.job_id, c.run_lease FROM closed c;
+END
+$$""",
+    )
+
+
 def declare_functions(cfg: QueueStorageConfig) -> tuple[ServerFunction, ...]:
     s = cfg.schema
-    return (_backoff(s), _ensure_lane(s), _reserve_lanes(s), _claim_ready(s))
+    return (_backoff(s), _ensure_lane(s), _reserve_lanes(s), _claim_ready(s), _complete_receipts(s))
 
 
 def declare_views(cfg: QueueStorageConfig) -> tuple[ServerView, ...]:

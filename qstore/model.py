@@ -125,6 +125,13 @@ class BusyCounts:
     leases: int = 0
     claims: int = 0
     closures: int = 0
+    queue_claim_ranges: int = 0  # qstore addition: claim-range evidence rows of the slot
+
+    def total(self) -> int:
+        """Sum of every field (> 0 ⇔ the slot is not empty)."""
+        return (self.queue_ready + self.queue_done + self.queue_tombstones
+                + self.queue_terminal_deltas + self.leases + self.claims + self.closures
+                + self.queue_claim_ranges)
 
 
 class SkipReason(str, enum.Enum):
@@ -142,7 +149,7 @@ class SkipReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class RotateOutcome:
-    """``Rotated(slot, generation)`` or ``SkippedBusy(slot, busy)``."""
+    """``Rotated(slot, generation)``, ``SkippedBusy(slot, busy)`` or ``SkippedIdle(slot, generation)``."""
 
     kind: str  # "rotated" | "skipped_busy" | "skipped_idle"
     slot: int
@@ -157,6 +164,12 @@ class RotateOutcome:
     def skipped_busy(cls, slot: int, busy: BusyCounts) -> RotateOutcome:
         return cls("skipped_busy", slot, None, busy)
 
+    @classmethod
+    def skipped_idle(cls, slot: int, generation: int) -> RotateOutcome:
+        """Nothing was written to the current ``slot`` since it was last (re)initialised:
+        the ring stays where it is and nothing is written."""
+        return cls("skipped_idle", slot, generation)
+
 
 @dataclass(frozen=True)
 class PruneOutcome:
@@ -166,6 +179,22 @@ class PruneOutcome:
     slot: int | None = None
     reason: SkipReason | None = None
     count: int = 0
+
+    @classmethod
+    def noop(cls) -> PruneOutcome:
+        return cls("noop")
+
+    @classmethod
+    def pruned(cls, slot: int) -> PruneOutcome:
+        return cls("pruned", slot)
+
+    @classmethod
+    def blocked(cls, slot: int) -> PruneOutcome:
+        return cls("blocked", slot)
+
+    @classmethod
+    def skipped_active(cls, slot: int, reason: SkipReason, count: int) -> PruneOutcome:
+        return cls("skipped_active", slot, reason, count)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def declare_ring_control(md: MetaData, cfg: QueueStorageConfig, ring: str) -> tu
     )
     slots = Table(
         f"{ring}_ring_slots", md,
-        Column("slot", INT, nullable=False),
+        Column("slot", INT, nullable=False, autoincrement=False),
         Column("generation", BIGINT, nullable=False),
         PrimaryKeyConstraint("slot", name=f"{ring}_ring_slots_pkey"),
         schema=cfg.schema, postgresql_with=warm(70),

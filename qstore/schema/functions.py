@@ -165,6 +165,7 @@ DECLARE
   v_seg_first bigint;
   v_limit bigint;
   v_rows bigint;
+  v_first_pass boolean;
 BEGIN
   IF p_max <= 0 THEN RETURN; END IF;
   IF EXISTS (SELECT 1 FROM {s}.queue_meta m WHERE m.queue = v_logical AND m.paused) THEN
@@ -200,6 +201,12 @@ BEGIN
       FOR UPDATE SKIP LOCKED;
     CONTINUE WHEN NOT FOUND;
     -- Under the head lock every later statement sees all committed claims of this lane.
+    -- Repeat within the lane while the batch is not full (tombstoned or aborted positions
+    -- do not count); later passes see this call's own ranges, so the hint is only moved on
+    -- the first pass, over committed evidence alone.
+    v_first_pass := true;
+    LOOP
+    EXIT WHEN v_remaining <= 0;
     v_hint := coalesce(pg_sequence_last_value(v_lane.claim_seq), 0) + 1;
     v_pos := v_hint;
     LOOP
@@ -217,16 +224,17 @@ BEGIN
       ORDER BY r.lane_seq LIMIT 1;
     IF NOT FOUND THEN
       -- Nothing committed ahead (the next reservation may still be in flight).
-      IF v_pos > v_hint THEN PERFORM setval(v_lane.claim_seq, v_pos - 1); END IF;
-      CONTINUE;
+      IF v_first_pass AND v_pos > v_hint THEN PERFORM setval(v_lane.claim_seq, v_pos - 1); END IF;
+      EXIT;
     END IF;
     -- Positions before the first committed row are aborted reservations: a producer holds
     -- the lane reservation lock until it commits, so later rows imply earlier ones ended.
     v_pos := v_seg_first;
-    IF v_pos > v_hint THEN PERFORM setval(v_lane.claim_seq, v_pos - 1); END IF;
+    IF v_first_pass AND v_pos > v_hint THEN PERFORM setval(v_lane.claim_seq, v_pos - 1); END IF;
+    v_first_pass := false;
     v_limit := least(v_remaining,
                      coalesce(pg_sequence_last_value(v_lane.enqueue_seq), 0) - v_pos + 1);
-    CONTINUE WHEN v_limit <= 0;
+    EXIT WHEN v_limit <= 0;
     RETURN QUERY
     WITH picked AS (
       SELECT r.*, EXISTS (
@@ -293,6 +301,7 @@ BEGIN
     ORDER BY p.lane_seq;
     GET DIAGNOSTICS v_rows = ROW_COUNT;
     v_remaining := v_remaining - v_rows::integer;
+    END LOOP;
   END LOOP;
 END
 $$""",

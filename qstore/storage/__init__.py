@@ -53,6 +53,7 @@ from qstore.storage.jobs import (
     validate_priority,
     validate_queue,
 )
+from qstore.storage.maintenance import MaintenanceOps
 from qstore.storage.transitions import Decision
 
 __all__ = ["QueueStorage"]
@@ -62,7 +63,7 @@ def select_now() -> Any:
     return select(func.clock_timestamp())
 
 
-class QueueStorage:
+class QueueStorage(MaintenanceOps):
     """Segmented queue storage for one schema (see STORAGE.md for the design)."""
 
     def __init__(self, config: QueueStorageConfig | None = None) -> None:

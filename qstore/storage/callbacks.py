@@ -14,7 +14,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, func, literal, select, update
+from sqlalchemy import Connection, and_, bindparam, func, literal, null, select, update
 from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -93,8 +93,9 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
         "store_result": pg_insert(st).values(job_id=job, run_lease=lease,
                                              callback_result=bindparam("result", type_=JSONB(none_as_null=False)),
                                              updated_at=now),
+        # SQL NULL, not JSON null: a consumed result must read as absent
         "consume_result": update(st).where(st.c.job_id == job, st.c.run_lease == lease)
-        .values(callback_result=None, updated_at=now),
+        .values(callback_result=null(), updated_at=now),
         "clear_cel": update(st).where(st.c.job_id == job, st.c.run_lease == lease).values(
             callback_filter=None, callback_on_complete=None, callback_on_fail=None, callback_transform=None),
     }

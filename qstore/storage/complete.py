@@ -65,7 +65,8 @@ def complete_pairs(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[i
 
 def complete_runtime(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
     """Complete each claimed attempt at most once; returns the pairs that completed."""
-    fast = [j for j in claimed if _fast_candidate(j)]
+    # one entry per attempt: the same attempt twice in one call completes once
+    fast = list({(j.job.id, j.job.run_lease): j for j in claimed if _fast_candidate(j)}.values())
     done: list[tuple[int, int]] = []
     if fast:
         e: list[ClaimedEntry] = [j.claim for j in fast]

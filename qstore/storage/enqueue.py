@@ -28,10 +28,11 @@ from sqlalchemy import (
     bindparam,
     func,
     insert,
+    literal,
     select,
     true,
 )
-from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB, REGCLASS, TIMESTAMP
 from sqlalchemy.util.concurrency import await_
 
 from qstore.schema import StorageSchema
@@ -82,7 +83,9 @@ def statements(sch: StorageSchema) -> dict[str, Any]:
     deferred_cols = [c for c in DEFERRED_COLUMNS if c != "created_at"] + ["created_at"]
     n = unnest_rows("n", channel=Text())
     return {
-        "ids": select(sch.job_id_seq.next_value()).select_from(
+        # A bound regclass, not Sequence.next_value(): SQLAlchemy's cache key of next_value()
+        # omits the sequence's schema, so two installs on one Engine would share one plan.
+        "ids": select(func.nextval(literal(f"{sch.config.schema}.{sch.job_id_seq.name}", REGCLASS()))).select_from(
             func.generate_series(1, bindparam("n", type_=Integer()))),
         "reserve": select(schema_func(
             sch, "reserve_lanes",
@@ -118,7 +121,7 @@ class LaneRouter:
             known = {q: v for q, (t, v) in self._shards.items() if q in logicals and now - t < SHARD_CACHE_TTL}
         missing = sorted(logicals - known.keys())
         if missing:
-            found = dict(conn.execute(statements(sch)["shards"], {"logicals": missing}).tuples().all())
+            found = {q: n for q, n in conn.execute(statements(sch)["shards"], {"logicals": missing})}
             with self._lock:
                 for q in missing:
                     known[q] = int(found.get(q, 1))

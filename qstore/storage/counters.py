@@ -1,0 +1,264 @@
+"""Terminal counters (STORAGE.md §7.12): delta rollup, rebuild and the trust marker.
+
+The completion paths only ever *append* signed rows to ``queue_terminal_count_deltas``
+(partitioned like the queue ring); no counter row is updated per completion. Counter
+invariant, per retained slot ``k``::
+
+    Σ live_counts(k) + Σ deltas(k) = count(done_entries_k)
+
+and ``queue_terminal_rollups`` holds the counts of slots already pruned. Exact
+``queue_counts`` read ``rollups + live counts + deltas`` while the counters are trusted
+(``queue_ring_state.terminal_counter_trusted_at`` set), a ``done_entries`` scan otherwise.
+
+* :func:`rollup_terminal_count_deltas` folds the deltas of sealed, inactive slots into
+  ``queue_terminal_live_counts`` and truncates their delta children, keeping the invariant.
+  ``TRUNCATE`` is not MVCC-safe (a transaction whose snapshot predates it sees the child
+  empty while still seeing the old live counts), so the rollup stands down — touching
+  nothing — while any other client backend of this database holds a snapshot or an
+  idle-in-transaction xid. The check runs before the exclusive lock and again under it;
+  a snapshot taken between the last check and the commit could still observe a transient
+  under-count (the design accepts this window; it is one statement wide).
+  Seeing other sessions' ``backend_xmin`` requires superuser or ``pg_read_all_stats``; a
+  role without it cannot see them and would not stand down.
+* :func:`rebuild_terminal_counters` recomputes the live counts from ``done_entries`` under
+  exclusive locks (writers wait meanwhile: run it on a quiesced fleet) and marks the
+  counters trusted.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    SmallInteger,
+    and_,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy import column as sa_column
+from sqlalchemy import table as sa_table
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from qstore.errors import ValidationError
+from qstore.model import TerminalDeltaRollupOutcome
+from qstore.schema import StorageSchema
+from qstore.storage._tx import Target, transaction
+from qstore.storage.attempts import BUCKETS
+from qstore.storage.maintenance import BLOCKED, guarded, lock_exclusive, truncate_tables
+
+__all__ = [
+    "REBUILD_LOCK_PREFIX",
+    "mvcc_horizon_pinned",
+    "rebuild_terminal_counters",
+    "rollup_terminal_count_deltas",
+    "terminal_counter_trusted",
+]
+
+#: Transaction advisory lock key prefix of :func:`rebuild_terminal_counters`.
+REBUILD_LOCK_PREFIX = "qstore.rebuild_terminal_counters:"
+_KEY = ("ready_slot", "queue", "priority", "enqueue_shard", "counter_bucket")
+
+_activity = sa_table(
+    "pg_stat_activity",
+    sa_column("pid"), sa_column("datname"), sa_column("backend_type"), sa_column("state"),
+    sa_column("backend_xmin"), sa_column("backend_xid"),
+    schema="pg_catalog",
+)
+_PINNED = select(
+    select(literal(1)).select_from(_activity).where(
+        _activity.c.datname == func.current_database(),
+        _activity.c.pid != func.pg_backend_pid(),
+        _activity.c.backend_type == "client backend",
+        or_(_activity.c.backend_xmin.isnot(None),
+            and_(_activity.c.state == "idle in transaction", _activity.c.backend_xid.isnot(None))),
+    ).exists()
+)
+
+
+def mvcc_horizon_pinned(conn: Connection) -> bool:
+    """True when another client backend of this database holds a snapshot
+    (``backend_xmin``) or sits idle in a transaction that owns an xid."""
+    return bool(conn.execute(_PINNED).scalar())
+
+
+@functools.lru_cache(maxsize=64)
+def _statements(sch: StorageSchema) -> dict[str, Any]:
+    rs = sch.queue_ring_state
+    d, live = sch.done.parent, sch.live_counts
+    bucket = (d.c.job_id % BUCKETS).cast(SmallInteger)
+    group = (d.c.ready_slot, d.c.queue, d.c.priority, d.c.enqueue_shard, bucket)
+    return {
+        "state_lock": select(rs.c.current_slot, rs.c.generation).with_for_update(),
+        "state": select(rs.c.current_slot, rs.c.generation),
+        "slots": select(sch.queue_ring_slots.c.slot, sch.queue_ring_slots.c.generation)
+        .order_by(sch.queue_ring_slots.c.generation),
+        "trusted": select(rs.c.terminal_counter_trusted_at.isnot(None)),
+        "rebuild": insert(live).from_select(
+            [*_KEY, "live_terminal_count"],
+            select(*group, func.count()).group_by(*group).order_by(*group),
+        ),
+        "mark_trusted": update(rs).values(terminal_counter_trusted_at=func.now()),
+        "live_rows": select(func.count()).select_from(live),
+    }
+
+
+@functools.lru_cache(maxsize=4096)
+def _slot_statements(sch: StorageSchema, k: int) -> dict[str, Any]:
+    dl, live = sch.deltas.children[k], sch.live_counts
+    le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
+    slots = sch.queue_ring_slots
+    closed = select(cl.c.job_id).where(cl.c.claim_slot == c.c.claim_slot, cl.c.job_id == c.c.job_id,
+                                        cl.c.run_lease == c.c.run_lease).exists()
+    total = func.sum(dl.c.terminal_delta)
+    grouped = (
+        select(*(dl.c[n] for n in _KEY), total.label("delta"))
+        .group_by(*(dl.c[n] for n in _KEY))
+        .having(total != 0)
+        .cte("grouped")
+    )
+    existing = select(live.c.ready_slot).where(*(live.c[n] == grouped.c[n] for n in _KEY)).exists()
+    upsert = pg_insert(live).from_select(
+        [*_KEY, "live_terminal_count"],
+        select(*(grouped.c[n] for n in _KEY), grouped.c.delta)
+        .where(or_(grouped.c.delta > 0, existing))
+        .order_by(*(grouped.c[n] for n in _KEY)),
+    )
+    upsert = upsert.on_conflict_do_update(
+        index_elements=[live.c[n] for n in _KEY],
+        set_={"live_terminal_count": func.greatest(
+            0, live.c.live_terminal_count + upsert.excluded.live_terminal_count)},
+    )
+    return {
+        "has_deltas": select(select(literal(1)).select_from(dl).exists()),
+        "slot_lock": select(slots.c.generation).where(slots.c.slot == k).with_for_update(),
+        "active": select(or_(
+            select(literal(1)).select_from(le).where(le.c.ready_slot == k).exists(),
+            select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed).exists(),
+        )),
+        "stats": select(
+            select(func.count()).select_from(dl).scalar_subquery(),
+            select(func.count()).select_from(grouped).scalar_subquery(),
+        ),
+        "upsert": upsert,
+    }
+
+
+@dataclass(frozen=True)
+class _SlotResult:
+    kind: str  # "rolled" | "active" | "blocked" | "pinned" | "gone"
+    delta_rows: int = 0
+    grouped_keys: int = 0
+
+
+def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int) -> _SlotResult:
+    s, st = _statements(sch), _slot_statements(sch, k)
+    cur, _ = conn.execute(s["state_lock"]).one()
+    if cur == k:
+        return _SlotResult("active")
+    if conn.execute(st["slot_lock"]).scalar() != gen:
+        return _SlotResult("gone")  # pruned or re-initialised since it was listed
+    if mvcc_horizon_pinned(conn):
+        return _SlotResult("pinned")
+
+    def body() -> _SlotResult:
+        lock_exclusive(conn, [sch.deltas.children[k]])
+        if mvcc_horizon_pinned(conn):
+            return _SlotResult("pinned")
+        if conn.execute(st["active"]).scalar():
+            return _SlotResult("active")  # deltas may still arrive for this slot
+        delta_rows, keys = conn.execute(st["stats"]).one()
+        if delta_rows:
+            conn.execute(st["upsert"])
+            truncate_tables(conn, [sch.deltas.children[k]])
+        return _SlotResult("rolled", int(delta_rows), int(keys))
+
+    result = guarded(conn, body)
+    return _SlotResult("blocked") if result is BLOCKED else result  # type: ignore[return-value]
+
+
+def rollup_terminal_count_deltas(target: Target, sch: StorageSchema, max_slots: int) -> TerminalDeltaRollupOutcome:
+    """Fold the deltas of up to ``max_slots`` sealed slots into the live counters.
+
+    Candidates: initialised slots (generation ≥ 0) other than the current one whose delta
+    child has rows, oldest generation first. Each slot is one transaction (with an Engine
+    target; a caller's Connection/Session runs them all in its transaction): ring state and
+    slot row ``FOR UPDATE``; stand down for the whole call if the MVCC horizon is pinned
+    (``skipped_mvcc_pinned``, nothing touched); ``lock_timeout`` 50 ms + ``ACCESS EXCLUSIVE``
+    on the delta child (``blocked_slots`` on timeout); skip a slot still referenced by a
+    lease or an open claim (``skipped_active_slots``); add the non-zero sums per
+    ``(ready_slot, queue, priority, enqueue_shard, counter_bucket)`` into the live counts
+    (floor 0) and truncate the delta child. ``max_slots == 0`` returns the default outcome.
+    """
+    if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 0:
+        raise ValidationError("max_slots", max_slots, "must be a non-negative integer")
+    if max_slots == 0:
+        return TerminalDeltaRollupOutcome()
+    s = _statements(sch)
+    n = len(sch.deltas.children)
+    with transaction(target) as conn:
+        cur, _ = conn.execute(s["state"]).one()
+        candidates = [
+            (slot, gen) for slot, gen in conn.execute(s["slots"]).all()
+            if gen >= 0 and slot != cur and slot < n
+            and conn.execute(_slot_statements(sch, slot)["has_deltas"]).scalar()
+        ]
+    rolled = delta_rows = keys = active = blocked = 0
+    pinned = False
+    for slot, gen in candidates:
+        if rolled >= max_slots:
+            break
+        with transaction(target) as conn:
+            res = _rollup_slot(conn, sch, slot, gen)
+        if res.kind == "pinned":
+            pinned = True
+            break
+        if res.kind == "rolled":
+            rolled += 1
+            delta_rows += res.delta_rows
+            keys += res.grouped_keys
+        elif res.kind == "active":
+            active += 1
+        elif res.kind == "blocked":
+            blocked += 1
+    return TerminalDeltaRollupOutcome(
+        rolled_slots=rolled, delta_rows=delta_rows, grouped_keys=keys,
+        skipped_active_slots=active, blocked_slots=blocked, skipped_mvcc_pinned=pinned,
+    )
+
+
+def rebuild_terminal_counters(target: Target, sch: StorageSchema) -> int:
+    """Recompute ``queue_terminal_live_counts`` from ``done_entries`` and mark the counters
+    trusted; returns the number of counter rows written.
+
+    Under the transaction advisory lock ``qstore.rebuild_terminal_counters:<schema>`` and
+    the queue ring-state row lock, ``done_entries``, the delta ledger and the live counts are
+    locked ``ACCESS EXCLUSIVE`` (no timeout: completions wait until the rebuild commits), the
+    live counts and every delta child are truncated and the live counts re-aggregated by
+    ``(ready_slot, queue, priority, enqueue_shard, job_id % 256)``. Rollups of pruned slots
+    are left as they are.
+    """
+    s = _statements(sch)
+    key = f"{REBUILD_LOCK_PREFIX}{sch.config.schema}"
+    with transaction(target) as conn:
+        conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
+        conn.execute(s["state_lock"]).one()
+        lock_exclusive(conn, [sch.done.parent, sch.deltas.parent, sch.live_counts])
+        truncate_tables(conn, [sch.live_counts, sch.deltas.parent])
+        conn.execute(s["rebuild"])
+        conn.execute(s["mark_trusted"])
+        # the table was truncated above, so its size is exactly what was written
+        return int(conn.execute(s["live_rows"]).scalar_one())
+
+
+def terminal_counter_trusted(target: Target, sch: StorageSchema) -> bool:
+    """True when ``queue_ring_state.terminal_counter_trusted_at`` is set (False if the row
+    is missing)."""
+    with transaction(target) as conn:
+        return bool(conn.execute(_statements(sch)["trusted"]).scalar())

@@ -1,0 +1,548 @@
+"""Ring maintenance: rotate and prune the queue, lease and claim rings (STORAGE.md §5).
+
+Every function takes a target first (``Engine``: own transaction, committed; ``Connection``
+/ ``Session``: the caller's transaction, never committed here — see
+:mod:`qstore.storage._tx`) and the install's :class:`~qstore.schema.StorageSchema`.
+
+Guarantees
+----------
+* **Rotate** (all rings) serialises on the ring-state row (``FOR UPDATE``). It moves the
+  ring only into a slot whose children hold no live row (else ``SkippedBusy`` with the
+  counts found), and not at all when nothing was written to the current slot since it was
+  (re)initialised (``SkippedIdle``: no UPDATE, no dead tuple). "Nothing written" is judged by
+  the physical size of the current slot's children (``pg_relation_size = 0``), so a lease
+  slot whose rows were all deleted still counts as written and rotates away, letting prune
+  reclaim its dead tuples by ``TRUNCATE``.
+* **Prune** follows the lock sequence of STORAGE.md §5.5: ring-state row ``FOR UPDATE`` →
+  slot row(s) ``FOR UPDATE`` → cheap gates *without* the exclusive lock (a busy slot never
+  queues an ``ACCESS EXCLUSIVE`` request in front of hot readers) → ``lock_timeout = 50ms`` +
+  ``LOCK … IN ACCESS EXCLUSIVE MODE`` on every child of the slot → gates re-checked under the
+  lock (each statement of a READ COMMITTED transaction sees every row committed while the
+  lock was awaited) → one ``TRUNCATE`` of all children. The whole locked section runs in a
+  SAVEPOINT: a lock timeout (SQLSTATE 55P03, or a deadlock 40P01) rolls the savepoint back
+  and is reported as ``PruneOutcome(kind="blocked")`` — never raised — and the caller's
+  transaction stays usable. The 50 ms timeout is restored to its previous value before the
+  savepoint is released, so it never leaks into a caller's transaction.
+* **Queue-ring gates** count every physical row of the slot regardless of its generation
+  (trap T7) and use the committed claim-range chain as the claim truth (trap T3):
+
+  - G1 ``QUEUE_ACTIVE_LEASES``: leases (any lease slot) with ``ready_slot = k``;
+  - G2 ``QUEUE_PENDING_READY``: ready rows of slot k neither tombstoned nor covered by a
+    ``ready_claim_ranges`` row of their lane;
+  - G3 ``QUEUE_OPEN_CLAIMS``: claims (any claim slot) with ``ready_slot = k`` and no closure.
+
+  A slot whose jobs were claimed and then completed, retried, rescued, cancelled or moved to
+  the DLQ therefore becomes prunable as soon as no attempt references it.
+* **Queue-ring prune** folds ground truth before destroying it: ``count(done_k)`` by
+  ``(queue, priority)`` is added to ``queue_terminal_rollups`` and the slot's
+  ``queue_terminal_live_counts`` rows are deleted in the same transaction as the
+  ``TRUNCATE`` (the slot's unrolled deltas go with it), so exact ``terminal`` counts survive
+  pruning. The slot's generation is then set to -1 so prune moves on to the next sealed slot
+  until rotation re-initialises it.
+* **Unique keys (trap T6)**: unique claims owned by the jobs whose done rows are truncated
+  are released in the same transaction. *Window*: a job whose ``unique_states`` keeps its key
+  while completed/failed/cancelled owns it only as long as its terminal history is retained
+  — roughly ``queue_slot_count`` rotations after the slot it was enqueued in was sealed.
+  After that, an enqueue with the same key succeeds.
+* **Late writers**: a writer that read the queue-ring cursor before a rotation can still
+  insert into a slot that was sealed — even one that was just pruned (the COPY enqueue path
+  reads the cursor one statement early). Such a row keeps the slot non-empty, so rotation
+  into it reports ``SkippedBusy``; prune therefore also targets the *incoming* slot when its
+  generation is -1 but it holds data, and the generation-agnostic gates keep the late row
+  alive until it is spent. The lease and claim rings derive their prune target from the
+  state row, which already re-targets such a slot.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Select,
+    Table,
+    and_,
+    cast,
+    delete,
+    false,
+    func,
+    literal,
+    select,
+    text,
+    update,
+)
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import REGCLASS
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from qstore.errors import ValidationError, translate_errors
+from qstore.model import (
+    BusyCounts,
+    PruneOutcome,
+    RotateOutcome,
+    SkipReason,
+    TerminalDeltaRollupOutcome,
+)
+from qstore.schema import RingFamily, StorageSchema
+from qstore.storage._tx import Target, transaction
+
+__all__ = [
+    "BLOCKED",
+    "BUSY_COUNT_CAP",
+    "LOCK_TIMEOUT",
+    "MaintenanceOps",
+    "guarded",
+    "is_lock_failure",
+    "lock_exclusive",
+    "prune_oldest",
+    "prune_oldest_claims",
+    "prune_oldest_leases",
+    "rotate",
+    "rotate_claims",
+    "rotate_leases",
+    "truncate_tables",
+    "vacuum_leases",
+]
+
+#: ``lock_timeout`` for every ``ACCESS EXCLUSIVE`` request of prune and delta rollup.
+LOCK_TIMEOUT = "50ms"
+#: Row counts reported in ``BusyCounts`` / ``SkippedActive.count`` saturate here, so a
+#: maintenance tick over a huge backlog stays cheap. Any non-zero count blocks all the same.
+BUSY_COUNT_CAP = 10_000
+_LOCK_FAILURES = frozenset({"55P03", "40P01"})  # lock_not_available, deadlock_detected
+
+_BUSY_FIELD = {
+    "ready_entries": "queue_ready",
+    "ready_tombstones": "queue_tombstones",
+    "ready_claim_ranges": "queue_claim_ranges",
+    "done_entries": "queue_done",
+    "queue_terminal_count_deltas": "queue_terminal_deltas",
+    "leases": "leases",
+    "lease_claims": "claims",
+    "lease_claim_closures": "closures",
+}
+_PG = postgresql.dialect()
+
+T = TypeVar("T")
+
+
+# -- shared locking helpers (also used by qstore.storage.counters) -------------------------
+class _Blocked:
+    """Sentinel: a lock request of a guarded section timed out."""
+
+    def __repr__(self) -> str:
+        return "BLOCKED"
+
+
+BLOCKED = _Blocked()
+
+
+def is_lock_failure(err: BaseException) -> bool:
+    """True for a driver error meaning "could not get the lock in time" (55P03 / 40P01)."""
+    if not isinstance(err, sa_exc.DBAPIError):
+        return False
+    orig = err.orig
+    return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) in _LOCK_FAILURES
+
+
+def guarded(conn: Connection, body: Callable[[], T]) -> T | _Blocked:
+    """Run ``body`` in a SAVEPOINT with ``lock_timeout = 50ms``.
+
+    Returns ``body()``'s result, or :data:`BLOCKED` when a lock wait inside it timed out (the
+    savepoint is rolled back: nothing ``body`` wrote survives, the outer transaction stays
+    usable). Any other error rolls the savepoint back and propagates. On success the
+    previous ``lock_timeout`` is restored before the savepoint is released.
+    """
+    previous = conn.execute(select(func.current_setting("lock_timeout"))).scalar_one()
+    savepoint = conn.begin_nested()
+    try:
+        conn.execute(select(func.set_config("lock_timeout", LOCK_TIMEOUT, True)))
+        result = body()
+        conn.execute(select(func.set_config("lock_timeout", previous, True)))
+    except BaseException as err:
+        if savepoint.is_active:
+            savepoint.rollback()
+        if is_lock_failure(err):
+            return BLOCKED
+        raise
+    savepoint.commit()
+    return result
+
+
+def _qualified(conn: Connection, tables: Sequence[Table]) -> str:
+    prep = conn.dialect.identifier_preparer
+    return ", ".join(prep.format_table(t) for t in tables)
+
+
+def lock_exclusive(conn: Connection, tables: Sequence[Table]) -> None:
+    """``LOCK TABLE … IN ACCESS EXCLUSIVE MODE`` (identifiers quoted by the dialect)."""
+    conn.execute(text(f"LOCK TABLE {_qualified(conn, tables)} IN ACCESS EXCLUSIVE MODE"))
+
+
+def truncate_tables(conn: Connection, tables: Sequence[Table]) -> None:
+    """One ``TRUNCATE`` statement for all ``tables``."""
+    conn.execute(text(f"TRUNCATE {_qualified(conn, tables)}"))
+
+
+def _regclass(t: Table) -> Any:
+    prep = _PG.identifier_preparer
+    return cast(literal(f"{prep.quote_schema(t.schema)}.{prep.quote(t.name)}"), REGCLASS)
+
+
+def _bounded_count(rows: Select[Any], cap: int = BUSY_COUNT_CAP) -> Select[Any]:
+    return select(func.count()).select_from(rows.limit(cap).subquery())
+
+
+# -- statements ------------------------------------------------------------------------------
+def _children(families: Sequence[RingFamily], slot: int) -> list[Table]:
+    return [f.children[slot] for f in families]
+
+
+@functools.lru_cache(maxsize=4096)
+def _slot_probe(sch: StorageSchema, ring: str, slot: int) -> dict[str, Any]:
+    """Per-(ring, slot) emptiness probes: physical sizes and bounded live-row counts."""
+    families = sch.rings[ring][2]
+    kids = _children(families, slot)
+    return {
+        "sizes": select(*(func.pg_relation_size(_regclass(c)) for c in kids)),
+        "counts": select(*(
+            _bounded_count(select(literal(1)).select_from(c)).scalar_subquery().label(f.name)
+            for f, c in zip(families, kids, strict=True)
+        )),
+    }
+
+
+@functools.lru_cache(maxsize=4096)
+def _queue_gates(sch: StorageSchema, k: int) -> dict[str, Any]:
+    """Gates G1-G3 and the fold/release statements of queue slot ``k``."""
+    r, t, crk, d, _dl = _children(sch.queue_ring, k)
+    crp = sch.claim_ranges.parent
+    le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
+    u, rollups, live = sch.unique_claims, sch.rollups, sch.live_counts
+
+    def same_lane(x: Any) -> Any:
+        return and_(x.c.queue == r.c.queue, x.c.priority == r.c.priority,
+                    x.c.enqueue_shard == r.c.enqueue_shard)
+
+    def covered(cr: Any) -> Any:
+        # Ranges of a lane are disjoint (a claim consumes positions once), so the covering
+        # range, if any, is the one with the greatest first_seq <= lane_seq: one index probe.
+        # Were ranges ever to overlap this could only report a spent row as pending (safe).
+        last = (select(cr.c.last_seq).where(same_lane(cr), cr.c.first_seq <= r.c.lane_seq)
+                .order_by(cr.c.first_seq.desc()).limit(1).scalar_subquery())
+        return func.coalesce(last >= r.c.lane_seq, false())
+
+    tombstoned = select(t.c.lane_seq).where(same_lane(t), t.c.lane_seq == r.c.lane_seq).exists()
+    closed = select(cl.c.job_id).where(cl.c.claim_slot == c.c.claim_slot, cl.c.job_id == c.c.job_id,
+                                        cl.c.run_lease == c.c.run_lease).exists()
+    # The slot's own range child first (where ranges live); the parent only for rows it
+    # does not cover, so the common case costs one probe per row.
+    pending = select(literal(1)).select_from(r).where(~tombstoned, ~covered(crk), ~covered(crp))
+
+    fold = pg_insert(rollups).from_select(
+        ["queue", "priority", "pruned_completed_count"],
+        select(d.c.queue, d.c.priority, func.count()).group_by(d.c.queue, d.c.priority)
+        .order_by(d.c.queue, d.c.priority),
+    )
+    fold = fold.on_conflict_do_update(
+        index_elements=[rollups.c.queue, rollups.c.priority],
+        set_={"pruned_completed_count": func.greatest(
+            0, rollups.c.pruned_completed_count + fold.excluded.pruned_completed_count)},
+    )
+    key = func.coalesce(d.c.unique_key, r.c.unique_key)
+    owners = (
+        select(key.label("unique_key"), d.c.job_id)
+        .select_from(d.outerjoin(r, and_(
+            r.c.ready_slot == d.c.ready_slot, r.c.queue == d.c.queue, r.c.priority == d.c.priority,
+            r.c.enqueue_shard == d.c.enqueue_shard, r.c.lane_seq == d.c.lane_seq)))
+        .where(key.isnot(None))
+        .subquery("owners")
+    )
+    return {
+        "active_leases": _bounded_count(select(literal(1)).select_from(le).where(le.c.ready_slot == k)),
+        "pending_ready": _bounded_count(pending),
+        "open_claims": _bounded_count(select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed)),
+        "fold": fold,
+        "release_unique": delete(u).where(u.c.unique_key == owners.c.unique_key,
+                                          u.c.job_id == owners.c.job_id),
+        "drop_live": delete(live).where(live.c.ready_slot == k),
+        "retire_slot": update(sch.queue_ring_slots).where(sch.queue_ring_slots.c.slot == k)
+        .values(generation=-1),
+    }
+
+
+@functools.lru_cache(maxsize=4096)
+def _derived_gate(sch: StorageSchema, ring: str, k: int) -> Select[Any]:
+    """Lease ring: live leases in slot ``k``; claim ring: claims of slot ``k`` without a
+    closure in the same slot."""
+    if ring == "lease":
+        return _bounded_count(select(literal(1)).select_from(sch.leases.children[k]))
+    c, cl = sch.claims.children[k], sch.closures.children[k]
+    closed = select(cl.c.job_id).where(cl.c.job_id == c.c.job_id, cl.c.run_lease == c.c.run_lease,
+                                        cl.c.claim_slot == c.c.claim_slot).exists()
+    return _bounded_count(select(literal(1)).select_from(c).where(~closed))
+
+
+def _state_for_update(sch: StorageSchema, ring: str) -> Select[Any]:
+    state = sch.rings[ring][0]
+    return select(state.c.current_slot, state.c.generation).with_for_update()
+
+
+def _pristine(conn: Connection, sch: StorageSchema, ring: str, slot: int) -> bool:
+    """True when nothing was ever written to ``slot``'s children since they were created or
+    last truncated (every heap is zero bytes; rolled-back writes count as written)."""
+    return not any(conn.execute(_slot_probe(sch, ring, slot)["sizes"]).one())
+
+
+def _busy(conn: Connection, sch: StorageSchema, ring: str, slot: int) -> BusyCounts:
+    row = conn.execute(_slot_probe(sch, ring, slot)["counts"]).one()._mapping
+    return BusyCounts(**{_BUSY_FIELD[name]: int(n) for name, n in row.items()})
+
+
+def _slot_count(sch: StorageSchema, ring: str) -> int:
+    return len(sch.rings[ring][2][0].children)
+
+
+# -- rotate ----------------------------------------------------------------------------------
+def _rotate(target: Target, sch: StorageSchema, ring: str) -> RotateOutcome:
+    state, slots, _families = sch.rings[ring]
+    n = _slot_count(sch, ring)
+    with transaction(target) as conn:
+        cur, gen = conn.execute(_state_for_update(sch, ring)).one()
+        if _pristine(conn, sch, ring, cur):
+            return RotateOutcome.skipped_idle(cur, gen)
+        nxt = (cur + 1) % n
+        busy = _busy(conn, sch, ring, nxt)
+        if busy.total():
+            return RotateOutcome.skipped_busy(nxt, busy)
+        moved = conn.execute(
+            update(state).where(state.c.current_slot == cur, state.c.generation == gen)
+            .values(current_slot=nxt, generation=gen + 1)
+        ).rowcount
+        if moved != 1:  # compare-and-swap lost (cannot happen under FOR UPDATE; defensive)
+            return RotateOutcome.skipped_busy(nxt, busy)
+        if ring == "queue":
+            conn.execute(update(slots).where(slots.c.slot == nxt).values(generation=gen + 1))
+        return RotateOutcome.rotated(nxt, gen + 1)
+
+
+def rotate(target: Target, sch: StorageSchema) -> RotateOutcome:
+    """Queue ring: move to ``(current+1) % N`` with ``generation+1`` if every child of the
+    incoming slot (ready, tombstones, claim ranges, done, deltas) is empty; record the new
+    generation in ``queue_ring_slots``. ``SkippedBusy`` (with counts, saturating at
+    :data:`BUSY_COUNT_CAP`) otherwise; ``SkippedIdle`` when the current slot was never
+    written."""
+    return _rotate(target, sch, "queue")
+
+
+def rotate_leases(target: Target, sch: StorageSchema) -> RotateOutcome:
+    """Lease ring rotation (compare-and-swap on ``(current_slot, generation)``); the
+    incoming lease child must hold no live lease (dead tuples are fine)."""
+    return _rotate(target, sch, "lease")
+
+
+def rotate_claims(target: Target, sch: StorageSchema) -> RotateOutcome:
+    """Claim ring rotation (compare-and-swap); incoming claim and closure children empty."""
+    return _rotate(target, sch, "claim")
+
+
+# -- prune: queue ring -----------------------------------------------------------------------
+def _queue_gate_failure(conn: Connection, st: dict[str, Any], k: int) -> PruneOutcome | None:
+    for name, reason in (("active_leases", SkipReason.QUEUE_ACTIVE_LEASES),
+                         ("pending_ready", SkipReason.QUEUE_PENDING_READY),
+                         ("open_claims", SkipReason.QUEUE_OPEN_CLAIMS)):
+        n = int(conn.execute(st[name]).scalar_one())
+        if n:
+            return PruneOutcome.skipped_active(k, reason, n)
+    return None
+
+
+def _prune_queue_slot(conn: Connection, sch: StorageSchema, k: int) -> PruneOutcome:
+    st = _queue_gates(sch, k)
+    early = _queue_gate_failure(conn, st, k)
+    if early is not None:
+        return early
+    lock_exclusive(conn, _children(sch.queue_ring, k))
+    late = _queue_gate_failure(conn, st, k)
+    if late is not None:
+        return late
+    conn.execute(st["fold"])
+    conn.execute(st["release_unique"])
+    conn.execute(st["drop_live"])
+    truncate_tables(conn, _children(sch.queue_ring, k))
+    conn.execute(st["retire_slot"])
+    return PruneOutcome.pruned(k)
+
+
+def prune_oldest(target: Target, sch: StorageSchema) -> PruneOutcome:
+    """Prune the oldest sealed queue slot (lowest non-negative generation ≠ current; the
+    incoming slot first if a late writer left data in it). ``Noop`` when no slot is sealed;
+    ``SkippedActive`` with the first failing gate (G1 → G2 → G3) and its count; ``Blocked``
+    when the exclusive lock was not granted within 50 ms; else ``Pruned`` after folding the
+    slot's terminal counts, releasing its jobs' unique keys and truncating its children."""
+    slots = sch.queue_ring_slots
+    n = _slot_count(sch, "queue")
+    with transaction(target) as conn:
+        cur, _gen = conn.execute(_state_for_update(sch, "queue")).one()
+        gens = dict(conn.execute(
+            select(slots.c.slot, slots.c.generation).order_by(slots.c.slot).with_for_update()
+        ).all())
+        nxt = (cur + 1) % n
+        if nxt != cur and gens.get(nxt, -1) < 0 and not _pristine(conn, sch, "queue", nxt):
+            k = nxt  # a late writer's rows block rotation into this retired slot
+        else:
+            sealed = sorted((g, s) for s, g in gens.items() if g >= 0 and s != cur and s < n)
+            if not sealed:
+                return PruneOutcome.noop()
+            k = sealed[0][1]
+        result = guarded(conn, lambda: _prune_queue_slot(conn, sch, k))
+        return PruneOutcome.blocked(k) if isinstance(result, _Blocked) else result
+
+
+# -- prune: lease and claim rings ------------------------------------------------------------
+_CURRENT = {"lease": SkipReason.LEASE_CURRENT, "claim": SkipReason.CLAIM_CURRENT}
+_ACTIVE = {"lease": SkipReason.LEASE_ACTIVE, "claim": SkipReason.CLAIM_OPEN}
+
+
+def oldest_initialised_slot(current: int, generation: int, slot_count: int) -> int | None:
+    """STORAGE.md §5.3: the oldest initialised slot derived from the state row, or None
+    when only the current slot was ever initialised."""
+    initialised = min(generation + 1, slot_count)
+    if slot_count <= 1 or initialised <= 1:
+        return None
+    return (current - (initialised - 1)) % slot_count
+
+
+def _prune_derived_slot(conn: Connection, sch: StorageSchema, ring: str, k: int) -> PruneOutcome:
+    state, _slots, families = sch.rings[ring]
+    gate = _derived_gate(sch, ring, k)
+    n = int(conn.execute(gate).scalar_one())
+    if n:
+        return PruneOutcome.skipped_active(k, _ACTIVE[ring], n)
+    if _pristine(conn, sch, ring, k):
+        return PruneOutcome.noop()  # already truncated, nothing written since
+    lock_exclusive(conn, _children(families, k))
+    if conn.execute(select(state.c.current_slot)).scalar_one() == k:
+        return PruneOutcome.skipped_active(k, _CURRENT[ring], 0)
+    n = int(conn.execute(gate).scalar_one())
+    if n:
+        return PruneOutcome.skipped_active(k, _ACTIVE[ring], n)
+    truncate_tables(conn, _children(families, k))
+    return PruneOutcome.pruned(k)
+
+
+def _prune_derived(target: Target, sch: StorageSchema, ring: str) -> PruneOutcome:
+    _state, slots, _families = sch.rings[ring]
+    n = _slot_count(sch, ring)
+    with transaction(target) as conn:
+        cur, gen = conn.execute(_state_for_update(sch, ring)).one()
+        k = oldest_initialised_slot(cur, gen, n)
+        if k is None:
+            # Only the current slot was ever initialised: nothing to do if it is pristine,
+            # otherwise its rows/dead tuples can only be reclaimed after a rotation.
+            if _pristine(conn, sch, ring, cur):
+                return PruneOutcome.noop()
+            return PruneOutcome.skipped_active(cur, _CURRENT[ring], 0)
+        if conn.execute(select(slots.c.slot).where(slots.c.slot == k).with_for_update()).first() is None:
+            return PruneOutcome.noop()
+        result = guarded(conn, lambda: _prune_derived_slot(conn, sch, ring, k))
+        return PruneOutcome.blocked(k) if isinstance(result, _Blocked) else result
+
+
+def prune_oldest_leases(target: Target, sch: StorageSchema) -> PruneOutcome:
+    """Truncate the oldest initialised lease slot if it is not current (``LEASE_CURRENT``)
+    and holds no lease (``LEASE_ACTIVE``, count). ``Noop`` when nothing needs reclaiming
+    (never rotated and pristine, or the oldest slot is already truncated); ``Blocked`` on a
+    lock timeout."""
+    return _prune_derived(target, sch, "lease")
+
+
+def prune_oldest_claims(target: Target, sch: StorageSchema) -> PruneOutcome:
+    """Truncate the oldest initialised claim slot (claims + closures, one statement) if it
+    is not current (``CLAIM_CURRENT``) and every claim in it has a closure in the same slot
+    (``CLAIM_OPEN``, count of open claims)."""
+    return _prune_derived(target, sch, "claim")
+
+
+# -- vacuum ----------------------------------------------------------------------------------
+def vacuum_leases(target: Target, sch: StorageSchema) -> None:
+    """``VACUUM <schema>.leases`` (all lease partitions) on an autocommit connection.
+
+    Fallback for a pinned lease ring (e.g. a long ``waiting_external`` lease keeps rotation
+    from reaching its slot, so deleted leases accumulate). ``VACUUM`` cannot run inside a
+    transaction block, so the target must be an ``Engine``; a Connection or Session raises
+    :class:`~qstore.errors.ValidationError` and nothing runs.
+    """
+    if not isinstance(target, Engine):
+        raise ValidationError(
+            "target", type(target).__name__,
+            "VACUUM cannot run inside a transaction block: pass an Engine",
+        )
+    with target.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        conn.execute(text(f"VACUUM {_qualified(conn, [sch.leases.parent])}"))
+
+
+# -- facade mixin ----------------------------------------------------------------------------
+class MaintenanceOps:
+    """Maintenance methods of :class:`~qstore.storage.QueueStorage` (seed names).
+
+    Expects ``self._schema`` (the install's :class:`~qstore.schema.StorageSchema`).
+    """
+
+    _schema: StorageSchema
+
+    @translate_errors
+    def rotate(self, target: Target) -> RotateOutcome:
+        """Queue-ring rotation; see :func:`qstore.storage.maintenance.rotate`."""
+        return rotate(target, self._schema)
+
+    @translate_errors
+    def prune_oldest(self, target: Target) -> PruneOutcome:
+        """Queue-ring prune; see :func:`qstore.storage.maintenance.prune_oldest`."""
+        return prune_oldest(target, self._schema)
+
+    @translate_errors
+    def rotate_leases(self, target: Target) -> RotateOutcome:
+        return rotate_leases(target, self._schema)
+
+    @translate_errors
+    def prune_oldest_leases(self, target: Target) -> PruneOutcome:
+        return prune_oldest_leases(target, self._schema)
+
+    @translate_errors
+    def vacuum_leases(self, target: Target) -> None:
+        vacuum_leases(target, self._schema)
+
+    @translate_errors
+    def rotate_claims(self, target: Target) -> RotateOutcome:
+        return rotate_claims(target, self._schema)
+
+    @translate_errors
+    def prune_oldest_claims(self, target: Target) -> PruneOutcome:
+        return prune_oldest_claims(target, self._schema)
+
+    @translate_errors
+    def rollup_terminal_count_deltas(self, target: Target, max_slots: int) -> TerminalDeltaRollupOutcome:
+        """Fold pending deltas of up to ``max_slots`` sealed, inactive slots into the live
+        counters; see :func:`qstore.storage.counters.rollup_terminal_count_deltas`."""
+        from qstore.storage import counters
+
+        return counters.rollup_terminal_count_deltas(target, self._schema, max_slots)
+
+    @translate_errors
+    def rebuild_terminal_counters(self, target: Target) -> int:
+        """Rebuild live counters from ``done_entries``; returns counter rows written."""
+        from qstore.storage import counters
+
+        return counters.rebuild_terminal_counters(target, self._schema)
+
+    @translate_errors
+    def terminal_counter_trusted(self, target: Target) -> bool:
+        from qstore.storage import counters
+
+        return counters.terminal_counter_trusted(target, self._schema)

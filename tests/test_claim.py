@@ -1,0 +1,423 @@
+"""Claim: FIFO per lane, strict priority, aging (trap T4), attempt bookkeeping (trap T5),
+deadlines, pause gates (trap T11), receipts vs materialised leases, bad input and the
+caller's transaction."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from qstore import ClaimedEntry, JobRow, JobState, ValidationError
+from qstore.storage.jobs import InsertOpts, InsertParams
+
+UTC = timezone.utc
+ORIGINAL_PRIORITY = "_qstore_original_priority"
+AGING = timedelta(milliseconds=100)
+
+
+def job(args: object = None, **opts: object) -> InsertParams:
+    opts.setdefault("queue", "q")
+    return InsertParams("k", {} if args is None else args, InsertOpts(**opts))
+
+
+def count_rows(engine, storage, table: str, where: str = "true", **params) -> int:
+    with engine.connect() as c:
+        return c.execute(text(f'SELECT count(*) FROM "{storage.schema()}".{table} WHERE {where}'),
+                         params).scalar_one()
+
+
+def pause(engine, storage, queue: str, paused: bool = True) -> None:
+    with engine.begin() as c:
+        c.execute(text(f'INSERT INTO "{storage.schema()}".queue_meta (queue, paused) VALUES (:q, :p) '
+                       "ON CONFLICT (queue) DO UPDATE SET paused = excluded.paused"),
+                  {"q": queue, "p": paused})
+
+
+def requeue_after_rescue(engine, storage, claimed) -> None:
+    """Stand-in for a rescue (issue 4): close the attempt's receipt as 'rescued' and
+    re-enqueue the same job id at the next position of its lane with the attempt's counters
+    (STORAGE.md §7 "re-enqueue"), so the next claim starts a second attempt."""
+    s, c, j = storage.schema(), claimed.claim, claimed.job
+    lane = {"q": c.queue, "p": c.priority, "sh": c.enqueue_shard}
+    with engine.begin() as conn:
+        conn.execute(text(f'INSERT INTO "{s}".lease_claim_closures (claim_slot, job_id, run_lease, outcome) '
+                          "VALUES (:cs, :j, :rl, 'rescued')"),
+                     {"cs": c.claim_slot, "j": j.id, "rl": j.run_lease})
+        seq = conn.execute(text(f'SELECT nextval(enqueue_seq) FROM "{s}".queue_enqueue_heads '
+                                "WHERE queue = :q AND priority = :p AND enqueue_shard = :sh"), lane).scalar_one()
+        conn.execute(text(
+            f'INSERT INTO "{s}".ready_entries (ready_slot, ready_generation, job_id, kind, queue, '
+            "args, priority, attempt, run_lease, max_attempts, lane_seq, enqueue_shard) "
+            "SELECT current_slot, generation, :j, :kind, :q, CAST(:args AS jsonb), :p, :att, :rl, "
+            f':ma, :seq, :sh FROM "{s}".queue_ring_state'),
+            {**lane, "j": j.id, "kind": j.kind, "args": '{"again": true}', "att": j.attempt,
+             "rl": j.run_lease, "ma": j.max_attempts, "seq": seq})
+
+
+# -- order ----------------------------------------------------------------------------------
+
+def test_claims_within_a_lane_are_fifo(engine, storage):
+    for b in range(4):
+        storage.enqueue_params_batch(engine, [job({"n": b * 5 + i}) for i in range(5)])
+
+    seen: list[int] = []
+    while batch := storage.claim_runtime_batch(engine, "q", 3):
+        assert len(batch) <= 3
+        seen += [j.job.args["n"] for j in batch]
+
+    assert seen == list(range(20))
+
+
+def test_claim_returns_lane_positions_in_order_with_ids(engine, storage):
+    storage.enqueue_params_copy(engine, [job({"n": i}) for i in range(6)])
+    claimed = storage.claim_runtime_batch(engine, "q", 6)
+    assert [j.claim.lane_seq for j in claimed] == [1, 2, 3, 4, 5, 6]
+    assert [j.job.id for j in claimed] == sorted(j.job.id for j in claimed)
+    assert all(j.claim.job_id == j.job.id and j.claim.run_lease == j.job.run_lease for j in claimed)
+
+
+def test_claim_takes_at_most_max_batch(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"n": i}) for i in range(10)])
+    assert len(storage.claim_runtime_batch(engine, "q", 4)) == 4
+    assert len(storage.claim_runtime_batch(engine, "q", 4)) == 4
+    assert len(storage.claim_runtime_batch(engine, "q", 4)) == 2
+    assert storage.claim_runtime_batch(engine, "q", 4) == []
+
+
+def test_strict_priority_order_without_aging(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"p": 4, "i": i}, priority=4) for i in range(4)])
+    storage.enqueue_params_batch(engine, [job({"p": 3, "i": i}, priority=3) for i in range(2)])
+    storage.enqueue_params_batch(engine, [job({"p": 1, "i": i}, priority=1) for i in range(4)])
+
+    order: list[tuple[int, int]] = []
+    while batch := storage.claim_runtime_batch(engine, "q", 3):
+        order += [(j.job.priority, j.job.args["i"]) for j in batch]
+
+    assert order == [(1, 0), (1, 1), (1, 2), (1, 3), (3, 0), (3, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
+
+
+def test_one_claim_can_span_several_priority_lanes(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"p": 2}, priority=2), job({"p": 1}, priority=1)])
+    claimed = storage.claim_runtime_batch(engine, "q", 10)
+    assert [j.job.args["p"] for j in claimed] == [1, 2]
+
+
+# -- aging (trap T4) --------------------------------------------------------------------------
+
+@pytest.fixture
+def aged_pair(engine, storage):
+    """An old priority-4 job (aged past three AGING intervals) and a fresh priority-1 job."""
+    storage.enqueue_params_batch(engine, [job({"who": "old"}, priority=4, metadata={"m": "x"})])
+    time.sleep(5 * AGING.total_seconds())
+    storage.enqueue_params_batch(engine, [job({"who": "new"}, priority=1)])
+    return storage
+
+
+def test_aging_promotes_old_low_priority_work(engine, aged_pair):
+    storage = aged_pair
+    first = storage.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
+    second = storage.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
+
+    assert [j.job.args["who"] for j in first + second] == ["old", "new"]
+
+
+def test_aged_claim_reports_effective_priority_and_original_in_metadata(engine, aged_pair):
+    (old,) = aged_pair.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
+
+    assert old.job.priority == 1  # effective
+    assert old.job.metadata == {"m": "x", ORIGINAL_PRIORITY: 4}
+    assert old.claim.priority == 4  # the lane priority, the join key back to the ready row
+    s = aged_pair.schema()
+    with engine.connect() as c:
+        assert c.execute(text(f'SELECT priority, effective_priority FROM "{s}".lease_claims '
+                              "WHERE job_id = :j"), {"j": old.job.id}).one() == (4, 1)
+
+
+def test_unaged_claim_has_no_original_priority_marker(engine, aged_pair):
+    aged_pair.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
+    (new,) = aged_pair.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
+    assert new.job.priority == 1
+    assert ORIGINAL_PRIORITY not in new.job.metadata
+
+
+def test_load_job_of_aged_running_attempt_shows_effective_priority(engine, aged_pair):
+    (old,) = aged_pair.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
+    loaded = aged_pair.load_job(engine, old.job.id)
+    assert loaded.state is JobState.RUNNING
+    assert loaded.priority == 1
+    assert loaded.metadata[ORIGINAL_PRIORITY] == 4
+
+
+def test_completed_aged_job_carries_its_lane_priority(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"who": "fast"}, priority=4),
+                                          job({"who": "by_id"}, priority=4)])
+    time.sleep(5 * AGING.total_seconds())
+    fast, by_id = storage.claim_runtime_batch_with_aging(engine, "q", 2, None, AGING)
+    assert fast.job.priority == by_id.job.priority == 1
+
+    assert storage.complete_runtime_batch(engine, [fast]) == [(fast.job.id, 1)]
+    assert storage.complete_job_batch_by_id(engine, [(by_id.job.id, 1)]) == [(by_id.job.id, 1)]
+
+    for c in (fast, by_id):
+        loaded = storage.load_job(engine, c.job.id)
+        assert (loaded.state, loaded.priority, loaded.args) \
+            == (JobState.COMPLETED, 4, {"who": c.job.args["who"]})
+        assert count_rows(engine, storage, "done_entries", "job_id = :j AND priority = 4", j=c.job.id) == 1
+
+
+def test_without_aging_the_old_low_priority_job_waits(engine, aged_pair):
+    first = aged_pair.claim_runtime_batch(engine, "q", 1)
+    assert [j.job.args["who"] for j in first] == ["new"]
+
+
+# -- attempt bookkeeping ----------------------------------------------------------------------
+
+def test_first_claim_starts_attempt_one_with_run_lease_one(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"x": 1}, max_attempts=7)])
+    (c,) = storage.claim_runtime_batch(engine, "q", 1)
+    assert (c.job.state, c.job.attempt, c.job.run_lease, c.job.max_attempts) \
+        == (JobState.RUNNING, 1, 1, 7)
+    assert c.unique_states is None and c.job.args == {"x": 1} and c.job.kind == "k"
+
+
+def test_every_claim_increments_run_lease_and_attempt(engine, storage):
+    storage.enqueue_params_batch(engine, [job()])
+    (first,) = storage.claim_runtime_batch(engine, "q", 1)
+    requeue_after_rescue(engine, storage, first)
+
+    (second,) = storage.claim_runtime_batch(engine, "q", 1)
+
+    assert second.job.id == first.job.id
+    assert (second.job.attempt, second.job.run_lease) == (2, 2)
+
+
+def test_attempted_at_is_set_without_deadline(engine, storage):
+    storage.enqueue_params_batch(engine, [job()])
+    before = datetime.now(UTC)
+    (c,) = storage.claim_runtime_batch(engine, "q", 1)
+    assert c.job.deadline_at is None
+    assert c.job.attempted_at is not None
+    assert before - timedelta(seconds=5) < c.job.attempted_at < datetime.now(UTC) + timedelta(seconds=5)
+    loaded = storage.load_job(engine, c.job.id)
+    assert loaded.attempted_at == c.job.attempted_at
+
+
+def test_attempted_at_is_set_on_materialised_leases_too(engine, make_storage):
+    storage = make_storage(lease_claim_receipts=False)
+    storage.enqueue_params_batch(engine, [job()])
+    (c,) = storage.claim_runtime_batch(engine, "q", 1)
+    assert c.job.attempted_at is not None
+    assert storage.load_job(engine, c.job.id).attempted_at == c.job.attempted_at
+
+
+def test_deadline_duration_sets_deadline_at(engine, storage):
+    storage.enqueue_params_batch(engine, [job(), job(), job()])
+    for deadline in (timedelta(seconds=30), 30, 30.0):  # timedelta or seconds
+        (c,) = storage.claim_runtime_batch(engine, "q", 1, deadline)
+        assert c.job.deadline_at - c.job.attempted_at == timedelta(seconds=30)
+        assert abs(c.job.deadline_at - (datetime.now(UTC) + timedelta(seconds=30))) < timedelta(seconds=10)
+        s = storage.schema()
+        with engine.connect() as conn:
+            stored = conn.execute(text(f'SELECT deadline_at FROM "{s}".lease_claims WHERE job_id = :j'),
+                                  {"j": c.job.id}).scalar_one()
+        assert stored == c.job.deadline_at
+
+
+def test_deadline_is_stamped_on_materialised_leases(engine, make_storage):
+    storage = make_storage(lease_claim_receipts=False)
+    storage.enqueue_params_batch(engine, [job()])
+    (c,) = storage.claim_runtime_batch(engine, "q", 1, timedelta(seconds=10))
+    with engine.connect() as conn:
+        stored = conn.execute(text(f'SELECT deadline_at FROM "{storage.schema()}".leases')).scalar_one()
+    assert stored == c.job.deadline_at == c.job.attempted_at + timedelta(seconds=10)
+
+
+# -- pause ------------------------------------------------------------------------------------
+
+def test_paused_queue_is_not_claimed(engine, storage):
+    storage.enqueue_params_batch(engine, [job()])
+    pause(engine, storage, "q")
+    assert storage.claim_runtime_batch(engine, "q", 10) == []
+    pause(engine, storage, "q", paused=False)
+    assert len(storage.claim_runtime_batch(engine, "q", 10)) == 1
+
+
+def test_pausing_one_queue_leaves_others_claimable(engine, storage):
+    storage.enqueue_params_batch(engine, [job(queue="q"), job(queue="other")])
+    pause(engine, storage, "q")
+    assert len(storage.claim_runtime_batch(engine, "other", 10)) == 1
+
+
+def test_pausing_logical_queue_blocks_every_stripe(engine, make_storage):
+    storage = make_storage(queue_stripe_count=2)
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])
+    pause(engine, storage, "q")  # the logical name only (trap T11)
+
+    assert storage.claim_runtime_batch(engine, "q", 10) == []
+    assert storage.claim_runtime_batch(engine, "q#0", 10) == []
+    assert storage.claim_runtime_batch(engine, "q#1", 10) == []
+    assert storage.claim_batch(engine, "q", 10) == []
+
+    pause(engine, storage, "q", paused=False)
+    assert len(storage.claim_runtime_batch(engine, "q", 10)) == 4
+
+
+# -- empty / unknown --------------------------------------------------------------------------
+
+def test_claim_on_unknown_queue_returns_nothing(engine, storage):
+    assert storage.claim_runtime_batch(engine, "nobody-ever-used-this", 5) == []
+    assert storage.claim_batch(engine, "nobody-ever-used-this", 5) == []
+
+
+def test_claim_on_drained_queue_returns_nothing(engine, storage):
+    storage.enqueue_params_batch(engine, [job()])
+    assert len(storage.claim_runtime_batch(engine, "q", 5)) == 1
+    assert storage.claim_runtime_batch(engine, "q", 5) == []
+
+
+def test_claim_ignores_deferred_jobs(engine, storage):
+    storage.enqueue_params_batch(engine, [job(run_at=datetime.now(UTC) - timedelta(seconds=1))])
+    assert storage.claim_runtime_batch(engine, "q", 5) == []  # promotion is issue 4's job
+
+
+# -- receipts vs leases -----------------------------------------------------------------------
+
+def test_receipt_claims_write_receipts_and_no_leases(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(3)])
+    claimed = storage.claim_runtime_batch(engine, "q", 3)
+
+    assert all(j.claim.lease_claim_receipt for j in claimed)
+    assert count_rows(engine, storage, "lease_claims") == 3
+    assert count_rows(engine, storage, "leases") == 0
+    assert count_rows(engine, storage, "attempt_state") == 0
+
+
+def test_claims_without_receipts_materialise_leases(engine, make_storage):
+    storage = make_storage(lease_claim_receipts=False)
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(3)])
+    claimed = storage.claim_runtime_batch(engine, "q", 3)
+
+    assert [j.claim.lease_claim_receipt for j in claimed] == [False] * 3
+    assert [j.claim.claim_slot for j in claimed] == [0] * 3
+    assert count_rows(engine, storage, "leases", "state = 'running' AND run_lease = 1") == 3
+    assert count_rows(engine, storage, "lease_claims") == 0
+    assert storage.queue_counts(engine, "q").running == 3
+
+
+# -- variants ---------------------------------------------------------------------------------
+
+def test_claim_job_batch_returns_running_job_rows(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"i": 1}, tags=["t"])])
+    (row,) = storage.claim_job_batch(engine, "q", 5)
+    assert isinstance(row, JobRow)
+    assert (row.state, row.args, row.tags, row.run_lease) == (JobState.RUNNING, {"i": 1}, ["t"], 1)
+
+
+def test_claim_batch_returns_entries_across_stripes(engine, make_storage):
+    storage = make_storage(queue_stripe_count=3)
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(9)])
+    entries = storage.claim_batch(engine, "q", 9)
+    assert all(isinstance(e, ClaimedEntry) for e in entries)
+    assert len({e.job_id for e in entries}) == 9
+    assert {e.queue for e in entries} == {"q#0", "q#1", "q#2"}
+    assert storage.queue_counts(engine, "q").available == 0
+
+
+def test_claim_on_logical_queue_visits_all_stripes_in_one_call(engine, make_storage):
+    storage = make_storage(queue_stripe_count=4)
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(8)])
+    assert len(storage.claim_runtime_batch(engine, "q", 8)) == 8
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+def test_claim_rejects_non_positive_or_non_integer_max_batch(engine, storage):
+    storage.enqueue_params_batch(engine, [job()])
+    for max_batch in (0, -1, True, 2.0, "3"):
+        for claim in (storage.claim_runtime_batch, storage.claim_batch, storage.claim_job_batch):
+            with pytest.raises(ValidationError) as err:
+                claim(engine, "q", max_batch)
+            assert err.value.field == "max_batch"
+            assert repr(max_batch) in str(err.value)
+    assert storage.queue_counts(engine, "q").available == 1  # nothing was claimed
+
+
+def test_claim_rejects_bad_queue_names(engine, storage):
+    for queue in ("", "x" * 201, None, "nul\x00byte"):
+        with pytest.raises(ValidationError) as err:
+            storage.claim_runtime_batch(engine, queue, 1)
+        assert err.value.field == "queue"
+        assert repr(queue) in str(err.value)
+
+
+def test_claim_rejects_bad_durations(engine, storage):
+    storage.enqueue_params_batch(engine, [job()])
+    for deadline, aging, field in ((timedelta(seconds=-1), None, "deadline_duration"),
+                                   ("soon", None, "deadline_duration"),
+                                   (None, -5, "aging_interval")):
+        with pytest.raises(ValidationError) as err:
+            storage.claim_runtime_batch_with_aging(engine, "q", 1, deadline, aging)
+        assert err.value.field == field
+    assert storage.queue_counts(engine, "q").available == 1
+
+
+# -- the caller's transaction -----------------------------------------------------------------
+
+def test_claim_rolled_back_with_callers_transaction_leaves_no_trace(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(3)])
+    with engine.connect() as conn:
+        conn.begin()
+        assert len(storage.claim_runtime_batch(conn, "q", 2)) == 2
+        conn.rollback()
+
+    assert count_rows(engine, storage, "lease_claims") == 0
+    assert count_rows(engine, storage, "ready_claim_ranges") == 0
+    again = storage.claim_runtime_batch(engine, "q", 5)
+    assert [j.job.args["i"] for j in again] == [0, 1, 2]
+    assert [j.job.run_lease for j in again] == [1, 1, 1]
+
+
+def test_claim_in_session_is_committed_by_the_session(engine, storage):
+    storage.enqueue_params_batch(engine, [job()])
+    with Session(engine) as session:
+        (c,) = storage.claim_runtime_batch(session, "q", 1)
+        assert storage.queue_counts(engine, "q").running == 0  # not yet committed
+        session.commit()
+    assert storage.queue_counts(engine, "q").running == 1
+    assert storage.load_job(engine, c.job.id).state is JobState.RUNNING
+
+
+def test_concurrent_claim_skips_a_lane_locked_by_an_open_claim(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"p": 2}, priority=2), job({"p": 3}, priority=3)])
+    with engine.connect() as conn:
+        conn.begin()
+        assert [j.job.args["p"] for j in storage.claim_runtime_batch(conn, "q", 1)] == [2]
+        start = time.monotonic()
+        other = storage.claim_runtime_batch(engine, "q", 5)
+        assert time.monotonic() - start < 2  # SKIP LOCKED: no waiting on the open claim
+        assert [j.job.args["p"] for j in other] == [3]
+        conn.commit()
+    assert storage.claim_runtime_batch(engine, "q", 5) == []
+
+
+def test_claim_fills_its_batch_past_cancelled_positions(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])
+    ids = [storage.load_job(engine, n).id for n in (1, 2, 3, 4)]
+    for job_id in ids[:3]:
+        assert storage.cancel_job(engine, job_id) is not None
+    claimed = storage.claim_job_batch(engine, "q", 1)
+    assert [j.id for j in claimed] == [ids[3]]
+
+
+def test_rolled_back_multi_pass_claim_strands_nothing(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(3)])
+    assert storage.cancel_job(engine, 1) is not None
+    with engine.connect() as conn:
+        tx = conn.begin()
+        assert [j.id for j in storage.claim_job_batch(conn, "q", 2)] == [2, 3]
+        tx.rollback()
+    assert [j.id for j in storage.claim_job_batch(engine, "q", 5)] == [2, 3]

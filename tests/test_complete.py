@@ -1,0 +1,227 @@
+"""Completion: guarded by ``(job_id, run_lease)``; repeated and stale completions change
+nothing and are absent from the result; every completion path; the caller's transaction."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from qstore import JobState, ValidationError
+from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
+
+
+def job(args: object = None, **opts: object) -> InsertParams:
+    opts.setdefault("queue", "q")
+    return InsertParams("k", {} if args is None else args, InsertOpts(**opts))
+
+
+def count_rows(engine, storage, table: str, where: str = "true", **params) -> int:
+    with engine.connect() as c:
+        return c.execute(text(f'SELECT count(*) FROM "{storage.schema()}".{table} WHERE {where}'),
+                         params).scalar_one()
+
+
+def claimed_jobs(engine, storage, n: int, **opts):
+    storage.enqueue_params_batch(engine, [job({"i": i}, **opts) for i in range(n)])
+    got = storage.claim_runtime_batch(engine, "q", n)
+    assert len(got) == n
+    return got
+
+
+def requeue_after_rescue(engine, storage, claimed) -> None:
+    """Stand-in for a rescue (issue 4): close the attempt's receipt as 'rescued' and
+    re-enqueue the same job id at the next position of its lane with the attempt's counters
+    (STORAGE.md §7 "re-enqueue"), so the next claim starts a second attempt."""
+    s, c, j = storage.schema(), claimed.claim, claimed.job
+    lane = {"q": c.queue, "p": c.priority, "sh": c.enqueue_shard}
+    with engine.begin() as conn:
+        conn.execute(text(f'INSERT INTO "{s}".lease_claim_closures (claim_slot, job_id, run_lease, outcome) '
+                          "VALUES (:cs, :j, :rl, 'rescued')"),
+                     {"cs": c.claim_slot, "j": j.id, "rl": j.run_lease})
+        seq = conn.execute(text(f'SELECT nextval(enqueue_seq) FROM "{s}".queue_enqueue_heads '
+                                "WHERE queue = :q AND priority = :p AND enqueue_shard = :sh"), lane).scalar_one()
+        conn.execute(text(
+            f'INSERT INTO "{s}".ready_entries (ready_slot, ready_generation, job_id, kind, queue, '
+            "args, priority, attempt, run_lease, max_attempts, lane_seq, enqueue_shard) "
+            "SELECT current_slot, generation, :j, :kind, :q, CAST(:args AS jsonb), :p, :att, :rl, "
+            f':ma, :seq, :sh FROM "{s}".queue_ring_state'),
+            {**lane, "j": j.id, "kind": j.kind, "args": '{"again": true}', "att": j.attempt,
+             "rl": j.run_lease, "ma": j.max_attempts, "seq": seq})
+
+
+# -- complete_runtime_batch -------------------------------------------------------------------
+
+def test_complete_runtime_batch_returns_completed_pairs_in_input_order(engine, storage):
+    a, b, c = claimed_jobs(engine, storage, 3)
+    assert storage.complete_runtime_batch(engine, [c, a, b]) \
+        == [(c.job.id, 1), (a.job.id, 1), (b.job.id, 1)]
+    assert storage.queue_counts(engine, "q").terminal == 3
+    assert all(storage.load_job(engine, x.job.id).state is JobState.COMPLETED for x in (a, b, c))
+
+
+def test_repeated_completion_returns_nothing_and_changes_nothing(engine, storage):
+    (a,) = claimed_jobs(engine, storage, 1)
+    assert storage.complete_runtime_batch(engine, [a]) == [(a.job.id, 1)]
+    done_before = count_rows(engine, storage, "done_entries")
+    closures_before = count_rows(engine, storage, "lease_claim_closures")
+
+    assert storage.complete_runtime_batch(engine, [a]) == []
+    assert storage.complete_job_batch_by_id(engine, [(a.job.id, 1)]) == []
+    assert storage.complete_claimed_batch(engine, [a.claim]) == []
+
+    assert count_rows(engine, storage, "done_entries") == done_before == 1
+    assert count_rows(engine, storage, "lease_claim_closures") == closures_before == 1
+    assert storage.queue_counts(engine, "q").terminal == 1
+
+
+def test_duplicate_entries_in_one_call_complete_once(engine, storage):
+    (a,) = claimed_jobs(engine, storage, 1)
+    assert storage.complete_runtime_batch(engine, [a, a]) == [(a.job.id, 1)]
+    assert count_rows(engine, storage, "done_entries") == 1
+
+
+def test_completion_with_wrong_run_lease_is_rejected_and_attempt_stays_running(engine, storage):
+    (a,) = claimed_jobs(engine, storage, 1)
+    for wrong in (0, 2, 99):
+        assert storage.complete_job_batch_by_id(engine, [(a.job.id, wrong)]) == []
+
+    assert count_rows(engine, storage, "done_entries") == 0
+    assert storage.queue_counts(engine, "q").running == 1
+    loaded = storage.load_job(engine, a.job.id)
+    assert (loaded.state, loaded.run_lease) == (JobState.RUNNING, 1)
+    assert storage.complete_job_batch_by_id(engine, [(a.job.id, 1)]) == [(a.job.id, 1)]
+
+
+def test_stale_completion_after_second_claim_changes_nothing(engine, storage):
+    (first,) = claimed_jobs(engine, storage, 1)
+    requeue_after_rescue(engine, storage, first)
+    (second,) = storage.claim_runtime_batch(engine, "q", 1)
+    assert (second.job.id, second.job.run_lease) == (first.job.id, 2)
+
+    assert storage.complete_runtime_batch(engine, [first]) == []
+    assert storage.complete_job_batch_by_id(engine, [(first.job.id, 1)]) == []
+    assert count_rows(engine, storage, "done_entries") == 0
+    assert storage.load_job(engine, first.job.id).run_lease == 2
+
+    assert storage.complete_runtime_batch(engine, [second]) == [(first.job.id, 2)]
+    loaded = storage.load_job(engine, first.job.id)
+    assert (loaded.state, loaded.run_lease, loaded.attempt) == (JobState.COMPLETED, 2, 2)
+
+
+def test_mixed_batch_completes_only_the_live_attempts(engine, storage):
+    a, b = claimed_jobs(engine, storage, 2)
+    storage.complete_runtime_batch(engine, [a])
+    assert storage.complete_runtime_batch(engine, [a, b]) == [(b.job.id, 1)]
+    assert count_rows(engine, storage, "done_entries") == 2
+
+
+def test_completion_keeps_payload_on_the_terminal_view(engine, storage):
+    (a,) = claimed_jobs(engine, storage, 1, metadata={"m": 1}, tags=["t"])
+    storage.complete_runtime_batch(engine, [a])
+    loaded = storage.load_job(engine, a.job.id)
+    assert (loaded.metadata, loaded.tags, loaded.args, loaded.attempt) == ({"m": 1}, ["t"], {"i": 0}, 1)
+    assert loaded.finalized_at is not None and loaded.attempted_at == a.job.attempted_at
+
+
+def test_unique_job_completes_through_the_general_path(engine, storage):
+    opts = UniqueOpts(states=0b0000_0111)  # released once completed
+    storage.enqueue_params_batch(engine, [job({"u": 1}, unique=opts)])
+    (a,) = storage.claim_runtime_batch(engine, "q", 1)
+    assert storage.complete_runtime_batch(engine, [a]) == [(a.job.id, 1)]
+    assert count_rows(engine, storage, "job_unique_claims") == 0
+    assert storage.complete_runtime_batch(engine, [a]) == []
+
+
+def test_complete_empty_batch_is_a_no_op(engine, storage):
+    assert storage.complete_runtime_batch(engine, []) == []
+    assert storage.complete_job_batch_by_id(engine, []) == []
+    assert storage.complete_claimed_batch(engine, []) == []
+    assert storage.complete_batch(engine, []) == 0
+
+
+# -- other completion paths -------------------------------------------------------------------
+
+def test_complete_job_batch_by_id_completes_receipt_only_attempts(engine, storage):
+    a, b = claimed_jobs(engine, storage, 2)
+    assert count_rows(engine, storage, "leases") == 0  # receipt-only
+    assert storage.complete_job_batch_by_id(engine, [(b.job.id, 1), (a.job.id, 1)]) \
+        == [(b.job.id, 1), (a.job.id, 1)]
+    assert storage.queue_counts(engine, "q").running == 0
+    assert storage.queue_counts(engine, "q").terminal == 2
+
+
+def test_complete_job_batch_by_id_rejects_malformed_pairs(engine, storage):
+    (a,) = claimed_jobs(engine, storage, 1)
+    for bad in ([a.job.id], [(a.job.id,)], [(a.job.id, "1")], [[a.job.id, 1]]):
+        with pytest.raises(ValidationError):
+            storage.complete_job_batch_by_id(engine, bad)
+    assert storage.queue_counts(engine, "q").running == 1
+
+
+def test_complete_claimed_batch_completes_claimed_entries(engine, storage):
+    a, b = claimed_jobs(engine, storage, 2)
+    assert storage.complete_claimed_batch(engine, [a.claim, b.claim]) == [(a.job.id, 1), (b.job.id, 1)]
+    assert storage.queue_counts(engine, "q").terminal == 2
+
+
+def test_complete_batch_counts_completed_entries_of_claim_batch(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(3)])
+    entries = storage.claim_batch(engine, "q", 3)
+    assert storage.complete_batch(engine, entries) == 3
+    assert storage.complete_batch(engine, entries) == 0
+    assert storage.queue_counts(engine, "q").terminal == 3
+
+
+def test_materialised_leases_are_completed_and_removed(engine, make_storage):
+    storage = make_storage(lease_claim_receipts=False)
+    a, b, c = claimed_jobs(engine, storage, 3)
+    assert storage.complete_runtime_batch(engine, [a]) == [(a.job.id, 1)]
+    assert storage.complete_job_batch_by_id(engine, [(b.job.id, 1)]) == [(b.job.id, 1)]
+    assert storage.complete_claimed_batch(engine, [c.claim]) == [(c.job.id, 1)]
+
+    assert count_rows(engine, storage, "leases") == 0
+    assert storage.complete_runtime_batch(engine, [a, b, c]) == []
+    assert storage.queue_counts(engine, "q") == type(storage.queue_counts(engine, "q"))(0, 0, 3)
+
+
+# -- the caller's transaction -----------------------------------------------------------------
+
+def test_completion_rolled_back_with_callers_transaction_leaves_attempt_running(engine, storage):
+    (a,) = claimed_jobs(engine, storage, 1)
+    with engine.connect() as conn:
+        conn.begin()
+        assert storage.complete_runtime_batch(conn, [a]) == [(a.job.id, 1)]
+        conn.rollback()
+
+    counts = storage.queue_counts(engine, "q")
+    assert (counts.running, counts.terminal) == (1, 0)
+    assert storage.load_job(engine, a.job.id).state is JobState.RUNNING
+    assert storage.complete_runtime_batch(engine, [a]) == [(a.job.id, 1)]
+    assert storage.queue_counts(engine, "q").terminal == 1
+
+
+def test_slow_completion_joins_the_sessions_transaction(engine, storage):
+    (a,) = claimed_jobs(engine, storage, 1)
+    with Session(engine) as session:
+        assert storage.complete_runtime_batch_slow_in_tx(session, [a]) == [(a.job.id, 1)]
+        # Not visible outside until the session commits; rollback undoes it.
+        assert storage.queue_counts(engine, "q").running == 1
+        session.rollback()
+    assert storage.queue_counts(engine, "q").running == 1
+
+    with Session(engine) as session:
+        assert storage.complete_runtime_batch_slow_in_tx(session, [a]) == [(a.job.id, 1)]
+        session.commit()
+    counts = storage.queue_counts(engine, "q")
+    assert (counts.running, counts.terminal) == (0, 1)
+
+
+def test_slow_completion_on_a_connection_sees_the_callers_earlier_work(engine, storage):
+    storage.enqueue_params_batch(engine, [job()])
+    with engine.connect() as conn:
+        conn.begin()
+        (a,) = storage.claim_runtime_batch(conn, "q", 1)  # claimed in the same transaction
+        assert storage.complete_runtime_batch_slow_in_tx(conn, [a]) == [(a.job.id, 1)]
+        conn.commit()
+    assert storage.queue_counts(engine, "q").terminal == 1

@@ -1,0 +1,366 @@
+"""Alembic carries the schema: the real ``alembic`` CLI against brand-new databases."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, create_engine, inspect, pool, text
+
+import qstore
+from qstore import QueueStorage
+from qstore.migrate import BRANCH_LABEL, version_location
+
+REPO = Path(__file__).resolve().parents[1]
+INI = REPO / "alembic.ini"
+RESERVE = ("SELECT {s}.reserve_lanes(ARRAY['q'], ARRAY['q'], ARRAY[2]::smallint[], "
+           "ARRAY[0]::smallint[], ARRAY[1])")
+
+
+def alembic(url: str, *args: str, ini: Path = INI, cwd: Path | None = None,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the real ``alembic`` command line (as ``python -m alembic``)."""
+    env = {k: v for k, v in os.environ.items() if k != "QSTORE_DATABASE_URL"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "alembic", "-c", str(ini), "-x", f"url={url}", *args],
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"alembic {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _engine(url: str) -> Engine:
+    return create_engine(url, poolclass=pool.NullPool)
+
+
+def _version(url: str, schema: str) -> str | None:
+    eng = _engine(url)
+    with eng.connect() as conn:
+        v = conn.execute(text(f"SELECT version_num FROM {schema}.qstore_alembic_version")).scalar()
+    eng.dispose()
+    return v
+
+
+def _objects(url: str, schema: str) -> dict[str, set[str]]:
+    """Every relation (by kind), function and type left in ``schema``."""
+    eng = _engine(url)
+    with eng.connect() as conn:
+        rels = conn.execute(text(
+            "SELECT c.relkind, c.relname FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s"),
+            {"s": schema}).all()
+        procs = set(conn.execute(text(
+            "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname = :s"), {"s": schema}).scalars())
+        types = set(conn.execute(text(
+            "SELECT t.typname FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace "
+            "WHERE n.nspname = :s"), {"s": schema}).scalars())
+    eng.dispose()
+    out: dict[str, set[str]] = {"functions": procs, "types": types}
+    for kind, name in rels:
+        out.setdefault(kind, set()).add(name)
+    return out
+
+
+# -- upgrade ------------------------------------------------------------------------------
+
+
+def test_upgrade_head_on_empty_database_creates_default_schema_at_head(fresh_db_url, tmp_path):
+    alembic(fresh_db_url, "upgrade", "head", cwd=tmp_path)
+    eng = _engine(fresh_db_url)
+    insp = inspect(eng)
+    assert "qstore" in insp.get_schema_names()
+    assert insp.has_table("qstore_alembic_version", schema="qstore")
+    assert insp.has_table("ready_entries", schema="qstore")
+    eng.dispose()
+    assert _version(fresh_db_url, "qstore") == "0002"
+
+
+def test_upgrade_head_installs_default_shape_with_sixteen_queue_slots(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "head")
+    assert QueueStorage.from_existing_schema("qstore", _engine(fresh_db_url)).config \
+        == QueueStorage().config
+
+
+def test_upgrade_with_x_schema_and_slot_count_creates_and_records_that_shape(fresh_db_url):
+    alembic(fresh_db_url, "-x", "schema=custom", "-x", "queue_slot_count=5", "upgrade", "head")
+    objs = _objects(fresh_db_url, "custom")
+    assert {f"ready_entries_{k}" for k in range(5)} <= objs["r"]
+    assert "ready_entries_5" not in objs["r"]
+    eng = _engine(fresh_db_url)
+    with eng.connect() as conn:
+        recorded = conn.execute(text(
+            "SELECT schema_name, queue_slot_count FROM custom.storage_config")).one()
+    assert tuple(recorded) == ("custom", 5)
+    s = QueueStorage.from_existing_schema("custom", eng)
+    eng.dispose()
+    assert (s.schema(), s.queue_slot_count(), s.lease_slot_count()) == ("custom", 5, 8)
+
+
+def test_upgrade_of_custom_schema_does_not_create_the_default_schema(fresh_db_url):
+    alembic(fresh_db_url, "-x", "schema=custom", "-x", "queue_slot_count=5", "upgrade", "head")
+    eng = _engine(fresh_db_url)
+    assert "qstore" not in inspect(eng).get_schema_names()
+    eng.dispose()
+
+
+def test_two_storage_schemas_coexist_each_with_its_own_version_table(fresh_db_url):
+    alembic(fresh_db_url, "-x", "schema=alpha", "upgrade", "head")
+    alembic(fresh_db_url, "-x", "schema=beta", "-x", "queue_slot_count=4", "upgrade", "head")
+    assert _version(fresh_db_url, "alpha") == "0002"
+    assert _version(fresh_db_url, "beta") == "0002"
+    alembic(fresh_db_url, "-x", "schema=alpha", "downgrade", "base")
+    assert "ready_entries" not in _objects(fresh_db_url, "alpha").get("p", set())
+    assert "ready_entries" in _objects(fresh_db_url, "beta")["p"]
+    assert _version(fresh_db_url, "beta") == "0002"
+
+
+def test_upgrade_keeps_rows_written_at_the_previous_revision(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "0001")
+    assert _version(fresh_db_url, "qstore") == "0001"
+    eng = _engine(fresh_db_url)
+    with eng.begin() as conn:
+        assert "dlq_enabled" not in {c["name"] for c in inspect(conn).get_columns(
+            "queue_meta", schema="qstore")}
+        conn.execute(text("INSERT INTO qstore.queue_meta (queue, paused) VALUES ('mail', true)"))
+        conn.execute(text(
+            "INSERT INTO qstore.deferred_jobs (job_id, kind, queue, priority, state) "
+            "VALUES (42, 'send', 'mail', 2, 'scheduled')"))
+        conn.execute(text(RESERVE.format(s="qstore")))
+    alembic(fresh_db_url, "upgrade", "head")
+    with eng.connect() as conn:
+        meta = conn.execute(text(
+            "SELECT queue, paused, dlq_enabled FROM qstore.queue_meta")).all()
+        deferred = conn.execute(text(
+            "SELECT job_id, kind, queue FROM qstore.deferred_jobs")).all()
+        heads = conn.execute(text("SELECT queue, priority FROM qstore.queue_claim_heads")).all()
+        next_pos = conn.execute(text(RESERVE.format(s="qstore"))).scalar()
+    eng.dispose()
+    assert [tuple(r) for r in meta] == [("mail", True, False)]
+    assert [tuple(r) for r in deferred] == [(42, "send", "mail")]
+    assert [tuple(r) for r in heads] == [("q", 2)]
+    assert next_pos == [2]
+    assert _version(fresh_db_url, "qstore") == "0002"
+
+
+# -- check --------------------------------------------------------------------------------
+
+
+def test_alembic_check_reports_no_drift_after_upgrade(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "head")
+    proc = alembic(fresh_db_url, "check", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "No new upgrade operations detected" in proc.stdout + proc.stderr
+
+
+def test_alembic_check_reports_no_drift_for_a_custom_shape(fresh_db_url):
+    alembic(fresh_db_url, "-x", "schema=custom", "-x", "queue_slot_count=5",
+            "-x", "claim_slot_count=3", "upgrade", "head")
+    proc = alembic(fresh_db_url, "-x", "schema=custom", "check", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_alembic_check_fails_when_a_function_body_drifts(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "head")
+    eng = _engine(fresh_db_url)
+    with eng.begin() as conn:
+        conn.execute(text(
+            "CREATE OR REPLACE FUNCTION qstore.backoff_duration(attempt integer, "
+            "max_attempts integer) RETURNS interval LANGUAGE sql VOLATILE AS "
+            "$$ SELECT interval '1 second' $$"))
+    eng.dispose()
+    proc = alembic(fresh_db_url, "check", check=False)
+    assert proc.returncode != 0
+    assert "backoff_duration" in proc.stdout + proc.stderr
+
+
+def test_alembic_check_fails_when_an_index_is_dropped(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "head")
+    eng = _engine(fresh_db_url)
+    with eng.begin() as conn:
+        conn.execute(text("DROP INDEX qstore.deferred_jobs_due_idx"))
+    eng.dispose()
+    proc = alembic(fresh_db_url, "check", check=False)
+    assert proc.returncode != 0
+    assert "deferred_jobs_due_idx" in proc.stdout + proc.stderr
+
+
+def test_alembic_check_fails_when_a_partitioned_parent_index_is_dropped(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "head")
+    eng = _engine(fresh_db_url)
+    with eng.begin() as conn:
+        conn.execute(text("DROP INDEX qstore.ready_entries_job_id_idx"))
+    eng.dispose()
+    proc = alembic(fresh_db_url, "check", check=False)
+    assert proc.returncode != 0
+
+
+def test_create_all_install_has_no_drift_against_the_migrations(make_storage, db_url):
+    s = make_storage(queue_slot_count=4, lease_slot_count=2, claim_slot_count=2)
+    proc = alembic(db_url, "-x", f"schema={s.schema()}", "check", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- downgrade ----------------------------------------------------------------------------
+
+
+def test_downgrade_base_removes_every_object_but_the_version_table(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "head")
+    eng = _engine(fresh_db_url)
+    with eng.begin() as conn:  # creates two runtime lane sequences
+        conn.execute(text(RESERVE.format(s="qstore")))
+    eng.dispose()
+    seqs = _objects(fresh_db_url, "qstore")["S"]
+    assert len({s for s in seqs if s.startswith(("queue_enqueue_seq_", "queue_claim_seq_"))}) == 2
+    alembic(fresh_db_url, "downgrade", "base")
+    left = _objects(fresh_db_url, "qstore")
+    assert left.pop("r") == {"qstore_alembic_version"}
+    assert left.pop("i") == {"qstore_alembic_version_pkc"}
+    assert left.pop("functions") == set()
+    assert left.pop("types") == {"qstore_alembic_version", "_qstore_alembic_version"}
+    assert left == {}  # no sequences, views, partitioned tables or indexes
+    assert _version(fresh_db_url, "qstore") is None
+
+
+def test_downgrade_then_upgrade_reinstalls_cleanly(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "head")
+    alembic(fresh_db_url, "downgrade", "base")
+    alembic(fresh_db_url, "upgrade", "head")
+    assert _version(fresh_db_url, "qstore") == "0002"
+    assert alembic(fresh_db_url, "check", check=False).returncode == 0
+
+
+# -- packaging and branch label -----------------------------------------------------------
+
+
+def test_heads_lists_the_qstore_branch_label(fresh_db_url):
+    out = alembic(fresh_db_url, "heads").stdout
+    assert f"0002 ({BRANCH_LABEL})" in out
+
+
+def test_revision_files_ship_under_the_package_version_location():
+    loc = Path(version_location())
+    assert loc.is_dir()
+    assert Path(qstore.__file__).parent in loc.parents
+    assert {p.name for p in loc.glob("qstore_*.py")} >= {
+        "qstore_0001_substrate.py", "qstore_0002_queue_dlq_policy.py"}
+
+
+def test_pyproject_package_data_covers_the_revision_files():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["qstore"]
+    pkg = Path(qstore.__file__).parent
+    covered = {Path(p).resolve() for pat in patterns for p in glob.glob(str(pkg / pat))}
+    revisions = {p.resolve() for p in Path(version_location()).glob("*.py")}
+    assert revisions and revisions <= covered
+    assert (pkg / "migrations" / "env.py").resolve() in covered
+
+
+# -- a host application's own Alembic environment -----------------------------------------
+
+HOST_ENV = '''
+from alembic import context
+from sqlalchemy import Column, Integer, MetaData, Table, Text, create_engine, pool
+
+host_metadata = MetaData()
+Table("host_orders", host_metadata,
+      Column("id", Integer, primary_key=True),
+      Column("item", Text, nullable=False))
+
+url = context.get_x_argument(as_dictionary=True)["url"]
+engine = create_engine(url, poolclass=pool.NullPool)
+with engine.connect() as connection:
+    # The host compares only its own (default) schema; qstore's schema is qstore's business.
+    context.configure(connection=connection, target_metadata=host_metadata,
+                      include_schemas=False)
+    with context.begin_transaction():
+        context.run_migrations()
+engine.dispose()
+'''
+
+HOST_REVISION = '''
+"""host: orders table"""
+import sqlalchemy as sa
+from alembic import op
+
+revision = "h0001"
+down_revision = None
+branch_labels = ("host",)
+depends_on = None
+
+
+def upgrade():
+    op.create_table("host_orders",
+                    sa.Column("id", sa.Integer, primary_key=True),
+                    sa.Column("item", sa.Text, nullable=False))
+
+
+def downgrade():
+    op.drop_table("host_orders")
+'''
+
+
+@pytest.fixture
+def host_app(tmp_path: Path) -> Path:
+    """A host application's Alembic set-up in a temp dir; returns its alembic.ini."""
+    (tmp_path / "migrations" / "versions").mkdir(parents=True)
+    (tmp_path / "migrations" / "env.py").write_text(HOST_ENV)
+    (tmp_path / "migrations" / "versions" / "h0001_orders.py").write_text(HOST_REVISION)
+    ini = tmp_path / "alembic.ini"
+    ini.write_text(textwrap.dedent(f"""\
+        [alembic]
+        script_location = %(here)s/migrations
+        path_separator = os
+        version_locations = %(here)s/migrations/versions{os.pathsep}{version_location()}
+        """))
+    return ini
+
+
+def test_host_app_upgrade_heads_creates_host_table_and_qstore_schema(fresh_db_url, host_app):
+    alembic(fresh_db_url, "upgrade", "heads", ini=host_app, cwd=host_app.parent)
+    eng = _engine(fresh_db_url)
+    insp = inspect(eng)
+    assert insp.has_table("host_orders", schema="public")
+    assert insp.has_table("ready_entries", schema="qstore")
+    with eng.connect() as conn:
+        versions = set(conn.execute(text("SELECT version_num FROM public.alembic_version")).scalars())
+    eng.dispose()
+    assert versions == {"h0001", "0002"}
+
+
+def test_host_app_heads_lists_both_branches(fresh_db_url, host_app):
+    out = alembic(fresh_db_url, "heads", ini=host_app).stdout
+    assert "h0001 (host)" in out
+    assert f"0002 ({BRANCH_LABEL})" in out
+
+
+def test_host_app_qstore_revisions_take_shape_from_x_arguments(fresh_db_url, host_app):
+    alembic(fresh_db_url, "-x", "schema=jobs", "-x", "queue_slot_count=5",
+            "upgrade", "heads", ini=host_app)
+    eng = _engine(fresh_db_url)
+    s = QueueStorage.from_existing_schema("jobs", eng)
+    eng.dispose()
+    assert (s.schema(), s.queue_slot_count()) == ("jobs", 5)
+
+
+def test_host_app_check_does_not_see_the_qstore_schema_as_drift(fresh_db_url, host_app):
+    alembic(fresh_db_url, "upgrade", "heads", ini=host_app)
+    proc = alembic(fresh_db_url, "check", ini=host_app, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_host_app_can_upgrade_only_the_qstore_branch(fresh_db_url, host_app):
+    alembic(fresh_db_url, "upgrade", f"{BRANCH_LABEL}@head", ini=host_app)
+    eng = _engine(fresh_db_url)
+    insp = inspect(eng)
+    assert insp.has_table("ready_entries", schema="qstore")
+    assert not insp.has_table("host_orders", schema="public")
+    eng.dispose()

@@ -19,6 +19,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TextIO
 
 from sqlalchemy import URL, Engine, create_engine, inspect, select
@@ -143,7 +144,44 @@ def step_show_tables(ctx: DemoContext) -> None:
 
 
 #: The demo, in order. Later steps (enqueue, claim, complete, ...) are appended here.
-DEMO_STEPS: list[DemoStep] = [step_install, step_show_rings, step_show_tables]
+DEMO_QUEUE = "demo"
+
+
+def step_job_lifecycle(ctx: DemoContext) -> None:
+    """Enqueue (batch and COPY), claim, complete, retry a failure, and show the counts."""
+    from qstore.storage.jobs import InsertOpts, InsertParams
+
+    s, e = ctx.storage, ctx.engine
+    opts = InsertOpts(queue=DEMO_QUEUE)
+    n = s.enqueue_params_batch(e, [InsertParams("send_email", {"to": f"user{i}@example.com"}, opts)
+                                   for i in range(3)])
+    n += s.enqueue_params_copy(e, [InsertParams("resize_image", {"id": i}, opts) for i in range(3)])
+    ctx.say(f"\nenqueued {n} jobs into {DEMO_QUEUE!r}: {s.queue_counts(e, DEMO_QUEUE)}")
+    claimed = s.claim_runtime_batch(e, DEMO_QUEUE, 10, timedelta(minutes=5))
+    ctx.say(f"claimed {len(claimed)} attempts (receipts in the claim ring): "
+            f"{s.queue_counts(e, DEMO_QUEUE)}")
+    ok, bad = claimed[:-1], claimed[-1]
+    done = s.complete_runtime_batch(e, ok)
+    failed = s.fail_retryable(e, bad.job.id, bad.job.run_lease, "transient error")
+    ctx.say(f"completed {len(done)}; job {bad.job.id} failed and is {failed.state.value if failed else '?'} "
+            f"until {failed.run_at:%H:%M:%S}" if failed else "")
+    stale = s.complete_runtime_batch(e, ok[:1])
+    ctx.say(f"a repeated completion changes nothing: {stale}")
+    ctx.say(f"counts now: {s.queue_counts(e, DEMO_QUEUE)}")
+
+
+def step_maintenance(ctx: DemoContext) -> None:
+    """Rotate and prune the three rings once, as the maintenance loop would every second."""
+    s, e = ctx.storage, ctx.engine
+    ctx.say("\nmaintenance tick:")
+    for name, op in (("rotate queue ring", s.rotate), ("prune queue ring", s.prune_oldest),
+                     ("rotate claim ring", s.rotate_claims), ("prune claim ring", s.prune_oldest_claims),
+                     ("rotate lease ring", s.rotate_leases), ("prune lease ring", s.prune_oldest_leases)):
+        ctx.say(f"  {name:<18} -> {op(e)}")
+
+
+DEMO_STEPS: list[DemoStep] = [step_install, step_show_rings, step_show_tables, step_job_lifecycle,
+                              step_maintenance]
 
 
 def run_demo(engine: Engine, storage: QueueStorage, out: TextIO,

@@ -421,3 +421,20 @@ def test_rolled_back_multi_pass_claim_strands_nothing(engine, storage):
         assert [j.id for j in storage.claim_job_batch(conn, "q", 2)] == [2, 3]
         tx.rollback()
     assert [j.id for j in storage.claim_job_batch(engine, "q", 5)] == [2, 3]
+
+
+def test_claim_continues_after_prune_removed_the_start_of_the_claim_chain(engine, make_storage):
+    storage = make_storage(schema=f"t_chain_{__import__('uuid').uuid4().hex[:6]}", queue_slot_count=4)
+    storage.enqueue_params_batch(engine, [job({"who": "a"})])  # position 1, queue slot 0
+    assert storage.cancel_job(engine, 1) is not None  # tombstoned
+    assert storage.rotate(engine).kind == "rotated"  # queue ring now writes slot 1
+    storage.enqueue_params_batch(engine, [job({"who": "b"})])  # position 2, slot 1
+    # One claim call records two ranges ([1,1] in slot 0, [2,2] in slot 1) and leaves the
+    # cursor hint at 1: the chain now starts in slot 0.
+    (b,) = storage.claim_runtime_batch(engine, "q", 1)
+    assert b.job.args == {"who": "b"}
+    assert storage.complete_runtime_batch(engine, [b]) == [(b.job.id, b.job.run_lease)]
+    assert storage.prune_oldest(engine).kind == "pruned"  # slot 0 and range [1,1] are gone
+    storage.enqueue_params_batch(engine, [job({"who": "c"})])  # position 3
+    claimed = storage.claim_runtime_batch(engine, "q", 5)
+    assert [j.job.args["who"] for j in claimed] == ["c"]

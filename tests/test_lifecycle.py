@@ -277,3 +277,15 @@ def test_cli_demo_prints_the_three_rings_and_the_tables(fresh_db_url):
 def test_cli_rejects_a_bad_schema_with_exit_code_one(fresh_db_url, capsys):
     assert cli.main(["install", "--url", fresh_db_url, "--schema", "Bad"]) == 1
     assert "invalid schema='Bad'" in capsys.readouterr().err
+
+
+def test_prepare_schema_on_a_create_all_install_says_how_to_adopt_it(engine):
+    config = QueueStorageConfig(schema=f"t_{uuid.uuid4().hex[:8]}")
+    with engine.begin() as conn:
+        lifecycle.create_all(conn, config)
+    try:
+        with pytest.raises(ValidationError, match="stamp head"):
+            QueueStorage(config).prepare_schema(engine)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{config.schema}" CASCADE'))

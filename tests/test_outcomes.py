@@ -8,72 +8,21 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import create_engine, text
+from jobtools import add, census, claim, count, params, running, state
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from qstore import QueueStorage, QueueStorageConfig
-from qstore.model import ClaimedRuntimeJob, JobState
-from qstore.schema import seed_rows, storage_schema
-from qstore.storage import enqueue, lifecycle
-from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore import QueueStorageConfig
+from qstore.model import JobState
+from qstore.schema import storage_schema
+from qstore.storage import enqueue
 
 UTC = timezone.utc
-
-
-# -- harness ----------------------------------------------------------------------------------
-# One schema per module, reset to its freshly installed state before every test (DELETE every
-# table, drop the runtime lane sequences, re-seed the rings): a fresh install per test costs
-# 1-4 s here, the reset ~30 ms. The module gets its own engine, so no compiled statement of
-# another module's (dropped) schema can leak in through the engine's compiled cache (this bit
-# once: ``Sequence.next_value()`` was cached without its schema — regression test
-# ``test_two_schemas_on_one_engine_draw_job_ids_from_their_own_sequences``).
-
-
-@pytest.fixture(scope="module")
-def engine(db_url):
-    eng = create_engine(db_url, pool_size=5, max_overflow=20)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture(scope="module")
-def installed(engine):
-    config = QueueStorageConfig(schema=f"t_{uuid.uuid4().hex[:8]}")
-    with engine.begin() as c:
-        lifecycle.create_all(c, config)
-    yield config
-    with engine.begin() as c:
-        c.execute(text(f'DROP SCHEMA IF EXISTS "{config.schema}" CASCADE'))
-
-
-def reset(engine, config: QueueStorageConfig) -> None:
-    """Back to a fresh install. The ring-state singletons are ANALYZEd so plans see one row
-    each (unanalysed, their cross join in ``claim_ready`` was once estimated at ~3M rows and
-    JIT-compiled on every claim)."""
-    s = config.schema
-    ns = "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s AND "
-    with engine.begin() as c:
-        for seq in c.execute(text(ns + r"c.relkind = 'S' AND c.relname LIKE 'queue\_%\_seq\_%'"), {"s": s}).scalars().all():
-            c.execute(text(f'DROP SEQUENCE "{s}"."{seq}"'))
-        for table in c.execute(text(ns + "c.relkind IN ('r', 'p') AND NOT c.relispartition"), {"s": s}).scalars().all():
-            c.execute(text(f'DELETE FROM "{s}"."{table}"'))
-        c.execute(text(f'ALTER SEQUENCE "{s}".job_id_seq RESTART'))
-        seed_rows(c, storage_schema(config))
-        c.execute(text(f'ANALYZE "{s}".claim_ring_state, "{s}".lease_ring_state, "{s}".queue_ring_state'))
-
-
-@pytest.fixture
-def st(engine, installed) -> QueueStorage:
-    reset(engine, installed)
-    return QueueStorage(installed)
 
 
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def params(kind: str = "k", args: object = None, **opts: object) -> InsertParams:
-    opts.setdefault("queue", "q")
-    return InsertParams(kind, {"n": 1} if args is None else args, InsertOpts(**opts))
 
 
 def newest_id(engine, s) -> int:
@@ -84,38 +33,16 @@ def newest_id(engine, s) -> int:
             f'UNION ALL SELECT job_id FROM "{sc}".deferred_jobs) j')).scalar_one()
 
 
-def add(engine, s, **opts: object) -> int:
-    args = opts.pop("args", None)
-    s.enqueue_params_batch(engine, [params(args=args, **opts)])
-    return newest_id(engine, s)
 
 
-def claim(engine, s, queue: str = "q", deadline: float | None = None) -> ClaimedRuntimeJob:
-    got = s.claim_runtime_batch(engine, queue, 1, deadline)
-    assert len(got) == 1, got
-    return got[0]
 
 
-def running(engine, s, **opts: object) -> ClaimedRuntimeJob:
-    add(engine, s, **opts)
-    return claim(engine, s, str(opts.get("queue", "q")))
 
 
-def count(engine, s, table: str, where: str = "true") -> int:
-    with engine.connect() as c:
-        return c.execute(text(f'SELECT count(*) FROM "{s.schema()}".{table} WHERE {where}')).scalar_one()
 
 
-def state(engine, s, job_id: int) -> JobState:
-    row = s.load_job(engine, job_id)
-    assert row is not None
-    return row.state
 
 
-def census(engine, s) -> dict[str, int]:
-    return {t: count(engine, s, t) for t in (
-        "ready_entries", "ready_tombstones", "deferred_jobs", "done_entries", "dlq_entries",
-        "leases", "lease_claims", "lease_claim_closures", "attempt_state")}
 
 
 def seconds(d: timedelta) -> float:

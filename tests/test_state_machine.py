@@ -6,12 +6,11 @@ lost or active twice (census of live representations, STORAGE.md §8 I1-I3, I15)
 from __future__ import annotations
 
 import time
-import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as hst
 from hypothesis.stateful import (
@@ -21,61 +20,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
-from qstore import QueueStorage, QueueStorageConfig
+from qstore import QueueStorage
 from qstore.model import JobState
-from qstore.schema import seed_rows, storage_schema
-from qstore.storage import lifecycle
 from qstore.storage.jobs import InsertOpts, InsertParams
-
-# -- harness ----------------------------------------------------------------------------------
-# One schema per module, reset to its freshly installed state before every test (DELETE every
-# table, drop the runtime lane sequences, re-seed the rings): a fresh install per test costs
-# 1-4 s here, the reset ~30 ms. The module gets its own engine, so no compiled statement of
-# another module's (dropped) schema can leak in through the engine's compiled cache (this bit
-# once: ``Sequence.next_value()`` was cached without its schema — regression test
-# ``test_two_schemas_on_one_engine_draw_job_ids_from_their_own_sequences``).
-
-
-@pytest.fixture(scope="module")
-def engine(db_url):
-    eng = create_engine(db_url, pool_size=5, max_overflow=20)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture(scope="module")
-def installed(engine):
-    config = QueueStorageConfig(schema=f"t_{uuid.uuid4().hex[:8]}")
-    with engine.begin() as c:
-        lifecycle.create_all(c, config)
-    yield config
-    with engine.begin() as c:
-        c.execute(text(f'DROP SCHEMA IF EXISTS "{config.schema}" CASCADE'))
-
-
-def reset(engine, config: QueueStorageConfig) -> None:
-    """Back to a fresh install. The ring-state singletons are ANALYZEd so plans see one row
-    each (unanalysed, their cross join in ``claim_ready`` was once estimated at ~3M rows and
-    JIT-compiled on every claim)."""
-    s = config.schema
-    ns = "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s AND "
-    with engine.begin() as c:
-        for seq in c.execute(text(ns + r"c.relkind = 'S' AND c.relname LIKE 'queue\_%\_seq\_%'"), {"s": s}).scalars().all():
-            c.execute(text(f'DROP SEQUENCE "{s}"."{seq}"'))
-        for table in c.execute(text(ns + "c.relkind IN ('r', 'p') AND NOT c.relispartition"), {"s": s}).scalars().all():
-            c.execute(text(f'DELETE FROM "{s}"."{table}"'))
-        c.execute(text(f'ALTER SEQUENCE "{s}".job_id_seq RESTART'))
-        seed_rows(c, storage_schema(config))
-        c.execute(text(f'ANALYZE "{s}".claim_ring_state, "{s}".lease_ring_state, "{s}".queue_ring_state'))
-
-
-@pytest.fixture
-def st(engine, installed) -> QueueStorage:
-    reset(engine, installed)
-    return QueueStorage(installed)
-
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -133,15 +82,14 @@ class ModelJob:
     run_at: datetime | None = None  # deferred jobs: when they fall due
 
 
-def build_machine(engine, config: QueueStorageConfig) -> type[RuleBasedStateMachine]:
+def build_machine(engine, fresh_storage: Callable[[], QueueStorage]) -> type[RuleBasedStateMachine]:
     class JobLifecycle(RuleBasedStateMachine):
         """Random enqueue / claim / heartbeat / outcome / rescue / promotion / admin sequences
         against an in-memory model of each job's state, attempt and run_lease."""
 
         def __init__(self) -> None:
             super().__init__()
-            reset(engine, config)  # every example starts from a fresh install
-            self.s = QueueStorage(config)
+            self.s = fresh_storage()  # every example starts from a fresh install
             self.jobs: dict[int, ModelJob] = {}
 
         # -- helpers --------------------------------------------------------------------
@@ -159,7 +107,7 @@ def build_machine(engine, config: QueueStorageConfig) -> type[RuleBasedStateMach
             self.s.enqueue_params_batch(engine, [InsertParams("k", {"i": len(self.jobs)}, InsertOpts(
                 queue="q", max_attempts=max_attempts))])
             with engine.connect() as c:
-                job_id = c.execute(text(f'SELECT max(job_id) FROM "{config.schema}".ready_entries')).scalar_one()
+                job_id = c.execute(text(f'SELECT max(job_id) FROM "{self.s.schema()}".ready_entries')).scalar_one()
             assert job_id not in self.jobs
             self.jobs[job_id] = ModelJob(max_attempts)
 
@@ -306,7 +254,7 @@ def build_machine(engine, config: QueueStorageConfig) -> type[RuleBasedStateMach
         @invariant()
         def database_agrees_with_the_model(self) -> None:
             with engine.connect() as c:  # one snapshot-free read connection for the whole check
-                live = census(c, config.schema)
+                live = census(c, self.s.schema())
                 rows = {job_id: self.s.load_job(c, job_id) for job_id in self.jobs}
                 c.rollback()
             assert set(live) <= set(self.jobs), "live rows of a job nobody enqueued"
@@ -322,8 +270,8 @@ def build_machine(engine, config: QueueStorageConfig) -> type[RuleBasedStateMach
     return JobLifecycle
 
 
-def test_random_job_lifecycles_keep_database_and_model_in_agreement(engine, installed):
-    machine = build_machine(engine, installed)
+def test_random_job_lifecycles_keep_database_and_model_in_agreement(engine, reset_storage):
+    machine = build_machine(engine, reset_storage)
     run_state_machine_as_test(machine, settings=settings(
         max_examples=20, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

@@ -166,6 +166,7 @@ DECLARE
   v_limit bigint;
   v_rows bigint;
   v_first_pass boolean;
+  v_found boolean;
 BEGIN
   IF p_max <= 0 THEN RETURN; END IF;
   IF EXISTS (SELECT 1 FROM {s}.queue_meta m WHERE m.queue = v_logical AND m.paused) THEN
@@ -210,26 +211,33 @@ BEGIN
     v_hint := coalesce(pg_sequence_last_value(v_lane.claim_seq), 0) + 1;
     v_pos := v_hint;
     LOOP
-      SELECT cr.last_seq INTO v_next FROM {s}.ready_claim_ranges cr
-        WHERE cr.queue = p_queue AND cr.priority = v_lane.lane_priority
-          AND cr.enqueue_shard = v_lane.shard AND cr.first_seq = v_pos;
-      EXIT WHEN NOT FOUND;
-      v_pos := v_next + 1;
+      -- follow the committed chain of claim ranges
+      LOOP
+        SELECT cr.last_seq INTO v_next FROM {s}.ready_claim_ranges cr
+          WHERE cr.queue = p_queue AND cr.priority = v_lane.lane_priority
+            AND cr.enqueue_shard = v_lane.shard AND cr.first_seq = v_pos;
+        EXIT WHEN NOT FOUND;
+        v_pos := v_next + 1;
+      END LOOP;
+      SELECT r.ready_slot, r.ready_generation, r.lane_seq
+        INTO v_seg_slot, v_seg_gen, v_seg_first
+        FROM {s}.ready_entries r
+        WHERE r.queue = p_queue AND r.priority = v_lane.lane_priority
+          AND r.enqueue_shard = v_lane.shard AND r.lane_seq >= v_pos
+        ORDER BY r.lane_seq LIMIT 1;
+      v_found := FOUND;
+      EXIT WHEN NOT v_found OR v_seg_first = v_pos;
+      -- Positions before the first committed row are spent: aborted reservations (a producer
+      -- holds the lane reservation lock until it commits, so a later row implies earlier
+      -- ones ended) or history a prune truncated together with its claim ranges. The first
+      -- row may itself start a committed range (its predecessors were pruned): re-follow.
+      v_pos := v_seg_first;
     END LOOP;
-    SELECT r.ready_slot, r.ready_generation, r.lane_seq
-      INTO v_seg_slot, v_seg_gen, v_seg_first
-      FROM {s}.ready_entries r
-      WHERE r.queue = p_queue AND r.priority = v_lane.lane_priority
-        AND r.enqueue_shard = v_lane.shard AND r.lane_seq >= v_pos
-      ORDER BY r.lane_seq LIMIT 1;
-    IF NOT FOUND THEN
+    IF NOT v_found THEN
       -- Nothing committed ahead (the next reservation may still be in flight).
       IF v_first_pass AND v_pos > v_hint THEN PERFORM setval(v_lane.claim_seq, v_pos - 1); END IF;
       EXIT;
     END IF;
-    -- Positions before the first committed row are aborted reservations: a producer holds
-    -- the lane reservation lock until it commits, so later rows imply earlier ones ended.
-    v_pos := v_seg_first;
     IF v_first_pass AND v_pos > v_hint THEN PERFORM setval(v_lane.claim_seq, v_pos - 1); END IF;
     v_first_pass := false;
     v_limit := least(v_remaining,

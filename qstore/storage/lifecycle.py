@@ -42,6 +42,12 @@ def prepare_schema(engine: Target, config: QueueStorageConfig) -> bool:
                 f"schema {config.schema!r} is installed with a different shape: {recorded}",
             )
         before = migrate.current_revision(conn, config)
+        if recorded is not None and before is None:
+            raise ValidationError(
+                "schema", config.schema,
+                "is installed without Alembic (metadata.create_all) and has no version row; "
+                f"run `alembic -x schema={config.schema} stamp head` once, or drop it",
+            )
         migrate.upgrade(conn, config, "heads")
         return migrate.current_revision(conn, config) != before
 

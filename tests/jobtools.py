@@ -1,0 +1,53 @@
+"""Small helpers shared by the attempt-lifecycle test modules: enqueue one job, claim it,
+read a job's state, count rows of a table and take a census of every table family."""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+
+from qstore.model import ClaimedRuntimeJob, JobState
+from qstore.storage.jobs import InsertOpts, InsertParams
+
+
+def params(kind: str = "k", args: object = None, **opts: object) -> InsertParams:
+    opts.setdefault("queue", "q")
+    return InsertParams(kind, {"n": 1} if args is None else args, InsertOpts(**opts))
+
+
+def add(engine, s, **opts: object) -> int:
+    """Enqueue one job and return its id."""
+    args = opts.pop("args", None)
+    s.enqueue_params_batch(engine, [params(args=args, **opts)])
+    sc = s.schema()
+    with engine.connect() as c:
+        return c.execute(text(
+            f'SELECT max(job_id) FROM (SELECT job_id FROM "{sc}".ready_entries '
+            f'UNION ALL SELECT job_id FROM "{sc}".deferred_jobs) j')).scalar_one()
+
+
+def claim(engine, s, queue: str = "q", deadline: float | None = None) -> ClaimedRuntimeJob:
+    got = s.claim_runtime_batch(engine, queue, 1, deadline)
+    assert len(got) == 1, got
+    return got[0]
+
+
+def running(engine, s, deadline: float | None = None, **opts: object) -> ClaimedRuntimeJob:
+    add(engine, s, **opts)
+    return claim(engine, s, str(opts.get("queue", "q")), deadline)
+
+
+def count(engine, s, table: str, where: str = "true") -> int:
+    with engine.connect() as c:
+        return c.execute(text(f'SELECT count(*) FROM "{s.schema()}".{table} WHERE {where}')).scalar_one()
+
+
+def state(engine, s, job_id: int) -> JobState:
+    row = s.load_job(engine, job_id)
+    assert row is not None
+    return row.state
+
+
+def census(engine, s) -> dict[str, int]:
+    return {t: count(engine, s, t) for t in (
+        "ready_entries", "ready_tombstones", "deferred_jobs", "done_entries", "dlq_entries",
+        "leases", "lease_claims", "lease_claim_closures", "attempt_state")}

@@ -41,10 +41,9 @@ def declare_leases(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine
         Column("attempted_at", TS),
         Column("callback_id", UUIDT),
         Column("callback_timeout_at", TS),
-        PrimaryKeyConstraint("lease_slot", *LANE, "lane_seq", name="leases_pkey"),
+        PrimaryKeyConstraint(*LANE, "lane_seq", "lease_slot", name="leases_pkey"),
         Index("leases_callback_idx", "callback_id"),
         Index("leases_attempt_idx", "job_id", "run_lease"),
-        Index("leases_lane_idx", *LANE, "lane_seq"),
         Index("leases_ready_ref_idx", "ready_slot", "ready_generation"),
         Index("leases_callback_timeout_idx", "state", "callback_timeout_at"),
         Index("leases_deadline_idx", "state", "deadline_at"),
@@ -72,8 +71,8 @@ def declare_lease_claims(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
         Column("claimed_at", TS, nullable=False, server_default=NOW),
         Column("materialized_at", TS),
         Column("deadline_at", TS),
-        PrimaryKeyConstraint("claim_slot", "job_id", "run_lease", name="lease_claims_pkey"),
-        Index("lease_claims_attempt_idx", "job_id", "run_lease"),
+        # attempt first: the key doubles as the (job_id, run_lease) lookup index
+        PrimaryKeyConstraint("job_id", "run_lease", "claim_slot", name="lease_claims_pkey"),
         Index("lease_claims_stale_idx", "materialized_at", "claimed_at", "job_id"),
         Index("lease_claims_deadline_idx", "deadline_at", postgresql_using="brin",
               postgresql_with={"pages_per_range": 16}),
@@ -92,9 +91,8 @@ def declare_lease_claim_closures(md: MetaData, cfg: QueueStorageConfig) -> RingF
         Column("run_lease", BIGINT, nullable=False),
         Column("outcome", TEXT, nullable=False),
         Column("closed_at", TS, nullable=False, server_default=NOW),
-        PrimaryKeyConstraint("claim_slot", "job_id", "run_lease",
+        PrimaryKeyConstraint("job_id", "run_lease", "claim_slot",
                              name="lease_claim_closures_pkey"),
-        Index("lease_claim_closures_attempt_idx", "job_id", "run_lease"),
         schema=cfg.schema,
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qstore.config import QueueStorageConfig
+from qstore.schema.types import COUNTER_BUCKETS
 
 __all__ = ["ServerFunction", "ServerView", "declare_functions", "declare_views"]
 
@@ -179,8 +180,10 @@ BEGIN
       SELECT coalesce(pg_sequence_last_value(h.claim_seq), 0) + 1 AS claim_next,
              coalesce(pg_sequence_last_value(h.enqueue_seq), 0) + 1 AS enqueue_next) cur
     LEFT JOIN LATERAL (
+      -- the head candidate's age, needed only to order lanes by aged priority
       SELECT r.run_at FROM {s}.ready_entries r
-      WHERE r.queue = h.queue AND r.priority = h.priority AND r.enqueue_shard = h.enqueue_shard
+      WHERE p_aging_ms > 0
+        AND r.queue = h.queue AND r.priority = h.priority AND r.enqueue_shard = h.enqueue_shard
         AND r.lane_seq >= cur.claim_next
         AND NOT EXISTS (
           SELECT 1 FROM {s}.ready_tombstones t
@@ -189,11 +192,12 @@ BEGIN
       ORDER BY r.lane_seq LIMIT 1) head ON true
     WHERE h.queue = p_queue AND cur.enqueue_next > cur.claim_next
     ORDER BY
-      CASE WHEN head.run_at IS NULL THEN NULL
-           WHEN p_aging_ms > 0 THEN greatest(1, h.priority - floor(
+      CASE WHEN p_aging_ms <= 0 THEN h.priority
+           WHEN head.run_at IS NULL THEN NULL
+           ELSE greatest(1, h.priority - floor(
              extract(epoch FROM (v_now - head.run_at)) * 1000 / p_aging_ms)::integer)
-           ELSE h.priority END NULLS LAST,
-      head.run_at NULLS LAST, h.priority, h.enqueue_shard
+      END NULLS LAST,
+      head.run_at NULLS LAST, h.priority, random()
   LOOP
     EXIT WHEN v_remaining <= 0;
     PERFORM 1 FROM {s}.queue_claim_heads h
@@ -319,34 +323,29 @@ $$""",
 def _complete_receipts(s: str) -> ServerFunction:
     """Fast completion of plain receipt-only attempts in one round trip: lock each receipt
     by primary key (index probe, runtime-pruned to its claim slot), append closures
-    (``ON CONFLICT DO NOTHING``: whoever closed first wins), narrow done rows from the
-    claim-time snapshot and grouped count deltas. Returns the attempts it completed; a
-    receipt that was materialised (heartbeat, callback) is left to the general path."""
+    (``ON CONFLICT DO NOTHING``: whoever closed first wins), narrow done rows built from the
+    receipt itself (kind from the ready row) and grouped count deltas. Returns the attempts
+    it completed; a receipt that was materialised (heartbeat, callback) is left to the
+    general path."""
     return ServerFunction(
         s,
-        "complete_receipts(p_claim_slots integer[], p_job_ids bigint[], p_run_leases bigint[], "
-        "p_ready_slots integer[], p_ready_generations bigint[], p_queues text[], "
-        "p_priorities smallint[], p_shards smallint[], p_lane_seqs bigint[], p_kinds text[], "
-        "p_attempts smallint[], p_attempted_at timestamp with time zone[])",
+        "complete_receipts(p_claim_slots integer[], p_job_ids bigint[], p_run_leases bigint[])",
         f"""RETURNS TABLE(job_id bigint, run_lease bigint) LANGUAGE plpgsql VOLATILE
 SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
   RETURN QUERY
   WITH input AS (
-    SELECT * FROM unnest(p_claim_slots, p_job_ids, p_run_leases, p_ready_slots,
-                         p_ready_generations, p_queues, p_priorities, p_shards, p_lane_seqs,
-                         p_kinds, p_attempts, p_attempted_at)
-      AS i(claim_slot, job_id, run_lease, ready_slot, ready_generation, queue, priority,
-           enqueue_shard, lane_seq, kind, attempt, attempted_at)
+    SELECT DISTINCT i.claim_slot, i.job_id, i.run_lease
+    FROM unnest(p_claim_slots, p_job_ids, p_run_leases) AS i(claim_slot, job_id, run_lease)
+    ORDER BY i.job_id, i.run_lease, i.claim_slot
   ), locked AS (
-    SELECT i.*
+    SELECT c.*
     FROM input i
     CROSS JOIN LATERAL (
-      SELECT 1 FROM {s}.lease_claims c
+      SELECT c.* FROM {s}.lease_claims c
       WHERE c.claim_slot = i.claim_slot AND c.job_id = i.job_id AND c.run_lease = i.run_lease
         AND c.materialized_at IS NULL
       FOR UPDATE) c
-    ORDER BY i.job_id, i.run_lease
   ), closed AS (
     INSERT INTO {s}.lease_claim_closures AS cl (claim_slot, job_id, run_lease, outcome)
     SELECT l.claim_slot, l.job_id, l.run_lease, 'completed' FROM locked l
@@ -356,19 +355,22 @@ BEGIN
     INSERT INTO {s}.done_entries AS d
       (ready_slot, ready_generation, job_id, kind, queue, state, priority, attempt, run_lease,
        lane_seq, enqueue_shard, attempted_at, finalized_at)
-    SELECT l.ready_slot, l.ready_generation, l.job_id, l.kind, l.queue, 'completed',
-           l.priority, l.attempt, l.run_lease, l.lane_seq, l.enqueue_shard, l.attempted_at,
+    SELECT l.ready_slot, l.ready_generation, l.job_id, r.kind, l.queue, 'completed',
+           l.priority, l.attempt, l.run_lease, l.lane_seq, l.enqueue_shard, l.claimed_at,
            clock_timestamp()
     FROM locked l
     JOIN closed c ON c.claim_slot = l.claim_slot AND c.job_id = l.job_id
                  AND c.run_lease = l.run_lease
+    JOIN {s}.ready_entries r ON r.ready_slot = l.ready_slot AND r.queue = l.queue
+                            AND r.priority = l.priority AND r.enqueue_shard = l.enqueue_shard
+                            AND r.lane_seq = l.lane_seq
     RETURNING d.ready_slot, d.ready_generation, d.queue, d.priority, d.enqueue_shard, d.job_id
   ), deltas AS (
     INSERT INTO {s}.queue_terminal_count_deltas
       (ready_slot, ready_generation, queue, priority, enqueue_shard, counter_bucket,
        terminal_delta)
     SELECT d.ready_slot, d.ready_generation, d.queue, d.priority, d.enqueue_shard,
-           (d.job_id % 256)::smallint, count(*)
+           (d.job_id % {COUNTER_BUCKETS})::smallint, count(*)
     FROM done d
     GROUP BY 1, 2, 3, 4, 5, 6
     ORDER BY 1, 2, 3, 4, 5, 6

@@ -11,7 +11,10 @@ from qstore.schema.rings import RingFamily, ring_table
 from qstore.schema.types import BIGINT, BYTES, INT, JSON, NOW, SMALLINT, TEXT, TS
 
 LANE = ("queue", "priority", "enqueue_shard")
-LANE_KEY = ("ready_slot", *LANE, "lane_seq")
+# Primary keys lead with the lane position and end with the partition key: inside one slot
+# child the key is the lane index, so no separate lane index is needed (fewer index writes
+# on every append).
+LANE_KEY = (*LANE, "lane_seq", "ready_slot")
 
 
 def _ring(md: MetaData, cfg: QueueStorageConfig, name: str, *items) -> RingFamily:  # type: ignore[no-untyped-def]
@@ -42,7 +45,6 @@ def declare_ready_entries(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
         Column("payload", JSON),
         PrimaryKeyConstraint(*LANE_KEY, name="ready_entries_pkey"),
         Index("ready_entries_job_id_idx", "job_id"),
-        Index("ready_entries_lane_idx", *LANE, "lane_seq"),
     )
 
 
@@ -60,7 +62,6 @@ def declare_ready_tombstones(md: MetaData, cfg: QueueStorageConfig) -> RingFamil
         Column("tombstoned_at", TS, nullable=False, server_default=NOW),
         PrimaryKeyConstraint(*LANE_KEY, "ready_generation", name="ready_tombstones_pkey"),
         Index("ready_tombstones_job_id_idx", "job_id"),
-        Index("ready_tombstones_lane_idx", *LANE, "lane_seq"),
     )
 
 
@@ -81,9 +82,8 @@ def declare_claim_ranges(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
         Column("first_seq", BIGINT, nullable=False),
         Column("last_seq", BIGINT, nullable=False),
         Column("claimed_at", TS, nullable=False, server_default=NOW),
-        PrimaryKeyConstraint("ready_slot", *LANE, "first_seq", name="ready_claim_ranges_pkey"),
+        PrimaryKeyConstraint(*LANE, "first_seq", "ready_slot", name="ready_claim_ranges_pkey"),
         CheckConstraint("last_seq >= first_seq", name="ready_claim_ranges_span"),
-        Index("ready_claim_ranges_lane_idx", *LANE, "first_seq"),
     )
 
 
@@ -114,7 +114,6 @@ def declare_done_entries(md: MetaData, cfg: QueueStorageConfig, state_type: Type
         Column("payload", JSON),
         PrimaryKeyConstraint(*LANE_KEY, name="done_entries_pkey"),
         Index("done_entries_job_id_idx", "job_id"),
-        Index("done_entries_lane_idx", *LANE, "lane_seq"),
         Index("done_entries_failed_idx", "queue", postgresql_where=text("state = 'failed'")),
     )
 

@@ -34,12 +34,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from qstore.model import JobState
 from qstore.schema import StorageSchema
+from qstore.schema.types import COUNTER_BUCKETS
 from qstore.storage.statements import unnest_rows
 
-__all__ = ["Taken", "take_attempts", "write_deltas", "write_done_rows"]
+__all__ = ["COUNTER_BUCKETS", "Taken", "take_attempts", "write_deltas", "write_done_rows"]
 
 PAIR = {"job_id": BigInteger(), "run_lease": BigInteger()}
-BUCKETS = 256
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def write_deltas(conn: Connection, sch: StorageSchema, rows: Sequence[tuple[int,
     job_id)`` rows, in key order (no counter row is ever updated on this path)."""
     if not rows:
         return
-    grouped = Counter((s, g, q, p, sh, j % BUCKETS) for s, g, q, p, sh, j in rows)
+    grouped = Counter((s, g, q, p, sh, j % COUNTER_BUCKETS) for s, g, q, p, sh, j in rows)
     conn.execute(insert(sch.deltas.parent), [
         {"ready_slot": s, "ready_generation": g, "queue": q, "priority": p, "enqueue_shard": sh,
          "counter_bucket": b, "terminal_delta": sign * n}

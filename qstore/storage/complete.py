@@ -3,7 +3,7 @@
 Fast path (``complete_runtime_batch`` for plain receipt-only attempts): one call of the
 server function ``complete_receipts`` locks the receipts, appends closures (``ON CONFLICT DO
 NOTHING`` — a rescue or cancel that closed first wins), narrow done rows from the claim-time
-snapshot and grouped count deltas.
+receipt (the worker sends only ``(claim_slot, job_id, run_lease)``) and grouped count deltas.
 Everything else (materialised leases, heartbeated receipts, unique-key transitions) takes
 the general path of :mod:`qstore.storage.attempts`. Stale entries are absent from results.
 """
@@ -14,8 +14,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, Integer, SmallInteger, Text, column, select
-from sqlalchemy.dialects.postgresql import TIMESTAMP
+from sqlalchemy import BigInteger, Connection, Integer, column, select
 
 from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobState
 from qstore.schema import StorageSchema
@@ -26,12 +25,7 @@ from qstore.storage.statements import array_param, schema_func
 
 __all__ = ["complete_pairs", "complete_runtime"]
 
-_ARRAYS: dict[str, Any] = {
-    "claim_slots": Integer(), "job_ids": BigInteger(), "run_leases": BigInteger(),
-    "ready_slots": Integer(), "ready_generations": BigInteger(), "queues": Text(),
-    "priorities": SmallInteger(), "shards": SmallInteger(), "lane_seqs": BigInteger(),
-    "kinds": Text(), "attempts": SmallInteger(), "attempted_at": TIMESTAMP(timezone=True),
-}
+_ARRAYS: dict[str, Any] = {"claim_slots": Integer(), "job_ids": BigInteger(), "run_leases": BigInteger()}
 
 
 @functools.lru_cache(maxsize=64)
@@ -72,12 +66,7 @@ def complete_runtime(conn: Connection, sch: StorageSchema, claimed: Sequence[Cla
         e: list[ClaimedEntry] = [j.claim for j in fast]
         rows = conn.execute(_fast_stmt(sch), {
             "claim_slots": [x.claim_slot for x in e], "job_ids": [x.job_id for x in e],
-            "run_leases": [x.run_lease for x in e], "ready_slots": [x.ready_slot for x in e],
-            "ready_generations": [x.ready_generation for x in e], "queues": [x.queue for x in e],
-            "priorities": [x.priority for x in e], "shards": [x.enqueue_shard for x in e],
-            "lane_seqs": [x.lane_seq for x in e], "kinds": [j.job.kind for j in fast],
-            "attempts": [j.job.attempt for j in fast],
-            "attempted_at": [j.job.attempted_at for j in fast],
+            "run_leases": [x.run_lease for x in e],
         }).all()
         done = [(r.job_id, r.run_lease) for r in rows]
     finished = set(done)

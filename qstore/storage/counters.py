@@ -49,8 +49,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from qstore.errors import ValidationError
 from qstore.model import TerminalDeltaRollupOutcome
 from qstore.schema import StorageSchema
+from qstore.schema.types import COUNTER_BUCKETS
 from qstore.storage._tx import Target, transaction
-from qstore.storage.attempts import BUCKETS
 from qstore.storage.maintenance import BLOCKED, guarded, lock_exclusive, truncate_tables
 
 __all__ = [
@@ -92,7 +92,7 @@ def mvcc_horizon_pinned(conn: Connection) -> bool:
 def _statements(sch: StorageSchema) -> dict[str, Any]:
     rs = sch.queue_ring_state
     d, live = sch.done.parent, sch.live_counts
-    bucket = (d.c.job_id % BUCKETS).cast(SmallInteger)
+    bucket = (d.c.job_id % COUNTER_BUCKETS).cast(SmallInteger)
     group = (d.c.ready_slot, d.c.queue, d.c.priority, d.c.enqueue_shard, bucket)
     return {
         "state_lock": select(rs.c.current_slot, rs.c.generation).with_for_update(),
@@ -241,7 +241,7 @@ def rebuild_terminal_counters(target: Target, sch: StorageSchema) -> int:
     the queue ring-state row lock, ``done_entries``, the delta ledger and the live counts are
     locked ``ACCESS EXCLUSIVE`` (no timeout: completions wait until the rebuild commits), the
     live counts and every delta child are truncated and the live counts re-aggregated by
-    ``(ready_slot, queue, priority, enqueue_shard, job_id % 256)``. Rollups of pruned slots
+    ``(ready_slot, queue, priority, enqueue_shard, job_id % COUNTER_BUCKETS)``. Rollups of pruned slots
     are left as they are.
     """
     s = _statements(sch)

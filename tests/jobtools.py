@@ -51,3 +51,11 @@ def census(engine, s) -> dict[str, int]:
     return {t: count(engine, s, t) for t in (
         "ready_entries", "ready_tombstones", "deferred_jobs", "done_entries", "dlq_entries",
         "leases", "lease_claims", "lease_claim_closures", "attempt_state")}
+
+
+def requeue(engine, s, claimed: ClaimedRuntimeJob) -> None:
+    """End the claimed attempt as retryable and promote it at once, so the next claim of
+    its queue starts the job's next attempt (run_lease + 1)."""
+    job = claimed.job
+    assert s.retry_after(engine, job.id, job.run_lease, 0) is not None
+    assert s.promote_due(engine, JobState.RETRYABLE, 100) >= 1

@@ -8,6 +8,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from jobtools import requeue
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -37,25 +38,6 @@ def pause(engine, storage, queue: str, paused: bool = True) -> None:
                   {"q": queue, "p": paused})
 
 
-def requeue_after_rescue(engine, storage, claimed) -> None:
-    """Stand-in for a rescue (issue 4): close the attempt's receipt as 'rescued' and
-    re-enqueue the same job id at the next position of its lane with the attempt's counters
-    (STORAGE.md §7 "re-enqueue"), so the next claim starts a second attempt."""
-    s, c, j = storage.schema(), claimed.claim, claimed.job
-    lane = {"q": c.queue, "p": c.priority, "sh": c.enqueue_shard}
-    with engine.begin() as conn:
-        conn.execute(text(f'INSERT INTO "{s}".lease_claim_closures (claim_slot, job_id, run_lease, outcome) '
-                          "VALUES (:cs, :j, :rl, 'rescued')"),
-                     {"cs": c.claim_slot, "j": j.id, "rl": j.run_lease})
-        seq = conn.execute(text(f'SELECT nextval(enqueue_seq) FROM "{s}".queue_enqueue_heads '
-                                "WHERE queue = :q AND priority = :p AND enqueue_shard = :sh"), lane).scalar_one()
-        conn.execute(text(
-            f'INSERT INTO "{s}".ready_entries (ready_slot, ready_generation, job_id, kind, queue, '
-            "args, priority, attempt, run_lease, max_attempts, lane_seq, enqueue_shard) "
-            "SELECT current_slot, generation, :j, :kind, :q, CAST(:args AS jsonb), :p, :att, :rl, "
-            f':ma, :seq, :sh FROM "{s}".queue_ring_state'),
-            {**lane, "j": j.id, "kind": j.kind, "args": '{"again": true}', "att": j.attempt,
-             "rl": j.run_lease, "ma": j.max_attempts, "seq": seq})
 
 
 # -- order ----------------------------------------------------------------------------------
@@ -187,7 +169,7 @@ def test_first_claim_starts_attempt_one_with_run_lease_one(engine, storage):
 def test_every_claim_increments_run_lease_and_attempt(engine, storage):
     storage.enqueue_params_batch(engine, [job()])
     (first,) = storage.claim_runtime_batch(engine, "q", 1)
-    requeue_after_rescue(engine, storage, first)
+    requeue(engine, storage, first)
 
     (second,) = storage.claim_runtime_batch(engine, "q", 1)
 

@@ -406,7 +406,7 @@ def test_rolled_back_multi_pass_claim_strands_nothing(engine, storage):
 
 
 def test_claim_continues_after_prune_removed_the_start_of_the_claim_chain(engine, make_storage):
-    storage = make_storage(schema=f"t_chain_{__import__('uuid').uuid4().hex[:6]}", queue_slot_count=4)
+    storage = make_storage(queue_slot_count=4)
     storage.enqueue_params_batch(engine, [job({"who": "a"})])  # position 1, queue slot 0
     assert storage.cancel_job(engine, 1) is not None  # tombstoned
     assert storage.rotate(engine).kind == "rotated"  # queue ring now writes slot 1

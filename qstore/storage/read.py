@@ -81,6 +81,15 @@ def _payload_fields(payload: dict[str, Any] | None) -> dict[str, Any]:
             "tags": list(p.get("tags") or []), "progress": p.get("progress")}
 
 
+def _snapshot_row(d: Any) -> JobRow:
+    """JobRow of a wide snapshot row (deferred, terminal view or DLQ) in its stored state."""
+    return JobRow(id=d.job_id, kind=d.kind, queue=d.queue, args=d.args, state=JobState(d.state),
+                  priority=d.priority, attempt=d.attempt, run_lease=d.run_lease,
+                  max_attempts=d.max_attempts, run_at=d.run_at, created_at=d.created_at,
+                  attempted_at=d.attempted_at, finalized_at=d.finalized_at,
+                  unique_key=d.unique_key, unique_states=d.unique_states, **_payload_fields(d.payload))
+
+
 def load_job(conn: Connection, sch: StorageSchema, job_id: int) -> JobRow | None:
     """Newest view of ``job_id`` across ready, deferred, running, terminal and DLQ rows:
     greatest ``(run_lease, transition time, state rank)``. None once its history is pruned."""
@@ -100,13 +109,7 @@ def load_job(conn: Connection, sch: StorageSchema, job_id: int) -> JobRow | None
                      unique_states=r.unique_states, **_payload_fields(r.payload))
         cands.append(((r.run_lease, r.run_at, 2), row))
     for d in conn.execute(s["deferred"], arg):
-        state = JobState(d.state)
-        row = JobRow(id=d.job_id, kind=d.kind, queue=d.queue, args=d.args, state=state,
-                     priority=d.priority, attempt=d.attempt, run_lease=d.run_lease,
-                     max_attempts=d.max_attempts, run_at=d.run_at, created_at=d.created_at,
-                     attempted_at=d.attempted_at, finalized_at=d.finalized_at,
-                     unique_key=d.unique_key, unique_states=d.unique_states, **_payload_fields(d.payload))
-        cands.append(((d.run_lease, d.finalized_at or d.run_at, 3), row))
+        cands.append(((d.run_lease, d.finalized_at or d.run_at, 3), _snapshot_row(d)))
     for kind in ("leases", "open_claims"):
         for x in conn.execute(s[kind], arg):
             body = ready_by_key.get((x.ready_slot, x.queue, x.priority, x.enqueue_shard, x.lane_seq))
@@ -131,19 +134,9 @@ def load_job(conn: Connection, sch: StorageSchema, job_id: int) -> JobRow | None
                          **fields)
             cands.append(((x.run_lease, hb or attempted or body.run_at, 4), row))
     for d in conn.execute(s["terminal"], arg):
-        row = JobRow(id=d.job_id, kind=d.kind, queue=d.queue, args=d.args, state=JobState(d.state),
-                     priority=d.priority, attempt=d.attempt, run_lease=d.run_lease,
-                     max_attempts=d.max_attempts, run_at=d.run_at, created_at=d.created_at,
-                     attempted_at=d.attempted_at, finalized_at=d.finalized_at,
-                     unique_key=d.unique_key, unique_states=d.unique_states, **_payload_fields(d.payload))
-        cands.append(((d.run_lease, d.finalized_at, 1), row))
+        cands.append(((d.run_lease, d.finalized_at, 1), _snapshot_row(d)))
     for d in conn.execute(s["dlq"], arg):
-        row = JobRow(id=d.job_id, kind=d.kind, queue=d.queue, args=d.args, state=JobState(d.state),
-                     priority=d.priority, attempt=d.attempt, run_lease=d.run_lease,
-                     max_attempts=d.max_attempts, run_at=d.run_at, created_at=d.created_at,
-                     attempted_at=d.attempted_at, finalized_at=d.finalized_at,
-                     unique_key=d.unique_key, unique_states=d.unique_states, **_payload_fields(d.payload))
-        cands.append(((d.run_lease, d.dlq_at, 1), row))
+        cands.append(((d.run_lease, d.dlq_at, 1), _snapshot_row(d)))
     if not cands:
         return None
     return max(cands, key=lambda c: c[0])[1]

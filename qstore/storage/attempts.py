@@ -26,7 +26,6 @@ from sqlalchemy import (
     and_,
     bindparam,
     delete,
-    func,
     insert,
     select,
 )
@@ -37,7 +36,7 @@ from qstore.schema import StorageSchema
 from qstore.schema.types import COUNTER_BUCKETS
 from qstore.storage.statements import unnest_rows
 
-__all__ = ["COUNTER_BUCKETS", "Taken", "take_attempts", "write_deltas", "write_done_rows"]
+__all__ = ["COUNTER_BUCKETS", "Taken", "take_attempts", "write_deltas"]
 
 PAIR = {"job_id": BigInteger(), "run_lease": BigInteger()}
 
@@ -180,25 +179,5 @@ def write_deltas(conn: Connection, sch: StorageSchema, rows: Sequence[tuple[int,
     ])
 
 
-def write_done_rows(conn: Connection, sch: StorageSchema, taken: Sequence[Taken], state: JobState,
-                    *, payloads: Sequence[dict[str, Any] | None] | None = None) -> list[datetime]:
-    """Insert narrow terminal rows for claimed attempts (+ deltas). A payload is stored only
-    when it differs from the ready row's. Returns each row's ``finalized_at``."""
-    if not taken:
-        return []
-    now = conn.execute(select(func.clock_timestamp())).scalar_one()
-    rows = []
-    for i, t in enumerate(taken):
-        payload = payloads[i] if payloads is not None else None
-        rows.append({
-            "ready_slot": t.ready_slot, "ready_generation": t.ready_generation, "job_id": t.job_id,
-            "kind": t.kind, "queue": t.queue, "state": state.value, "priority": t.priority,
-            "attempt": t.attempt, "run_lease": t.run_lease, "lane_seq": t.lane_seq,
-            "enqueue_shard": t.enqueue_shard, "attempted_at": t.attempted_at, "finalized_at": now,
-            "payload": payload if payload != t.payload else None,
-        })
-    conn.execute(insert(sch.done.parent), rows)
-    write_deltas(conn, sch, [(t.ready_slot, t.ready_generation, t.queue, t.priority, t.enqueue_shard, t.job_id) for t in taken], +1)
-    return [now] * len(taken)
 
 

@@ -18,12 +18,17 @@ from sqlalchemy import BigInteger, Connection, Integer, column, select
 
 from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobState
 from qstore.schema import StorageSchema
-from qstore.storage import unique
-from qstore.storage.attempts import take_attempts, write_done_rows
+from qstore.storage.attempts import take_attempts
+from qstore.storage.enqueue import LaneRouter
 from qstore.storage.jobs import holds_key
 from qstore.storage.statements import array_param, schema_func
+from qstore.storage.transitions import Decision, apply
+from qstore.storage.writers import Body
 
 __all__ = ["complete_pairs", "complete_runtime"]
+
+# Completion never re-enqueues, so it needs no lane routing state of its own.
+_NO_REENQUEUE = LaneRouter()
 
 _ARRAYS: dict[str, Any] = {"claim_slots": Integer(), "job_ids": BigInteger(), "run_leases": BigInteger()}
 
@@ -44,16 +49,12 @@ def _fast_candidate(job: ClaimedRuntimeJob) -> bool:
 
 
 def complete_pairs(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """General path: complete whichever of ``pairs`` are live (receipt or lease)."""
+    """General path: complete whichever of ``pairs`` are live (receipt or lease). Progress is
+    dropped from the terminal payload; metadata, tags and errors stay as enqueued."""
     taken = take_attempts(conn, sch, pairs, "completed")
-    if not taken:
-        return []
-    # progress is dropped from the terminal payload; metadata/tags/errors stay as enqueued
-    write_done_rows(conn, sch, taken, JobState.COMPLETED, payloads=[t.payload for t in taken])
-    unique.sync(conn, sch, [
-        unique.Transition(t.job_id, t.unique_key, t.unique_states, t.old_state, JobState.COMPLETED)
-        for t in taken
-    ])
+    done = Decision("terminal", JobState.COMPLETED, clear_progress=True)
+    apply(conn, sch, _NO_REENQUEUE, [(Body.from_taken(t), done, t.old_state) for t in taken],
+          ready_payloads={t.job_id: t.payload for t in taken})
     return [(t.job_id, t.run_lease) for t in taken]
 
 

@@ -175,12 +175,17 @@ def drain(
     expected: int | None = None,
     recheck_pause: float = 0.01,
     idle_exit: float = 1.0,
+    own_transactions: bool = False,
 ) -> DrainResult:
     """``threads`` workers, each on its own pooled connection, loop claim + complete (one
     transaction each). A worker stops once its claims have come back empty (at least twice,
     ``recheck_pause`` apart) for ``idle_exit`` seconds, or as soon as all ``expected`` jobs
     have been completed by the pool. A worker that gave up on empties while jobs were still
-    outstanding is counted in ``early_exits``."""
+    outstanding is counted in ``early_exits``.
+
+    ``own_transactions``: instead of wrapping each call in ``BEGIN ... COMMIT`` on the
+    worker's connection, pass the ``Engine`` to ``claim``/``complete`` and let each system
+    run the call as its own transaction (each adapter's Engine mode)."""
     start = threading.Barrier(threads + 1)
     lock = threading.Lock()
     errors: list[BaseException] = []
@@ -194,15 +199,19 @@ def drain(
         calls = empty = 0
         last = 0.0
         try:
-            with engine.connect() as conn:
+            # own_transactions: no connection per worker; each call checks one out itself
+            with contextlib.nullcontext() if own_transactions else engine.connect() as conn:
                 start.wait(timeout=120)
                 empties = 0
                 idle_since = 0.0
                 while True:
                     if expected is not None and stats["completed"] >= expected:
                         break
-                    with conn.begin():
-                        got = claim(conn)
+                    if own_transactions:
+                        got = claim(engine)  # type: ignore[arg-type]
+                    else:
+                        with conn.begin():
+                            got = claim(conn)
                     calls += 1
                     if not got:
                         empty += 1
@@ -218,8 +227,11 @@ def drain(
                         time.sleep(recheck_pause)
                         continue
                     empties = 0
-                    with conn.begin():
-                        done = complete(conn, got)
+                    if own_transactions:
+                        done = complete(engine, got)  # type: ignore[arg-type]
+                    else:
+                        with conn.begin():
+                            done = complete(conn, got)
                     if done != len(got):
                         raise RuntimeError(
                             f"completion reported {done} of {len(got)} claimed jobs"
@@ -229,8 +241,8 @@ def drain(
                     with lock:
                         stats["completed"] += len(got)
                 # Make the cumulative statistics (n_dead_tup) visible without waiting.
-                with conn.begin():
-                    conn.execute(text("SELECT pg_stat_force_next_flush()"))
+                with contextlib.nullcontext(conn) if conn is not None else engine.connect() as c, c.begin():
+                    c.execute(text("SELECT pg_stat_force_next_flush()"))
         except threading.BrokenBarrierError:
             return
         except BaseException as exc:

@@ -20,10 +20,11 @@ Then ratios and the targets of issue 3 (PASS/FAIL). Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,13 @@ def workload(n: int) -> list[Job]:
 
 
 # -- systems under test -----------------------------------------------------------------
+@contextlib.contextmanager
+def autocommit(engine: Engine) -> Iterator[Connection]:
+    """A pooled connection on which every statement is its own transaction."""
+    with engine.connect() as conn:
+        yield conn.execution_options(isolation_level="AUTOCOMMIT")
+
+
 class ClassicSystem:
     name = "classic"
 
@@ -92,11 +100,17 @@ class ClassicSystem:
     def enqueue_insert(self, conn: Connection, jobs: Sequence[Any]) -> int:
         return self.q.enqueue_insert(conn, jobs)
 
-    def claim(self, conn: Connection, batch: int) -> Sequence[Any]:
-        return self.q.claim(conn, QUEUE, batch)
+    def claim(self, target: Connection | Engine, batch: int) -> Sequence[Any]:
+        if isinstance(target, Engine):  # own transaction: one autocommitted statement
+            with autocommit(target) as conn:
+                return self.q.claim(conn, QUEUE, batch)
+        return self.q.claim(target, QUEUE, batch)
 
-    def complete(self, conn: Connection, claimed: Sequence[Any]) -> int:
-        return self.q.complete(conn, [j.id for j in claimed])
+    def complete(self, target: Connection | Engine, claimed: Sequence[Any]) -> int:
+        if isinstance(target, Engine):
+            with autocommit(target) as conn:
+                return self.q.complete(conn, [j.id for j in claimed])
+        return self.q.complete(target, [j.id for j in claimed])
 
     @staticmethod
     def ids_of(claimed: Sequence[Any]) -> list[int]:
@@ -143,11 +157,12 @@ class QstoreSystem:
     def enqueue_insert(self, conn: Connection, jobs: Sequence[Any]) -> int:
         return self.storage.enqueue_params_batch(conn, list(jobs))
 
-    def claim(self, conn: Connection, batch: int) -> Sequence[Any]:
-        return self.storage.claim_runtime_batch(conn, QUEUE, batch, self._deadline)
+    def claim(self, target: Connection | Engine, batch: int) -> Sequence[Any]:
+        # an Engine target is qstore's own-transaction mode
+        return self.storage.claim_runtime_batch(target, QUEUE, batch, self._deadline)
 
-    def complete(self, conn: Connection, claimed: Sequence[Any]) -> int:
-        return len(self.storage.complete_runtime_batch(conn, list(claimed)))
+    def complete(self, target: Connection | Engine, claimed: Sequence[Any]) -> int:
+        return len(self.storage.complete_runtime_batch(target, list(claimed)))
 
     @staticmethod
     def ids_of(claimed: Sequence[Any]) -> list[int]:
@@ -197,6 +212,7 @@ def run_one(engine: Engine, system: Any, phase: str, jobs: Sequence[Job], args: 
             ids_of=system.ids_of,
             expected=n,
             idle_exit=args.idle_exit,
+            own_transactions=args.transactions == "own",
         )
         with engine.connect() as conn, conn.begin():
             leftover = len(system.claim(conn, args.batch))
@@ -377,6 +393,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="repeat every (phase, system) measurement; medians are reported")
     p.add_argument("--idle-exit", type=float, default=1.0,
                    help="a worker stops after this many seconds of empty claims (default 1.0)")
+    p.add_argument("--transactions", choices=("own", "explicit"), default="own",
+                   help="own: claim and complete get the Engine and run as their own "
+                        "transaction (one autocommitted statement each where the system can); "
+                        "explicit: the worker wraps each call in BEGIN/COMMIT on its connection")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
                    help="session setting for every benchmark connection, e.g. --set jit=off "
                         "(repeatable; applies to both systems)")
@@ -413,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     exact = ensure_pgstattuple(engine)
     info = server_info(engine)
     print(f"jobs={args.jobs} threads={args.threads} batch={args.batch} "
-          f"enqueue_chunk={args.enqueue_chunk} qstore_shards={args.qstore_shards} cpus={info['cpus']} "
+          f"enqueue_chunk={args.enqueue_chunk} transactions={args.transactions} qstore_shards={args.qstore_shards} cpus={info['cpus']} "
           f"postgres={info['postgres']['server_version']} "
           f"autovacuum={info['postgres']['autovacuum']} jit={info['postgres']['jit']} "
           f"dead-tuple source={'pgstattuple' if exact else 'n_dead_tup'}"

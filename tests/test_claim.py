@@ -4,6 +4,7 @@ caller's transaction."""
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -384,6 +385,44 @@ def test_concurrent_claim_skips_a_lane_locked_by_an_open_claim(engine, storage):
         assert [j.job.args["p"] for j in other] == [3]
         conn.commit()
     assert storage.claim_runtime_batch(engine, "q", 5) == []
+
+
+def test_claim_queues_on_the_only_busy_lane_instead_of_returning_empty(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])
+    got: dict[str, list] = {}
+    with engine.connect() as conn:
+        conn.begin()
+        assert [j.job.args["i"] for j in storage.claim_runtime_batch(conn, "q", 2)] == [0, 1]
+        other = threading.Thread(
+            target=lambda: got.update(jobs=storage.claim_runtime_batch(engine, "q", 5)))
+        other.start()
+        time.sleep(0.05)  # well inside the claim's bounded wait
+        conn.commit()
+        other.join(5)
+    assert [j.job.args["i"] for j in got["jobs"]] == [2, 3]
+
+
+def test_claim_gives_up_on_a_lane_held_past_the_wait_bound(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(2)])
+    with engine.connect() as conn:
+        conn.begin()
+        assert len(storage.claim_runtime_batch(conn, "q", 1)) == 1
+        start = time.monotonic()
+        assert storage.claim_runtime_batch(engine, "q", 5) == []
+        waited = time.monotonic() - start
+        conn.commit()
+    assert 0.1 <= waited < 2  # queued for the bound (200 ms), then returned empty, no error
+    assert [j.job.args["i"] for j in storage.claim_runtime_batch(engine, "q", 5)] == [1]
+
+
+def test_claim_wait_bound_does_not_leak_into_the_callers_transaction(engine, storage):
+    storage.enqueue_params_batch(engine, [job()])
+    with engine.connect() as conn:
+        conn.begin()
+        conn.execute(text("SET LOCAL lock_timeout = '7s'"))
+        assert len(storage.claim_runtime_batch(conn, "q", 1)) == 1
+        assert conn.execute(text("SHOW lock_timeout")).scalar_one() == "7s"
+        conn.rollback()
 
 
 def test_claim_fills_its_batch_past_cancelled_positions(engine, storage):

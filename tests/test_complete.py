@@ -207,3 +207,22 @@ def test_slow_completion_on_a_connection_sees_the_callers_earlier_work(engine, s
         assert storage.complete_runtime_batch_slow_in_tx(conn, [a]) == [(a.job.id, 1)]
         conn.commit()
     assert storage.queue_counts(engine, "q").terminal == 1
+
+
+def test_engine_completion_finishes_fast_and_heartbeated_attempts_in_one_call(engine, storage):
+    plain, beating = claimed_jobs(engine, storage, 2)
+    assert storage.heartbeat_progress_batch(engine, [(beating.job.id, beating.job.run_lease, {"p": 1})]) == 1
+    done = storage.complete_runtime_batch(engine, [beating, plain])
+    # the fast statement takes the plain receipt, the general path the heartbeated one;
+    # the result keeps the input order
+    assert done == [(beating.job.id, 1), (plain.job.id, 1)]
+    assert storage.load_job(engine, plain.job.id).state is JobState.COMPLETED
+    assert storage.load_job(engine, beating.job.id).state is JobState.COMPLETED
+    assert storage.complete_runtime_batch(engine, [beating, plain]) == []
+
+
+def test_fast_completion_records_the_kind_the_claim_returned(engine, storage):
+    storage.enqueue_params_batch(engine, [InsertParams("mailer.send", {}, InsertOpts(queue="q"))])
+    (c,) = storage.claim_runtime_batch(engine, "q", 1)
+    assert storage.complete_runtime_batch(engine, [c]) == [(c.job.id, 1)]
+    assert count_rows(engine, storage, "done_entries", "kind = 'mailer.send'") == 1

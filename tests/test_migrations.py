@@ -80,7 +80,7 @@ def test_upgrade_head_on_empty_database_creates_default_schema_at_head(fresh_db_
     assert insp.has_table("qstore_alembic_version", schema="qstore")
     assert insp.has_table("ready_entries", schema="qstore")
     eng.dispose()
-    assert _version(fresh_db_url, "qstore") == "0002"
+    assert _version(fresh_db_url, "qstore") == "0003"
 
 
 def test_upgrade_head_installs_default_shape_with_sixteen_queue_slots(fresh_db_url):
@@ -114,12 +114,12 @@ def test_upgrade_of_custom_schema_does_not_create_the_default_schema(fresh_db_ur
 def test_two_storage_schemas_coexist_each_with_its_own_version_table(fresh_db_url):
     alembic(fresh_db_url, "-x", "schema=alpha", "upgrade", "head")
     alembic(fresh_db_url, "-x", "schema=beta", "-x", "queue_slot_count=4", "upgrade", "head")
-    assert _version(fresh_db_url, "alpha") == "0002"
-    assert _version(fresh_db_url, "beta") == "0002"
+    assert _version(fresh_db_url, "alpha") == "0003"
+    assert _version(fresh_db_url, "beta") == "0003"
     alembic(fresh_db_url, "-x", "schema=alpha", "downgrade", "base")
     assert "ready_entries" not in _objects(fresh_db_url, "alpha").get("p", set())
     assert "ready_entries" in _objects(fresh_db_url, "beta")["p"]
-    assert _version(fresh_db_url, "beta") == "0002"
+    assert _version(fresh_db_url, "beta") == "0003"
 
 
 def test_upgrade_keeps_rows_written_at_the_previous_revision(fresh_db_url):
@@ -147,7 +147,52 @@ def test_upgrade_keeps_rows_written_at_the_previous_revision(fresh_db_url):
     assert [tuple(r) for r in deferred] == [(42, "send", "mail")]
     assert [tuple(r) for r in heads] == [("q", 2)]
     assert next_pos == [2]
+    assert _version(fresh_db_url, "qstore") == "0003"
+
+
+def _complete_signatures(url: str) -> set[str]:
+    eng = _engine(url)
+    with eng.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT pg_get_function_identity_arguments(p.oid) FROM pg_proc p "
+            "JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname = 'qstore' AND p.proname = 'complete_receipts'")).scalars().all()
+    eng.dispose()
+    return set(rows)
+
+
+OLD_COMPLETE = "p_claim_slots integer[], p_job_ids bigint[], p_run_leases bigint[]"
+NEW_COMPLETE = OLD_COMPLETE + ", p_kinds text[]"
+
+
+def test_revision_0002_installs_the_frozen_function_bodies(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "0002")
+    assert _complete_signatures(fresh_db_url) == {OLD_COMPLETE}
+
+
+def test_upgrade_0003_replaces_the_completion_function_and_a_drain_works(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "0002")
+    alembic(fresh_db_url, "upgrade", "head")
+    assert _complete_signatures(fresh_db_url) == {NEW_COMPLETE}
+    eng = _engine(fresh_db_url)
+    storage = QueueStorage()
+    try:
+        from qstore.storage.jobs import InsertOpts, InsertParams
+
+        storage.enqueue_params_batch(eng, [InsertParams("k", {"n": i}, InsertOpts(queue="q"))
+                                           for i in range(3)])
+        claimed = storage.claim_runtime_batch(eng, "q", 10, 60)
+        assert len(storage.complete_runtime_batch(eng, claimed)) == 3
+        assert storage.load_job(eng, claimed[0].job.id).state.value == "completed"
+    finally:
+        eng.dispose()
+
+
+def test_downgrade_to_0002_restores_the_frozen_completion_function(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "head")
+    alembic(fresh_db_url, "downgrade", "0002")
     assert _version(fresh_db_url, "qstore") == "0002"
+    assert _complete_signatures(fresh_db_url) == {OLD_COMPLETE}
 
 
 # -- check --------------------------------------------------------------------------------
@@ -233,7 +278,7 @@ def test_downgrade_then_upgrade_reinstalls_cleanly(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "head")
     alembic(fresh_db_url, "downgrade", "base")
     alembic(fresh_db_url, "upgrade", "head")
-    assert _version(fresh_db_url, "qstore") == "0002"
+    assert _version(fresh_db_url, "qstore") == "0003"
     assert alembic(fresh_db_url, "check", check=False).returncode == 0
 
 
@@ -242,7 +287,7 @@ def test_downgrade_then_upgrade_reinstalls_cleanly(fresh_db_url):
 
 def test_heads_lists_the_qstore_branch_label(fresh_db_url):
     out = alembic(fresh_db_url, "heads").stdout
-    assert f"0002 ({BRANCH_LABEL})" in out
+    assert f"0003 ({BRANCH_LABEL})" in out
 
 
 def test_revision_files_ship_under_the_package_version_location():
@@ -250,7 +295,8 @@ def test_revision_files_ship_under_the_package_version_location():
     assert loc.is_dir()
     assert Path(qstore.__file__).parent in loc.parents
     assert {p.name for p in loc.glob("qstore_*.py")} >= {
-        "qstore_0001_substrate.py", "qstore_0002_queue_dlq_policy.py"}
+        "qstore_0001_substrate.py", "qstore_0002_queue_dlq_policy.py",
+        "qstore_0003_claim_wait_and_kind_snapshot.py"}
 
 
 def test_pyproject_package_data_covers_the_revision_files():
@@ -333,13 +379,13 @@ def test_host_app_upgrade_heads_creates_host_table_and_qstore_schema(fresh_db_ur
     with eng.connect() as conn:
         versions = set(conn.execute(text("SELECT version_num FROM public.alembic_version")).scalars())
     eng.dispose()
-    assert versions == {"h0001", "0002"}
+    assert versions == {"h0001", "0003"}
 
 
 def test_host_app_heads_lists_both_branches(fresh_db_url, host_app):
     out = alembic(fresh_db_url, "heads", ini=host_app).stdout
     assert "h0001 (host)" in out
-    assert f"0002 ({BRANCH_LABEL})" in out
+    assert f"0003 ({BRANCH_LABEL})" in out
 
 
 def test_host_app_qstore_revisions_take_shape_from_x_arguments(fresh_db_url, host_app):

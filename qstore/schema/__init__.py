@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: Revision ids in order; ``as_of`` in :func:`build_metadata` selects a historical shape.
-REVISIONS = ("0001", "0002")
+REVISIONS = ("0001", "0002", "0003")
 SEED_KEY = "qstore_seed"
 
 
@@ -124,7 +124,7 @@ def _build(config: QueueStorageConfig, as_of: str | None) -> StorageSchema:
     claimer_leases, claimer_state = control_plane.declare_claimers(md, config)
     storage_config, backends, transition = control_plane.declare_install_tables(md, config)
 
-    functions = declare_functions(config)
+    functions = declare_functions(config, as_of)
     views = declare_views(config)
     sch = StorageSchema(
         config=config, metadata=md, ready=ready, tombstones=tombstones,

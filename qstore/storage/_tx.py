@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from qstore.errors import ValidationError
 
-__all__ = ["Target", "owns_transaction", "transaction"]
+__all__ = ["Target", "owns_transaction", "single_statement", "transaction"]
 
 Target: TypeAlias = Engine | Connection | Session
 
@@ -42,6 +42,23 @@ def transaction(target: Target) -> Iterator[Connection]:
     else:
         raise ValidationError("target", type(target).__name__,
                               "expected an Engine, Connection or Session")
+
+
+@contextmanager
+def single_statement(target: Target) -> Iterator[Connection]:
+    """Like :func:`transaction`, for an operation that is exactly one statement.
+
+    With an ``Engine`` the statement runs on an autocommit connection: it is its own
+    transaction and commits in the same round trip (no ``BEGIN``/``COMMIT`` exchanges), so
+    any row lock it takes is held for the statement alone. Connection/Session targets join
+    the caller's transaction exactly as with :func:`transaction`.
+    """
+    if isinstance(target, Engine):
+        with target.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+    else:
+        with transaction(target) as conn:
+            yield conn
 
 
 def owns_transaction(target: Target) -> bool:

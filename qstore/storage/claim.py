@@ -21,7 +21,7 @@ from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
 from qstore.errors import QueueStorageError, ValidationError
 from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobRow, JobState
 from qstore.schema import StorageSchema
-from qstore.storage._tx import Target, owns_transaction, transaction
+from qstore.storage._tx import Target, owns_transaction, single_statement, transaction
 from qstore.storage.jobs import is_stripe, validate_queue
 from qstore.storage.statements import schema_func
 
@@ -81,27 +81,34 @@ def stripes_for(queue: str, stripe_count: int, start: int) -> list[str]:
 
 
 def _to_runtime(row: Any, receipts: bool) -> ClaimedRuntimeJob:
-    payload = row.payload or {}
-    metadata = dict(payload.get("metadata") or {})
-    if row.effective_priority != row.priority:
-        metadata.setdefault(ORIGINAL_PRIORITY_KEY, row.priority)
+    # positional unpacking (the order of _CLAIM_COLUMNS): named access on a Row costs a key
+    # lookup per column, and this runs once per claimed job
+    (claim_slot, lease_slot, lease_generation, ready_slot, ready_generation, queue, priority,
+     effective_priority, enqueue_shard, lane_seq, job_id, run_lease, attempt, max_attempts,
+     kind, args, run_at, created_at, claimed_at, deadline_at, unique_key, unique_states,
+     payload) = row
+    if payload:
+        metadata = dict(payload.get("metadata") or {})
+        errors = payload.get("errors") or None
+        tags = list(payload.get("tags") or [])
+        progress = payload.get("progress")
+    else:
+        metadata, errors, tags, progress = {}, None, [], None
+    if effective_priority != priority:
+        metadata.setdefault(ORIGINAL_PRIORITY_KEY, priority)
     entry = ClaimedEntry(
-        queue=row.queue, priority=row.priority, lane_seq=row.lane_seq,
-        ready_slot=row.ready_slot, ready_generation=row.ready_generation,
-        lease_slot=row.lease_slot, lease_generation=row.lease_generation,
-        claim_slot=row.claim_slot, lease_claim_receipt=receipts,
-        enqueue_shard=row.enqueue_shard, job_id=row.job_id, run_lease=row.run_lease,
+        queue, priority, lane_seq, ready_slot, ready_generation, lease_slot, lease_generation,
+        claim_slot, receipts, enqueue_shard, job_id, run_lease,
     )
     job = JobRow(
-        id=row.job_id, kind=row.kind, queue=row.queue, args=row.args, state=JobState.RUNNING,
-        priority=row.effective_priority, attempt=row.attempt, run_lease=row.run_lease,
-        max_attempts=row.max_attempts, run_at=row.run_at, created_at=row.created_at,
-        heartbeat_at=row.claimed_at, deadline_at=row.deadline_at, attempted_at=row.claimed_at,
-        errors=payload.get("errors") or None, metadata=metadata,
-        tags=list(payload.get("tags") or []), unique_key=row.unique_key,
-        unique_states=row.unique_states, progress=payload.get("progress"),
+        id=job_id, kind=kind, queue=queue, args=args, state=JobState.RUNNING,
+        priority=effective_priority, attempt=attempt, run_lease=run_lease,
+        max_attempts=max_attempts, run_at=run_at, created_at=created_at,
+        heartbeat_at=claimed_at, deadline_at=deadline_at, attempted_at=claimed_at,
+        errors=errors, metadata=metadata, tags=tags, unique_key=unique_key,
+        unique_states=unique_states, progress=progress,
     )
-    return ClaimedRuntimeJob(claim=entry, job=job, unique_states=row.unique_states)
+    return ClaimedRuntimeJob(entry, job, unique_states)
 
 
 def claim_physical(conn: Connection, sch: StorageSchema, queue: str, max_batch: int,
@@ -126,8 +133,8 @@ class ClaimRouter:
               *, one_transaction: bool = False) -> list[ClaimedRuntimeJob]:
         """Claim up to ``max_batch`` attempts across the queue's stripes.
 
-        With an ``Engine`` each stripe is claimed in its own transaction (the lock order
-        every producer also follows); an error on a later stripe returns what was already
+        With an ``Engine`` each stripe is claimed in its own transaction, one autocommitted
+        statement (the lock order every producer also follows); an error on a later stripe returns what was already
         claimed. With a caller's Connection/Session all stripes run in that transaction.
         """
         validate_queue(queue)
@@ -145,7 +152,9 @@ class ClaimRouter:
             return out
         for q in stripes:
             try:
-                with transaction(target) as conn:
+                # one claim_ready call is one statement: on an Engine it commits on its own,
+                # so the lane head is held for the call alone, not for extra round trips
+                with single_statement(target) as conn:
                     out += claim_physical(conn, sch, q, max_batch - len(out), deadline_ms, aging_ms)
             except QueueStorageError:
                 if not out:

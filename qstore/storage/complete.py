@@ -3,7 +3,8 @@
 Fast path (``complete_runtime_batch`` for plain receipt-only attempts): one call of the
 server function ``complete_receipts`` locks the receipts, appends closures (``ON CONFLICT DO
 NOTHING`` — a rescue or cancel that closed first wins), narrow done rows from the claim-time
-receipt (the worker sends only ``(claim_slot, job_id, run_lease)``) and grouped count deltas.
+receipt and the claim-time kind (the worker sends ``(claim_slot, job_id, run_lease, kind)``)
+and grouped count deltas.
 Everything else (materialised leases, heartbeated receipts, unique-key transitions) takes
 the general path of :mod:`qstore.storage.attempts`. Stale entries are absent from results.
 """
@@ -14,7 +15,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, Integer, column, select
+from sqlalchemy import BigInteger, Connection, Integer, Text, column, select
 
 from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobState
 from qstore.schema import StorageSchema
@@ -25,12 +26,13 @@ from qstore.storage.statements import array_param, schema_func
 from qstore.storage.transitions import Decision, apply
 from qstore.storage.writers import Body
 
-__all__ = ["complete_pairs", "complete_runtime"]
+__all__ = ["complete_fast", "complete_pairs", "complete_runtime", "has_fast_candidates", "in_input_order"]
 
 # Completion never re-enqueues, so it needs no lane routing state of its own.
 _NO_REENQUEUE = LaneRouter()
 
-_ARRAYS: dict[str, Any] = {"claim_slots": Integer(), "job_ids": BigInteger(), "run_leases": BigInteger()}
+_ARRAYS: dict[str, Any] = {"claim_slots": Integer(), "job_ids": BigInteger(), "run_leases": BigInteger(),
+                           "kinds": Text()}
 
 
 @functools.lru_cache(maxsize=64)
@@ -58,8 +60,10 @@ def complete_pairs(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[i
     return [(t.job_id, t.run_lease) for t in taken]
 
 
-def complete_runtime(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
-    """Complete each claimed attempt at most once; returns the pairs that completed."""
+def complete_fast(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """One ``complete_receipts`` call for the fast candidates among ``claimed``. Returns the
+    pairs it completed and the pairs left for the general path (non-candidates, and
+    candidates whose receipt was materialised or already closed)."""
     # one entry per attempt: the same attempt twice in one call completes once
     fast = list({(j.job.id, j.job.run_lease): j for j in claimed if _fast_candidate(j)}.values())
     done: list[tuple[int, int]] = []
@@ -67,12 +71,28 @@ def complete_runtime(conn: Connection, sch: StorageSchema, claimed: Sequence[Cla
         e: list[ClaimedEntry] = [j.claim for j in fast]
         rows = conn.execute(_fast_stmt(sch), {
             "claim_slots": [x.claim_slot for x in e], "job_ids": [x.job_id for x in e],
-            "run_leases": [x.run_lease for x in e],
+            "run_leases": [x.run_lease for x in e], "kinds": [j.job.kind for j in fast],
         }).all()
         done = [(r.job_id, r.run_lease) for r in rows]
     finished = set(done)
-    rest = [(j.job.id, j.job.run_lease) for j in claimed if (j.job.id, j.job.run_lease) not in finished]
-    if rest:
-        done += complete_pairs(conn, sch, rest)
+    rest = list(dict.fromkeys(
+        (j.job.id, j.job.run_lease) for j in claimed if (j.job.id, j.job.run_lease) not in finished))
+    return done, rest
+
+
+def has_fast_candidates(claimed: Sequence[ClaimedRuntimeJob]) -> bool:
+    return any(_fast_candidate(j) for j in claimed)
+
+
+def in_input_order(done: list[tuple[int, int]], claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
     order = {(j.job.id, j.job.run_lease): n for n, j in enumerate(claimed)}
     return sorted(done, key=lambda pr: order.get(pr, 0))
+
+
+def complete_runtime(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
+    """Complete each claimed attempt at most once, in one transaction; returns the pairs
+    that completed."""
+    done, rest = complete_fast(conn, sch, claimed)
+    if rest:
+        done += complete_pairs(conn, sch, rest)
+    return in_input_order(done, claimed)

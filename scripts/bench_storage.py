@@ -7,8 +7,9 @@ then ``pinned``) and each system:
 2. fresh schema again; enqueue the same N jobs with COPY (timed) — these are the jobs drained;
 3. ``pinned`` only: a separate session runs ``BEGIN; SELECT txid_current();`` and stays idle
    in that transaction until step 5 is done;
-4. drain with W threads, each on its own pooled connection looping claim(batch) + complete
-   (one transaction each) until a claim is empty twice in a row; every job must be claimed
+4. drain with W threads looping claim(batch) + complete (one transaction each: by default
+   each call gets the Engine and is the system's own transaction, ``--transactions explicit``
+   wraps it in BEGIN/COMMIT on the thread's connection); every job must be claimed
    exactly once (count == N, no duplicate id);
 5. dead tuples per table family (``pgstattuple`` when available, else ``n_dead_tup``).
 

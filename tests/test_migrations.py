@@ -15,6 +15,7 @@ from sqlalchemy import Engine, create_engine, inspect, pool, text
 import qstore
 from qstore import QueueStorage
 from qstore.migrate import BRANCH_LABEL, version_location
+from qstore.storage.jobs import InsertOpts, InsertParams
 
 REPO = Path(__file__).resolve().parents[1]
 INI = REPO / "alembic.ini"
@@ -177,8 +178,6 @@ def test_upgrade_0003_replaces_the_completion_function_and_a_drain_works(fresh_d
     eng = _engine(fresh_db_url)
     storage = QueueStorage()
     try:
-        from qstore.storage.jobs import InsertOpts, InsertParams
-
         storage.enqueue_params_batch(eng, [InsertParams("k", {"n": i}, InsertOpts(queue="q"))
                                            for i in range(3)])
         claimed = storage.claim_runtime_batch(eng, "q", 10, 60)

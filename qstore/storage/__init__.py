@@ -44,7 +44,7 @@ from qstore.storage import (
     read,
     rescue,
 )
-from qstore.storage._tx import Target, owns_transaction, single_statement, transaction
+from qstore.storage._tx import Target, owns_transaction, transaction
 from qstore.storage.claim import ClaimRouter, duration_ms, validate_batch
 from qstore.storage.jobs import (
     InsertOpts,
@@ -283,19 +283,7 @@ class QueueStorage(MaintenanceOps):
         completed (stale, rescued or already-closed attempts are absent)."""
         if not claimed:
             return []
-        claimed = list(claimed)
-        if not (owns_transaction(target) and complete.has_fast_candidates(claimed)):
-            with transaction(target) as conn:
-                return complete.complete_runtime(conn, self._schema, claimed)
-        # Engine: the fast path is one statement and commits on its own (one round trip);
-        # whatever it did not finish takes the general path in a second transaction. Each
-        # attempt still completes at most once and only attempts that completed are returned.
-        with single_statement(target) as conn:
-            done, rest = complete.complete_fast(conn, self._schema, claimed)
-        if rest:
-            with transaction(target) as conn:
-                done += complete.complete_pairs(conn, self._schema, rest)
-        return complete.in_input_order(done, claimed)
+        return complete.complete_runtime_on(target, self._schema, list(claimed))
 
     @translate_errors
     def complete_runtime_batch_slow_in_tx(self, conn: Target, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:

@@ -134,8 +134,9 @@ class ClaimRouter:
         """Claim up to ``max_batch`` attempts across the queue's stripes.
 
         With an ``Engine`` each stripe is claimed in its own transaction, one autocommitted
-        statement (the lock order every producer also follows); an error on a later stripe returns what was already
-        claimed. With a caller's Connection/Session all stripes run in that transaction.
+        statement (the lock order every producer also follows); an error on a later stripe
+        returns what was already claimed. With a caller's Connection/Session all stripes run
+        in that transaction.
         """
         validate_queue(queue)
         validate_batch(max_batch)

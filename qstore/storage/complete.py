@@ -19,6 +19,7 @@ from sqlalchemy import BigInteger, Connection, Integer, Text, column, select
 
 from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobState
 from qstore.schema import StorageSchema
+from qstore.storage._tx import Target, owns_transaction, single_statement, transaction
 from qstore.storage.attempts import take_attempts
 from qstore.storage.enqueue import LaneRouter
 from qstore.storage.jobs import holds_key
@@ -26,7 +27,7 @@ from qstore.storage.statements import array_param, schema_func
 from qstore.storage.transitions import Decision, apply
 from qstore.storage.writers import Body
 
-__all__ = ["complete_fast", "complete_pairs", "complete_runtime", "has_fast_candidates", "in_input_order"]
+__all__ = ["complete_pairs", "complete_runtime", "complete_runtime_on"]
 
 # Completion never re-enqueues, so it needs no lane routing state of its own.
 _NO_REENQUEUE = LaneRouter()
@@ -60,7 +61,7 @@ def complete_pairs(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[i
     return [(t.job_id, t.run_lease) for t in taken]
 
 
-def complete_fast(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def _complete_fast(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """One ``complete_receipts`` call for the fast candidates among ``claimed``. Returns the
     pairs it completed and the pairs left for the general path (non-candidates, and
     candidates whose receipt was materialised or already closed)."""
@@ -80,11 +81,7 @@ def complete_fast(conn: Connection, sch: StorageSchema, claimed: Sequence[Claime
     return done, rest
 
 
-def has_fast_candidates(claimed: Sequence[ClaimedRuntimeJob]) -> bool:
-    return any(_fast_candidate(j) for j in claimed)
-
-
-def in_input_order(done: list[tuple[int, int]], claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
+def _in_input_order(done: list[tuple[int, int]], claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
     order = {(j.job.id, j.job.run_lease): n for n, j in enumerate(claimed)}
     return sorted(done, key=lambda pr: order.get(pr, 0))
 
@@ -92,7 +89,26 @@ def in_input_order(done: list[tuple[int, int]], claimed: Sequence[ClaimedRuntime
 def complete_runtime(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
     """Complete each claimed attempt at most once, in one transaction; returns the pairs
     that completed."""
-    done, rest = complete_fast(conn, sch, claimed)
+    done, rest = _complete_fast(conn, sch, claimed)
     if rest:
         done += complete_pairs(conn, sch, rest)
-    return in_input_order(done, claimed)
+    return _in_input_order(done, claimed)
+
+
+def complete_runtime_on(target: Target, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
+    """:func:`complete_runtime` under the transaction contract of ``target``.
+
+    With an ``Engine`` the fast statement commits on its own (one round trip) and whatever
+    it did not finish takes the general path in a second transaction; each attempt still
+    completes at most once and only attempts that completed are returned. Connection and
+    Session targets run both parts in the caller's transaction.
+    """
+    if not owns_transaction(target):
+        with transaction(target) as conn:
+            return complete_runtime(conn, sch, claimed)
+    with single_statement(target) as conn:
+        done, rest = _complete_fast(conn, sch, claimed)
+    if rest:
+        with transaction(target) as conn:
+            done += complete_pairs(conn, sch, rest)
+    return _in_input_order(done, claimed)

@@ -26,6 +26,8 @@ __all__ = [
     "make_engine",
     "server_info",
     "timed_enqueue",
+    "wal_position",
+    "wal_since",
 ]
 
 _SLOT_SUFFIX = re.compile(r"_\d+$")
@@ -99,6 +101,22 @@ def checkpoint(engine: Engine) -> None:
             conn.execute(text("CHECKPOINT"))
     except Exception:
         pass
+
+
+# -- WAL ------------------------------------------------------------------------------
+def wal_position(engine: Engine) -> str:
+    """The server's current WAL insert position (an LSN, as text)."""
+    with engine.connect() as conn:
+        return str(conn.execute(text("SELECT pg_current_wal_lsn()::text")).scalar_one())
+
+
+def wal_since(engine: Engine, lsn: str) -> int:
+    """Bytes of WAL the whole server wrote since ``lsn``. Unlike throughput on a shared
+    2-core machine this is repeatable, so it is the figure to compare write paths by
+    (anything else writing to the server in the meantime is counted too)."""
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), :lsn)"),
+                                {"lsn": lsn}).scalar_one())
 
 
 # -- enqueue --------------------------------------------------------------------------

@@ -45,6 +45,8 @@ from _benchlib import (
     make_engine,
     server_info,
     timed_enqueue,
+    wal_position,
+    wal_since,
 )
 from classic_queue import ClassicQueue
 
@@ -201,6 +203,7 @@ def run_one(engine: Engine, system: Any, phase: str, jobs: Sequence[Job], args: 
     res["copy_enqueue"] = {"seconds": secs, "jobs_per_s": n / secs}
 
     pin = XminPin(engine) if phase == "pinned" else None
+    wal_from = wal_position(engine)
     if pin is not None:
         pin.__enter__()
         res["pinned_xid"] = pin.xid
@@ -215,6 +218,7 @@ def run_one(engine: Engine, system: Any, phase: str, jobs: Sequence[Job], args: 
             idle_exit=args.idle_exit,
             own_transactions=args.transactions == "own",
         )
+        wal_bytes = wal_since(engine, wal_from)
         with engine.connect() as conn, conn.begin():
             leftover = len(system.claim(conn, args.batch))
         dead = dead_tuples(engine, system.schema, exact_dead)
@@ -235,6 +239,7 @@ def run_one(engine: Engine, system: Any, phase: str, jobs: Sequence[Job], args: 
         "wall_seconds": d.wall_seconds,
         "jobs_per_s": d.jobs_per_s,
         "duplicates": d.duplicates,
+        "wal_bytes_per_job": wal_bytes / max(d.jobs, 1),
         "claim_calls": d.claim_calls,
         "empty_claims": d.empty_claims,
         "early_exits": d.early_exits,
@@ -277,6 +282,7 @@ def medians(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, An
             "copy_jobs_per_s": median([r["copy_enqueue"]["jobs_per_s"] for r in rs]),
             "drain_jobs_per_s": median([r["drain"]["jobs_per_s"] for r in rs]),
             "drain_jobs_per_s_all": [round(r["drain"]["jobs_per_s"]) for r in rs],
+            "wal_bytes_per_job": median([r["drain"]["wal_bytes_per_job"] for r in rs]),
             "dead_total": median([r["dead_total"] for r in rs]),
             "dead_total_all": [r["dead_total"] for r in rs],
         }
@@ -352,9 +358,10 @@ def print_report(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
     print("\nMedians over the rounds:")
     print(format_table(
         ["system", "phase", "rounds", "INSERT j/s", "COPY j/s", "drain j/s", "dead tuples",
-         "drain j/s per round"],
+         "drain WAL B/job", "drain j/s per round"],
         [[k.split("/")[0], k.split("/")[1], m["rounds"], fmt(m["insert_jobs_per_s"]),
           fmt(m["copy_jobs_per_s"]), fmt(m["drain_jobs_per_s"]), fmt(m["dead_total"]),
+          fmt(m["wal_bytes_per_job"]),
           " ".join(f"{x:,}" for x in m["drain_jobs_per_s_all"])]
          for k, m in summary["medians"].items()],
     ))

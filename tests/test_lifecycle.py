@@ -23,6 +23,7 @@ from qstore import (
     cli,
 )
 from qstore.migrate import current_revision
+from qstore.schema import REVISIONS
 from qstore.storage import lifecycle
 
 
@@ -67,7 +68,7 @@ def test_prepare_schema_from_eight_threads_on_empty_database_installs_exactly_on
     assert errors == []
     assert sorted(results) == [False] * 7 + [True]
     with fresh_engine.connect() as conn:
-        assert current_revision(conn, storage.config) == "0003"
+        assert current_revision(conn, storage.config) == REVISIONS[-1]
 
 
 def test_prepare_schema_returns_true_when_it_installs(make_storage, engine):
@@ -75,7 +76,7 @@ def test_prepare_schema_returns_true_when_it_installs(make_storage, engine):
     try:
         assert s.prepare_schema(engine) is True
         with engine.connect() as conn:
-            assert current_revision(conn, s.config) == "0003"
+            assert current_revision(conn, s.config) == REVISIONS[-1]
     finally:
         with engine.begin() as conn:
             conn.execute(text(f"DROP SCHEMA IF EXISTS {s.schema()} CASCADE"))
@@ -86,7 +87,7 @@ def test_prepare_schema_is_idempotent(make_storage, engine):
     assert s.prepare_schema(engine) is False
     assert s.prepare_schema(engine) is False
     with engine.connect() as conn:
-        assert current_revision(conn, s.config) == "0003"
+        assert current_revision(conn, s.config) == REVISIONS[-1]
         assert conn.execute(text(f"SELECT count(*) FROM {s.schema()}.queue_ring_state")).scalar() == 1
 
 

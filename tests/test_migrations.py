@@ -15,10 +15,12 @@ from sqlalchemy import Engine, create_engine, inspect, pool, text
 import qstore
 from qstore import QueueStorage
 from qstore.migrate import BRANCH_LABEL, version_location
+from qstore.schema import REVISIONS
 from qstore.storage.jobs import InsertOpts, InsertParams
 
 REPO = Path(__file__).resolve().parents[1]
 INI = REPO / "alembic.ini"
+HEAD = REVISIONS[-1]
 RESERVE = ("SELECT {s}.reserve_lanes(ARRAY['q'], ARRAY['q'], ARRAY[2]::smallint[], "
            "ARRAY[0]::smallint[], ARRAY[1])")
 
@@ -81,7 +83,7 @@ def test_upgrade_head_on_empty_database_creates_default_schema_at_head(fresh_db_
     assert insp.has_table("qstore_alembic_version", schema="qstore")
     assert insp.has_table("ready_entries", schema="qstore")
     eng.dispose()
-    assert _version(fresh_db_url, "qstore") == "0003"
+    assert _version(fresh_db_url, "qstore") == HEAD
 
 
 def test_upgrade_head_installs_default_shape_with_sixteen_queue_slots(fresh_db_url):
@@ -115,12 +117,12 @@ def test_upgrade_of_custom_schema_does_not_create_the_default_schema(fresh_db_ur
 def test_two_storage_schemas_coexist_each_with_its_own_version_table(fresh_db_url):
     alembic(fresh_db_url, "-x", "schema=alpha", "upgrade", "head")
     alembic(fresh_db_url, "-x", "schema=beta", "-x", "queue_slot_count=4", "upgrade", "head")
-    assert _version(fresh_db_url, "alpha") == "0003"
-    assert _version(fresh_db_url, "beta") == "0003"
+    assert _version(fresh_db_url, "alpha") == HEAD
+    assert _version(fresh_db_url, "beta") == HEAD
     alembic(fresh_db_url, "-x", "schema=alpha", "downgrade", "base")
     assert "ready_entries" not in _objects(fresh_db_url, "alpha").get("p", set())
     assert "ready_entries" in _objects(fresh_db_url, "beta")["p"]
-    assert _version(fresh_db_url, "beta") == "0003"
+    assert _version(fresh_db_url, "beta") == HEAD
 
 
 def test_upgrade_keeps_rows_written_at_the_previous_revision(fresh_db_url):
@@ -148,7 +150,7 @@ def test_upgrade_keeps_rows_written_at_the_previous_revision(fresh_db_url):
     assert [tuple(r) for r in deferred] == [(42, "send", "mail")]
     assert [tuple(r) for r in heads] == [("q", 2)]
     assert next_pos == [2]
-    assert _version(fresh_db_url, "qstore") == "0003"
+    assert _version(fresh_db_url, "qstore") == HEAD
 
 
 def _complete_signatures(url: str) -> set[str]:
@@ -173,7 +175,7 @@ def test_revision_0002_installs_the_frozen_function_bodies(fresh_db_url):
 
 def test_upgrade_0003_replaces_the_completion_function_and_a_drain_works(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "0002")
-    alembic(fresh_db_url, "upgrade", "head")
+    alembic(fresh_db_url, "upgrade", "0003")
     assert _complete_signatures(fresh_db_url) == {NEW_COMPLETE}
     eng = _engine(fresh_db_url)
     storage = QueueStorage()
@@ -192,6 +194,63 @@ def test_downgrade_to_0002_restores_the_frozen_completion_function(fresh_db_url)
     alembic(fresh_db_url, "downgrade", "0002")
     assert _version(fresh_db_url, "qstore") == "0002"
     assert _complete_signatures(fresh_db_url) == {OLD_COMPLETE}
+
+
+def _lease_claim_indexes(url: str) -> dict[str, str]:
+    """Index name -> access method on the ``lease_claims`` parent and on its child 0."""
+    eng = _engine(url)
+    with eng.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT c.relname, i.relname, am.amname FROM pg_index x "
+            "JOIN pg_class c ON c.oid = x.indrelid JOIN pg_class i ON i.oid = x.indexrelid "
+            "JOIN pg_am am ON am.oid = i.relam JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = 'qstore' AND c.relname IN ('lease_claims', 'lease_claims_0')"
+        )).all()
+    eng.dispose()
+    return {f"{table}.{index}": am for table, index, am in rows}
+
+
+def test_upgrade_0004_leaves_receipts_one_btree_and_a_ready_slot_brin(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "0003")
+    before = _lease_claim_indexes(fresh_db_url)
+    assert before["lease_claims.lease_claims_stale_idx"] == "btree"
+    assert before["lease_claims.lease_claims_ready_ref_idx"] == "btree"
+    alembic(fresh_db_url, "upgrade", "0004")
+    after = _lease_claim_indexes(fresh_db_url)
+    parent = {k: v for k, v in after.items() if k.startswith("lease_claims.")}
+    child = sorted(v for k, v in after.items() if k.startswith("lease_claims_0."))
+    assert parent == {"lease_claims.lease_claims_pkey": "btree",
+                      "lease_claims.lease_claims_deadline_idx": "brin",
+                      "lease_claims.lease_claims_ready_slot_idx": "brin"}
+    assert child == ["brin", "brin", "btree"]  # PostgreSQL carries the parent's set over
+
+
+def test_upgrade_0004_keeps_open_receipts_and_the_claim_drains_after_it(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "0003")
+    eng = _engine(fresh_db_url)
+    storage = QueueStorage()
+    try:
+        storage.enqueue_params_batch(eng, [InsertParams("k", {"n": i}, InsertOpts(queue="q"))
+                                           for i in range(4)])
+        first = storage.claim_runtime_batch(eng, "q", 2, 60)
+        alembic(fresh_db_url, "upgrade", "0004")
+        rest = storage.claim_runtime_batch(eng, "q", 10, 60)
+        assert len(first) == 2 and len(rest) == 2
+        done = storage.complete_runtime_batch(eng, [*first, *rest])
+        assert len(done) == 4
+        assert storage.queue_counts(eng, "q").running == 0
+    finally:
+        eng.dispose()
+
+
+def test_downgrade_to_0003_restores_the_receipt_btrees(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "head")
+    alembic(fresh_db_url, "downgrade", "0003")
+    assert _version(fresh_db_url, "qstore") == "0003"
+    idx = _lease_claim_indexes(fresh_db_url)
+    assert "lease_claims.lease_claims_ready_slot_idx" not in idx
+    assert idx["lease_claims.lease_claims_stale_idx"] == "btree"
+    assert idx["lease_claims.lease_claims_ready_ref_idx"] == "btree"
 
 
 # -- check --------------------------------------------------------------------------------
@@ -277,7 +336,7 @@ def test_downgrade_then_upgrade_reinstalls_cleanly(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "head")
     alembic(fresh_db_url, "downgrade", "base")
     alembic(fresh_db_url, "upgrade", "head")
-    assert _version(fresh_db_url, "qstore") == "0003"
+    assert _version(fresh_db_url, "qstore") == HEAD
     assert alembic(fresh_db_url, "check", check=False).returncode == 0
 
 
@@ -286,7 +345,7 @@ def test_downgrade_then_upgrade_reinstalls_cleanly(fresh_db_url):
 
 def test_heads_lists_the_qstore_branch_label(fresh_db_url):
     out = alembic(fresh_db_url, "heads").stdout
-    assert f"0003 ({BRANCH_LABEL})" in out
+    assert f"{HEAD} ({BRANCH_LABEL})" in out
 
 
 def test_revision_files_ship_under_the_package_version_location():
@@ -295,7 +354,7 @@ def test_revision_files_ship_under_the_package_version_location():
     assert Path(qstore.__file__).parent in loc.parents
     assert {p.name for p in loc.glob("qstore_*.py")} >= {
         "qstore_0001_substrate.py", "qstore_0002_queue_dlq_policy.py",
-        "qstore_0003_claim_wait_and_kind_snapshot.py"}
+        "qstore_0003_claim_wait_and_kind_snapshot.py", "qstore_0004_lean_claim_receipts.py"}
 
 
 def test_pyproject_package_data_covers_the_revision_files():
@@ -378,13 +437,13 @@ def test_host_app_upgrade_heads_creates_host_table_and_qstore_schema(fresh_db_ur
     with eng.connect() as conn:
         versions = set(conn.execute(text("SELECT version_num FROM public.alembic_version")).scalars())
     eng.dispose()
-    assert versions == {"h0001", "0003"}
+    assert versions == {"h0001", HEAD}
 
 
 def test_host_app_heads_lists_both_branches(fresh_db_url, host_app):
     out = alembic(fresh_db_url, "heads", ini=host_app).stdout
     assert "h0001 (host)" in out
-    assert f"0003 ({BRANCH_LABEL})" in out
+    assert f"{HEAD} ({BRANCH_LABEL})" in out
 
 
 def test_host_app_qstore_revisions_take_shape_from_x_arguments(fresh_db_url, host_app):

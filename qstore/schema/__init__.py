@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: Revision ids in order; ``as_of`` in :func:`build_metadata` selects a historical shape.
-REVISIONS = ("0001", "0002", "0003")
+REVISIONS = ("0001", "0002", "0003", "0004")
 SEED_KEY = "qstore_seed"
 
 
@@ -113,7 +113,7 @@ def _build(config: QueueStorageConfig, as_of: str | None) -> StorageSchema:
     deferred = queue_plane.declare_deferred_jobs(md, config, state)
     dlq = queue_plane.declare_dlq_entries(md, config, state)
     leases = execution_plane.declare_leases(md, config, state)
-    claims = execution_plane.declare_lease_claims(md, config)
+    claims = execution_plane.declare_lease_claims(md, config, since)
     closures = execution_plane.declare_lease_claim_closures(md, config)
     attempt_state = execution_plane.declare_attempt_state(md, config)
     rings = {r: control_plane.declare_ring_control(md, config, r) for r in ("queue", "lease", "claim")}

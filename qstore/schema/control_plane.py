@@ -3,8 +3,6 @@ bounded-claimer slots, the backend registry and the recorded install configurati
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from sqlalchemy import (
     Boolean,
     CheckConstraint,
@@ -29,10 +27,9 @@ from qstore.schema.types import (
     TEXT,
     TS,
     UUIDT,
+    Since,
     warm,
 )
-
-Since = Callable[[str], bool]
 
 
 def declare_ring_control(md: MetaData, cfg: QueueStorageConfig, ring: str) -> tuple[Table, Table]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import BigInteger, Enum, Integer, SmallInteger, Text, text
@@ -21,8 +22,12 @@ __all__ = [
     "TS",
     "UUIDT",
     "WARM",
+    "Since",
     "job_state_enum",
 ]
+
+#: ``since(rev)``: whether the shape being declared includes what revision ``rev`` added.
+Since = Callable[[str], bool]
 
 BIGINT = BigInteger()
 INT = Integer()

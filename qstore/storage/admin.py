@@ -21,6 +21,7 @@ from qstore.storage import history
 from qstore.storage.attempts import take_attempts
 from qstore.storage.enqueue import LaneRouter
 from qstore.storage.jobs import is_stripe, logical_queue
+from qstore.storage.statements import receipt_closed
 from qstore.storage.transitions import Decision, apply
 from qstore.storage.writers import Body
 
@@ -42,8 +43,7 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
     claimed = select(cr.c.first_seq).where(
         cr.c.queue == r.c.queue, cr.c.priority == r.c.priority, cr.c.enqueue_shard == r.c.enqueue_shard,
         cr.c.first_seq <= r.c.lane_seq, cr.c.last_seq >= r.c.lane_seq).exists()
-    closed = select(cl.c.job_id).where(cl.c.claim_slot == c.c.claim_slot, cl.c.job_id == c.c.job_id,
-                                        cl.c.run_lease == c.c.run_lease).exists()
+    closed = receipt_closed(cl, c)
     key = lambda x: (x.c.ready_slot == bindparam("k_slot"), x.c.queue == bindparam("k_queue"),  # noqa: E731
                      x.c.priority == bindparam("k_priority"), x.c.enqueue_shard == bindparam("k_shard"),
                      x.c.lane_seq == bindparam("k_seq"))

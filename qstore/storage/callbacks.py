@@ -23,6 +23,7 @@ from qstore.model import CallbackConfig, CallbackPollResult, JobRow, JobState
 from qstore.schema import StorageSchema
 from qstore.storage.attempts import take_attempts
 from qstore.storage.enqueue import LaneRouter
+from qstore.storage.statements import attempt_leased, receipt_closed
 from qstore.storage.transitions import Decision, apply
 from qstore.storage.writers import Body
 
@@ -41,9 +42,8 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
     r, lrs = sch.ready.parent, sch.lease_ring_state
     job, lease = bindparam("b_job"), bindparam("b_lease")
     now = func.clock_timestamp()
-    closed = select(cl.c.job_id).where(cl.c.claim_slot == c.c.claim_slot, cl.c.job_id == c.c.job_id,
-                                        cl.c.run_lease == c.c.run_lease).exists()
-    has_lease = select(le.c.job_id).where(le.c.job_id == c.c.job_id, le.c.run_lease == c.c.run_lease).exists()
+    closed = receipt_closed(cl, c)
+    has_lease = attempt_leased(le, c)
     lease_cols = ["lease_slot", "lease_generation", "ready_slot", "ready_generation", "job_id", "queue",
                   "state", "priority", "effective_priority", "attempt", "run_lease", "max_attempts",
                   "lane_seq", "enqueue_shard", "claim_slot", "heartbeat_at", "deadline_at", "attempted_at"]

@@ -52,6 +52,7 @@ from qstore.schema import StorageSchema
 from qstore.schema.types import COUNTER_BUCKETS
 from qstore.storage._tx import Target, transaction
 from qstore.storage.maintenance import BLOCKED, guarded, lock_exclusive, truncate_tables
+from qstore.storage.statements import receipt_closed
 
 __all__ = [
     "REBUILD_LOCK_PREFIX",
@@ -114,8 +115,7 @@ def _slot_statements(sch: StorageSchema, k: int) -> dict[str, Any]:
     dl, live = sch.deltas.children[k], sch.live_counts
     le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
     slots = sch.queue_ring_slots
-    closed = select(cl.c.job_id).where(cl.c.claim_slot == c.c.claim_slot, cl.c.job_id == c.c.job_id,
-                                        cl.c.run_lease == c.c.run_lease).exists()
+    closed = receipt_closed(cl, c)
     total = func.sum(dl.c.terminal_delta)
     grouped = (
         select(*(dl.c[n] for n in _KEY), total.label("delta"))

@@ -89,6 +89,7 @@ from qstore.model import (
 )
 from qstore.schema import RingFamily, StorageSchema
 from qstore.storage._tx import Target, transaction
+from qstore.storage.statements import receipt_closed
 
 __all__ = [
     "BLOCKED",
@@ -237,8 +238,7 @@ def _queue_gates(sch: StorageSchema, k: int) -> dict[str, Any]:
         return func.coalesce(last >= r.c.lane_seq, false())
 
     tombstoned = select(t.c.lane_seq).where(same_lane(t), t.c.lane_seq == r.c.lane_seq).exists()
-    closed = select(cl.c.job_id).where(cl.c.claim_slot == c.c.claim_slot, cl.c.job_id == c.c.job_id,
-                                        cl.c.run_lease == c.c.run_lease).exists()
+    closed = receipt_closed(cl, c)
     # The slot's own range child first (where ranges live); the parent only for rows it
     # does not cover, so the common case costs one probe per row.
     pending = select(literal(1)).select_from(r).where(~tombstoned, ~covered(crk), ~covered(crp))
@@ -282,8 +282,7 @@ def _derived_gate(sch: StorageSchema, ring: str, k: int) -> Select[Any]:
     if ring == "lease":
         return _bounded_count(select(literal(1)).select_from(sch.leases.children[k]))
     c, cl = sch.claims.children[k], sch.closures.children[k]
-    closed = select(cl.c.job_id).where(cl.c.job_id == c.c.job_id, cl.c.run_lease == c.c.run_lease,
-                                        cl.c.claim_slot == c.c.claim_slot).exists()
+    closed = receipt_closed(cl, c)
     return _bounded_count(select(literal(1)).select_from(c).where(~closed))
 
 

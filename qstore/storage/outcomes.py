@@ -21,7 +21,7 @@ from qstore.model import JobRow, JobState
 from qstore.schema import StorageSchema
 from qstore.storage.attempts import take_attempts
 from qstore.storage.enqueue import LaneRouter
-from qstore.storage.statements import unnest_rows
+from qstore.storage.statements import receipt_closed, unnest_rows
 from qstore.storage.transitions import Decision, apply, dlq_enabled, exhausted
 from qstore.storage.writers import Body
 
@@ -78,8 +78,7 @@ def _hb_statements(sch: StorageSchema) -> dict[str, Any]:
     c, cl, le = sch.claims.parent, sch.closures.parent, sch.leases.parent
     p = unnest_rows("p", job_id=BigInteger(), run_lease=BigInteger(), progress=JSONB())
     on_c = and_(c.c.job_id == p.c.job_id, c.c.run_lease == p.c.run_lease)
-    closed = select(cl.c.job_id).where(cl.c.claim_slot == c.c.claim_slot, cl.c.job_id == c.c.job_id,
-                                        cl.c.run_lease == c.c.run_lease).exists()
+    closed = receipt_closed(cl, c)
     now = func.clock_timestamp()
     return {
         # lock open receipts (a lock first, so the later statements see every committed closure)

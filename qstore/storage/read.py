@@ -12,6 +12,7 @@ from sqlalchemy.types import BigInteger
 from qstore.model import JobRow, JobState, QueueCounts
 from qstore.schema import StorageSchema
 from qstore.storage.claim import stripes_for
+from qstore.storage.statements import attempt_leased, receipt_closed
 
 __all__ = ["load_job", "queue_counts", "queue_counts_fast"]
 
@@ -36,9 +37,8 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
         cr.c.queue == r.c.queue, cr.c.priority == r.c.priority,
         cr.c.enqueue_shard == r.c.enqueue_shard, cr.c.first_seq <= r.c.lane_seq,
         cr.c.last_seq >= r.c.lane_seq).exists()
-    closed = select(cl.c.job_id).where(cl.c.claim_slot == c.c.claim_slot, cl.c.job_id == c.c.job_id,
-                                        cl.c.run_lease == c.c.run_lease).exists()
-    leased = select(le.c.job_id).where(le.c.job_id == c.c.job_id, le.c.run_lease == c.c.run_lease).exists()
+    closed = receipt_closed(cl, c)
+    leased = attempt_leased(le, c)
     h = sch.claim_heads
     last = lambda seq: func.coalesce(func.pg_sequence_last_value(seq), 0)  # noqa: E731
     return {

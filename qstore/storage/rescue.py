@@ -21,6 +21,7 @@ from qstore.schema import StorageSchema
 from qstore.storage.attempts import take_attempts
 from qstore.storage.enqueue import LaneRouter
 from qstore.storage.jobs import logical_queue
+from qstore.storage.statements import attempt_leased, receipt_closed
 from qstore.storage.transitions import Decision, apply, dlq_enabled, exhausted
 from qstore.storage.writers import Body
 
@@ -35,9 +36,8 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
                            sch.attempt_state, sch.deferred, sch.queue_meta)
     now = func.clock_timestamp()
     cutoff = now - bindparam("staleness", type_=INTERVAL())
-    closed = select(cl.c.job_id).where(cl.c.claim_slot == c.c.claim_slot, cl.c.job_id == c.c.job_id,
-                                        cl.c.run_lease == c.c.run_lease).exists()
-    leased = select(le.c.job_id).where(le.c.job_id == c.c.job_id, le.c.run_lease == c.c.run_lease).exists()
+    closed = receipt_closed(cl, c)
+    leased = attempt_leased(le, c)
     st_c = st.alias("st_c")
     st_l = st.alias("st_l")
     limit = bindparam("limit")

@@ -1,0 +1,49 @@
+"""Claim receipts keep one B-tree: the two secondary B-trees of ``lease_claims`` go.
+
+Every claimed job appends one receipt, and each B-tree on the receipt table costs an index
+insert and its WAL per job on the claim path. After this revision:
+
+* ``lease_claims_stale_idx`` ``(materialized_at, claimed_at, job_id)`` is dropped: stale
+  rescue filters on the heartbeat-or-claim time, which it could not serve;
+* ``lease_claims_ready_ref_idx`` ``(ready_slot, ready_generation)`` becomes
+  ``lease_claims_ready_slot_idx``, a BRIN on ``ready_slot`` (pages_per_range 16) that
+  serves the queue-prune gate "open receipts of ready slot k": receipts are appended in
+  roughly ready-slot order and the claim ring is small.
+
+Both are statements on the partitioned parent; PostgreSQL applies them to every child.
+
+Revision ID: 0004
+Revises: 0003
+Create Date: 2026-12-02
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from alembic import op
+from qstore.migrate import migration_config
+
+revision = "0004"
+down_revision = "0003"
+branch_labels = None
+depends_on = None
+
+_TABLE = "lease_claims"
+
+
+def upgrade(**kw: Any) -> None:
+    cfg = migration_config(kw)
+    op.drop_index("lease_claims_stale_idx", table_name=_TABLE, schema=cfg.schema)
+    op.drop_index("lease_claims_ready_ref_idx", table_name=_TABLE, schema=cfg.schema)
+    op.create_index("lease_claims_ready_slot_idx", _TABLE, ["ready_slot"], schema=cfg.schema,
+                    postgresql_using="brin", postgresql_with={"pages_per_range": 16})
+
+
+def downgrade(**kw: Any) -> None:
+    cfg = migration_config(kw)
+    op.drop_index("lease_claims_ready_slot_idx", table_name=_TABLE, schema=cfg.schema)
+    op.create_index("lease_claims_stale_idx", _TABLE, ["materialized_at", "claimed_at", "job_id"],
+                    schema=cfg.schema)
+    op.create_index("lease_claims_ready_ref_idx", _TABLE, ["ready_slot", "ready_generation"],
+                    schema=cfg.schema)

@@ -22,6 +22,7 @@ from alembic import command
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import ValidationError
 from qstore.schema import StorageSchema, drop_runtime_objects, storage_schema
+from qstore.schema.functions import ServerFunction
 
 __all__ = [
     "BRANCH_LABEL",
@@ -34,6 +35,7 @@ __all__ = [
     "migration_config",
     "read_recorded_config",
     "run_env",
+    "swap_functions",
     "upgrade",
     "version_location",
 ]
@@ -243,6 +245,21 @@ def current_revision(connection: Connection, config: QueueStorageConfig) -> str 
         text(f"SELECT version_num FROM {prep.quote_schema(config.schema)}."
              f"{prep.quote(config.version_table)}")
     ).scalar()
+
+
+def swap_functions(connection: Connection, old: tuple[ServerFunction, ...],
+                   new: tuple[ServerFunction, ...]) -> None:
+    """Move an install's server functions from the set ``old`` to the set ``new``: drop
+    those whose signature ``new`` lacks, then create or replace each one whose body
+    differs (for revisions that only change function bodies or signatures)."""
+    keep = {f.signature for f in new}
+    before = {f.signature: f.definition for f in old}
+    for f in old:
+        if f.signature not in keep:
+            connection.execute(text(f.drop_sql()))
+    for f in new:
+        if before.get(f.signature) != f.definition:
+            connection.execute(text(f.create_sql()))
 
 
 def install_lock_key(schema: str) -> Any:

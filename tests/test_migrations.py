@@ -354,7 +354,7 @@ def test_revision_files_ship_under_the_package_version_location():
     assert Path(qstore.__file__).parent in loc.parents
     assert {p.name for p in loc.glob("qstore_*.py")} >= {
         "qstore_0001_substrate.py", "qstore_0002_queue_dlq_policy.py",
-        "qstore_0003_claim_wait_and_kind_snapshot.py", "qstore_0004_lean_claim_receipts.py"}
+        "qstore_0003_claim_wait_and_kind_snapshot.py", "qstore_0004_lean_claim_path.py"}
 
 
 def test_pyproject_package_data_covers_the_revision_files():

@@ -8,6 +8,7 @@ package is installed, so ``alembic check`` diffs function bodies too. Bodies are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from qstore.config import QueueStorageConfig
@@ -147,10 +148,95 @@ CLAIM_COLUMNS = (
 )
 
 
-def _claim_ready(s: str) -> ServerFunction:
+def _dispatch(var: str, count: int, branch: Callable[[int], str]) -> str:
+    """``IF var = 0 THEN branch(0) ELSIF var = 1 THEN … END IF;`` over ``count`` slots: each
+    branch is static SQL with its own cached plan, and only the branch taken runs."""
+    arms = [f"{'IF' if k == 0 else 'ELSIF'} {var} = {k} THEN\n        {branch(k)}" for k in range(count)]
+    return "\n      ".join(arms) + "\n      END IF;"
+
+
+def _segment_claim(s: str, k: int) -> str:
+    """The claim of one segment of ready child ``k``: pick, record the range, write
+    receipts or leases, return the rows; ``v_rows`` gets how many."""
+    return f"""RETURN QUERY
+    WITH picked AS (
+      SELECT r.*, EXISTS (
+               SELECT 1 FROM {s}.ready_tombstones_{k} t
+               WHERE t.queue = r.queue
+                 AND t.priority = r.priority AND t.enqueue_shard = r.enqueue_shard
+                 AND t.lane_seq = r.lane_seq) AS tombstoned
+      FROM {s}.ready_entries_{k} r
+      WHERE r.queue = p_queue
+        AND r.priority = v_lane.lane_priority AND r.enqueue_shard = v_lane.shard
+        AND r.lane_seq >= v_pos
+      ORDER BY r.lane_seq
+      LIMIT v_limit
+    ), claim_range AS (
+      INSERT INTO {s}.ready_claim_ranges_{k} AS cr
+        (ready_slot, ready_generation, queue, priority, enqueue_shard, first_seq, last_seq,
+         claimed_at)
+      SELECT v_seg_slot, v_seg_gen, p_queue, v_lane.lane_priority, v_lane.shard, v_pos,
+             max(p.lane_seq), v_now
+      FROM picked p HAVING count(*) > 0
+      RETURNING cr.last_seq
+    ), live AS (
+      SELECT p.*,
+             CASE WHEN p_aging_ms > 0 THEN greatest(1, p.priority - floor(
+                    extract(epoch FROM (v_now - p.run_at)) * 1000 / p_aging_ms)::integer)
+                  ELSE p.priority END::smallint AS eff,
+             CASE WHEN p_deadline_ms > 0
+                  THEN v_now + make_interval(secs => p_deadline_ms / 1000.0) END AS dl
+      FROM picked p
+      WHERE NOT p.tombstoned
+    ), rings AS (
+      SELECT (SELECT c.current_slot FROM {s}.claim_ring_state c) AS claim_slot,
+             (SELECT l.current_slot FROM {s}.lease_ring_state l) AS lease_slot,
+             (SELECT l.generation FROM {s}.lease_ring_state l) AS lease_generation
+    ), receipts AS (
+      INSERT INTO {s}.lease_claims AS lc
+        (claim_slot, job_id, run_lease, ready_slot, ready_generation, queue, priority,
+         effective_priority, attempt, max_attempts, lane_seq, enqueue_shard, claimed_at,
+         deadline_at)
+      SELECT g.claim_slot, p.job_id, p.run_lease + 1, p.ready_slot, p.ready_generation,
+             p.queue, p.priority, p.eff, p.attempt + 1, p.max_attempts, p.lane_seq,
+             p.enqueue_shard, v_now, p.dl
+      FROM live p CROSS JOIN rings g
+      WHERE p_receipts
+      RETURNING lc.job_id
+    ), leased AS (
+      INSERT INTO {s}.leases AS le
+        (lease_slot, lease_generation, ready_slot, ready_generation, job_id, queue, state,
+         priority, effective_priority, attempt, run_lease, max_attempts, lane_seq,
+         enqueue_shard, heartbeat_at, deadline_at, attempted_at)
+      SELECT g.lease_slot, g.lease_generation, p.ready_slot, p.ready_generation, p.job_id,
+             p.queue, 'running', p.priority, p.eff, p.attempt + 1, p.run_lease + 1,
+             p.max_attempts, p.lane_seq, p.enqueue_shard, v_now, p.dl, v_now
+      FROM live p CROSS JOIN rings g
+      WHERE NOT p_receipts
+      RETURNING le.job_id
+    )
+    SELECT CASE WHEN p_receipts THEN g.claim_slot ELSE 0 END, g.lease_slot,
+           g.lease_generation, p.ready_slot, p.ready_generation, p.queue, p.priority, p.eff,
+           p.enqueue_shard, p.lane_seq, p.job_id, p.run_lease + 1, (p.attempt + 1)::smallint,
+           p.max_attempts, p.kind, p.args, p.run_at, p.created_at, v_now, p.dl,
+           p.unique_key, p.unique_states, p.payload
+    FROM live p CROSS JOIN rings g
+    ORDER BY p.lane_seq;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;"""
+
+
+def _claim_ready(cfg: QueueStorageConfig) -> ServerFunction:
     """One round trip: pick lanes by effective priority (SKIP LOCKED on the claim head),
     follow the committed claim-range chain from the cursor hint, consume up to p_max
-    positions of one ready segment, record the range and write receipts (or leases)."""
+    positions of one ready segment, record the range and write receipts (or leases).
+
+    Every read of the queue ring, and the claim-range append, names one ring child
+    (generated per-slot dispatch): a cached generic plan over a partitioned parent locks
+    all of its children and their indexes at every execution, and those locks are taken
+    again in every transaction. Receipts and leases are appended through their parents
+    (tuple routing opens only the child it uses).
+    """
+    s, slots = cfg.schema, cfg.queue_slot_count
     return ServerFunction(
         s,
         "claim_ready(p_queue text, p_max integer, p_deadline_ms bigint, p_aging_ms bigint, "
@@ -177,6 +263,7 @@ DECLARE
   v_have_busy boolean := false;
   v_locked_any boolean := false;
   v_waited boolean := false;
+  v_guess integer;
 BEGIN
   IF p_max <= 0 THEN RETURN; END IF;
   IF EXISTS (SELECT 1 FROM {s}.queue_meta m WHERE m.queue = v_logical AND m.paused) THEN
@@ -253,30 +340,44 @@ BEGIN
     -- do not count); later passes see this call's own ranges, so the hint is only moved on
     -- the first pass, over committed evidence alone.
     v_first_pass := true;
+    v_guess := (SELECT q.current_slot FROM {s}.queue_ring_state q);
     LOOP
     EXIT WHEN v_remaining <= 0;
     v_hint := coalesce(pg_sequence_last_value(v_lane.claim_seq), 0) + 1;
     v_pos := v_hint;
     LOOP
       -- Follow the committed chain of claim ranges. A range starts at a ready row's
-      -- position and lives in that row's slot, so each hop is one lane probe over the ready
-      -- children plus one range probe pruned to a single child. Positions before the first
-      -- committed row are spent: aborted reservations (a producer holds the lane
-      -- reservation lock until it commits, so a later row implies earlier ones ended) or
-      -- history a prune truncated together with its claim ranges.
-      SELECT r.ready_slot, r.ready_generation, r.lane_seq
-        INTO v_seg_slot, v_seg_gen, v_seg_first
-        FROM {s}.ready_entries r
-        WHERE r.queue = p_queue AND r.priority = v_lane.lane_priority
-          AND r.enqueue_shard = v_lane.shard AND r.lane_seq >= v_pos
-        ORDER BY r.lane_seq LIMIT 1;
-      v_found := FOUND;
+      -- position and lives in that row's slot, so each hop is one probe for the position
+      -- plus one range probe, each in a single child. The position is looked up first in
+      -- the child the chain was last seen in (the ring's current slot to begin with):
+      -- positions are unique per lane, so a row at v_pos is the first one at or after it;
+      -- only a miss scans every child. Positions before the first committed row are
+      -- spent: aborted reservations (a producer holds the lane reservation lock until it
+      -- commits, so a later row implies earlier ones ended) or history a prune truncated
+      -- together with its claim ranges.
+      v_found := false;
+      {_dispatch("v_guess", slots, lambda k: f'''SELECT r.ready_slot, r.ready_generation, r.lane_seq
+          INTO v_seg_slot, v_seg_gen, v_seg_first
+          FROM {s}.ready_entries_{k} r
+          WHERE r.queue = p_queue AND r.priority = v_lane.lane_priority
+            AND r.enqueue_shard = v_lane.shard AND r.lane_seq = v_pos;
+        v_found := FOUND;''')}
+      IF NOT v_found THEN
+        SELECT r.ready_slot, r.ready_generation, r.lane_seq
+          INTO v_seg_slot, v_seg_gen, v_seg_first
+          FROM {s}.ready_entries r
+          WHERE r.queue = p_queue AND r.priority = v_lane.lane_priority
+            AND r.enqueue_shard = v_lane.shard AND r.lane_seq >= v_pos
+          ORDER BY r.lane_seq LIMIT 1;
+        v_found := FOUND;
+      END IF;
       EXIT WHEN NOT v_found;
-      SELECT cr.last_seq INTO v_next FROM {s}.ready_claim_ranges cr
-        WHERE cr.ready_slot = v_seg_slot AND cr.queue = p_queue
-          AND cr.priority = v_lane.lane_priority AND cr.enqueue_shard = v_lane.shard
-          AND cr.first_seq = v_seg_first;
-      IF NOT FOUND THEN
+      v_guess := v_seg_slot;
+      v_next := NULL;
+      {_dispatch("v_seg_slot", slots, lambda k: f'''SELECT cr.last_seq INTO v_next FROM {s}.ready_claim_ranges_{k} cr
+          WHERE cr.queue = p_queue AND cr.priority = v_lane.lane_priority
+            AND cr.enqueue_shard = v_lane.shard AND cr.first_seq = v_seg_first;''')}
+      IF v_next IS NULL THEN
         v_pos := v_seg_first;
         EXIT;
       END IF;
@@ -292,73 +393,8 @@ BEGIN
     v_limit := least(v_remaining,
                      coalesce(pg_sequence_last_value(v_lane.enqueue_seq), 0) - v_pos + 1);
     EXIT WHEN v_limit <= 0;
-    RETURN QUERY
-    WITH picked AS (
-      -- v_seg_slot (a plan parameter) rather than r.ready_slot: the tombstone probe is then
-      -- pruned to one child when the plan starts, not at every row
-      SELECT r.*, EXISTS (
-               SELECT 1 FROM {s}.ready_tombstones t
-               WHERE t.ready_slot = v_seg_slot AND t.queue = r.queue
-                 AND t.priority = r.priority AND t.enqueue_shard = r.enqueue_shard
-                 AND t.lane_seq = r.lane_seq) AS tombstoned
-      FROM {s}.ready_entries r
-      WHERE r.ready_slot = v_seg_slot AND r.queue = p_queue
-        AND r.priority = v_lane.lane_priority AND r.enqueue_shard = v_lane.shard
-        AND r.lane_seq >= v_pos
-      ORDER BY r.lane_seq
-      LIMIT v_limit
-    ), claim_range AS (
-      INSERT INTO {s}.ready_claim_ranges AS cr
-        (ready_slot, ready_generation, queue, priority, enqueue_shard, first_seq, last_seq,
-         claimed_at)
-      SELECT v_seg_slot, v_seg_gen, p_queue, v_lane.lane_priority, v_lane.shard, v_pos,
-             max(p.lane_seq), v_now
-      FROM picked p HAVING count(*) > 0
-      RETURNING cr.last_seq
-    ), live AS (
-      SELECT p.*,
-             CASE WHEN p_aging_ms > 0 THEN greatest(1, p.priority - floor(
-                    extract(epoch FROM (v_now - p.run_at)) * 1000 / p_aging_ms)::integer)
-                  ELSE p.priority END::smallint AS eff,
-             CASE WHEN p_deadline_ms > 0
-                  THEN v_now + make_interval(secs => p_deadline_ms / 1000.0) END AS dl
-      FROM picked p
-      WHERE NOT p.tombstoned
-    ), rings AS (
-      SELECT (SELECT c.current_slot FROM {s}.claim_ring_state c) AS claim_slot,
-             (SELECT l.current_slot FROM {s}.lease_ring_state l) AS lease_slot,
-             (SELECT l.generation FROM {s}.lease_ring_state l) AS lease_generation
-    ), receipts AS (
-      INSERT INTO {s}.lease_claims AS lc
-        (claim_slot, job_id, run_lease, ready_slot, ready_generation, queue, priority,
-         effective_priority, attempt, max_attempts, lane_seq, enqueue_shard, claimed_at,
-         deadline_at)
-      SELECT g.claim_slot, p.job_id, p.run_lease + 1, p.ready_slot, p.ready_generation,
-             p.queue, p.priority, p.eff, p.attempt + 1, p.max_attempts, p.lane_seq,
-             p.enqueue_shard, v_now, p.dl
-      FROM live p CROSS JOIN rings g
-      WHERE p_receipts
-      RETURNING lc.job_id
-    ), leased AS (
-      INSERT INTO {s}.leases AS le
-        (lease_slot, lease_generation, ready_slot, ready_generation, job_id, queue, state,
-         priority, effective_priority, attempt, run_lease, max_attempts, lane_seq,
-         enqueue_shard, heartbeat_at, deadline_at, attempted_at)
-      SELECT g.lease_slot, g.lease_generation, p.ready_slot, p.ready_generation, p.job_id,
-             p.queue, 'running', p.priority, p.eff, p.attempt + 1, p.run_lease + 1,
-             p.max_attempts, p.lane_seq, p.enqueue_shard, v_now, p.dl, v_now
-      FROM live p CROSS JOIN rings g
-      WHERE NOT p_receipts
-      RETURNING le.job_id
-    )
-    SELECT CASE WHEN p_receipts THEN g.claim_slot ELSE 0 END, g.lease_slot,
-           g.lease_generation, p.ready_slot, p.ready_generation, p.queue, p.priority, p.eff,
-           p.enqueue_shard, p.lane_seq, p.job_id, p.run_lease + 1, (p.attempt + 1)::smallint,
-           p.max_attempts, p.kind, p.args, p.run_at, p.created_at, v_now, p.dl,
-           p.unique_key, p.unique_states, p.payload
-    FROM live p CROSS JOIN rings g
-    ORDER BY p.lane_seq;
-    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    v_rows := 0;
+    {_dispatch("v_seg_slot", slots, lambda k: _segment_claim(s, k))}
     v_remaining := v_remaining - v_rows::integer;
     END LOOP;
   END LOOP;
@@ -368,38 +404,26 @@ $$""",
     )
 
 
-def _complete_receipts(s: str) -> ServerFunction:
-    """Fast completion of plain receipt-only attempts in one round trip: lock each receipt
-    by primary key (index probe, runtime-pruned to its claim slot), append closures
-    (``ON CONFLICT DO NOTHING``: whoever closed first wins), narrow done rows built from the
-    receipt plus the job kind the worker carries from its claim (STORAGE.md §7.4: no re-read
-    of the ready row) and grouped count deltas. Returns the attempts
-    it completed; a receipt that was materialised (heartbeat, callback) is left to the
-    general path."""
-    return ServerFunction(
-        s,
-        "complete_receipts(p_claim_slots integer[], p_job_ids bigint[], p_run_leases bigint[], "
-        "p_kinds text[])",
-        f"""RETURNS TABLE(job_id bigint, run_lease bigint) LANGUAGE plpgsql VOLATILE
-SET jit = off SET plan_cache_mode = force_generic_plan AS $$
-BEGIN
-  RETURN QUERY
+def _slot_completion(s: str, k: int) -> str:
+    """Fast completion of the input attempts whose receipts are in claim child ``k``."""
+    return f"""RETURN QUERY
   WITH input AS (
     SELECT DISTINCT ON (i.job_id, i.run_lease, i.claim_slot)
            i.claim_slot, i.job_id, i.run_lease, i.kind
     FROM unnest(p_claim_slots, p_job_ids, p_run_leases, p_kinds)
          AS i(claim_slot, job_id, run_lease, kind)
+    WHERE i.claim_slot = v_slot
     ORDER BY i.job_id, i.run_lease, i.claim_slot
   ), locked AS (
     SELECT c.*, i.kind
     FROM input i
     CROSS JOIN LATERAL (
-      SELECT c.* FROM {s}.lease_claims c
-      WHERE c.claim_slot = i.claim_slot AND c.job_id = i.job_id AND c.run_lease = i.run_lease
+      SELECT c.* FROM {s}.lease_claims_{k} c
+      WHERE c.job_id = i.job_id AND c.run_lease = i.run_lease
         AND c.materialized_at IS NULL
       FOR UPDATE) c
   ), closed AS (
-    INSERT INTO {s}.lease_claim_closures AS cl (claim_slot, job_id, run_lease, outcome)
+    INSERT INTO {s}.lease_claim_closures_{k} AS cl (claim_slot, job_id, run_lease, outcome)
     SELECT l.claim_slot, l.job_id, l.run_lease, 'completed' FROM locked l
     ON CONFLICT DO NOTHING
     RETURNING cl.claim_slot, cl.job_id, cl.run_lease
@@ -424,7 +448,33 @@ BEGIN
     GROUP BY 1, 2, 3, 4, 5, 6
     ORDER BY 1, 2, 3, 4, 5, 6
   )
-  SELECT c.job_id, c.run_lease FROM closed c;
+  SELECT c.job_id, c.run_lease FROM closed c;"""
+
+
+def _complete_receipts(cfg: QueueStorageConfig) -> ServerFunction:
+    """Fast completion of plain receipt-only attempts in one round trip: lock each receipt
+    by primary key (index probe, runtime-pruned to its claim slot), append closures
+    (``ON CONFLICT DO NOTHING``: whoever closed first wins), narrow done rows built from the
+    receipt plus the job kind the worker carries from its claim (STORAGE.md §7.4: no re-read
+    of the ready row) and grouped count deltas. Returns the attempts
+    it completed; a receipt that was materialised (heartbeat, callback) is left to the
+    general path.
+
+    One statement per claim slot present in the input, each naming its ``lease_claims``
+    child (see :func:`_claim_ready` for why); an unknown slot matches nothing (stale)."""
+    s, slots = cfg.schema, cfg.claim_slot_count
+    return ServerFunction(
+        s,
+        "complete_receipts(p_claim_slots integer[], p_job_ids bigint[], p_run_leases bigint[], "
+        "p_kinds text[])",
+        f"""RETURNS TABLE(job_id bigint, run_lease bigint) LANGUAGE plpgsql VOLATILE
+SET jit = off SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+  v_slot integer;
+BEGIN
+  FOREACH v_slot IN ARRAY ARRAY(SELECT DISTINCT x FROM unnest(p_claim_slots) x ORDER BY 1) LOOP
+    {_dispatch("v_slot", slots, lambda k: _slot_completion(s, k))}
+  END LOOP;
 END
 $$""",
     )
@@ -442,7 +492,13 @@ def declare_functions(cfg: QueueStorageConfig, as_of: str | None = None) -> tupl
 
         return (_backoff(s), _ensure_lane(s), _reserve_lanes(s), frozen.claim_ready_0001(s),
                 frozen.complete_receipts_0001(s))
-    return (_backoff(s), _ensure_lane(s), _reserve_lanes(s), _claim_ready(s), _complete_receipts(s))
+    if as_of == "0003":
+        from qstore.schema import functions_0003 as frozen3
+
+        return (_backoff(s), _ensure_lane(s), _reserve_lanes(s), frozen3.claim_ready_0003(s),
+                frozen3.complete_receipts_0003(s))
+    return (_backoff(s), _ensure_lane(s), _reserve_lanes(s), _claim_ready(cfg),
+            _complete_receipts(cfg))
 
 
 def declare_views(cfg: QueueStorageConfig) -> tuple[ServerView, ...]:

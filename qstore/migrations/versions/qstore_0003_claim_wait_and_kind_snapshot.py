@@ -18,11 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import text
-
 from alembic import op
-from qstore.migrate import migration_config
-from qstore.schema.functions import ServerFunction, declare_functions
+from qstore.migrate import migration_config, swap_functions
+from qstore.schema.functions import declare_functions
 
 revision = "0003"
 down_revision = "0002"
@@ -30,25 +28,13 @@ branch_labels = None
 depends_on = None
 
 
-def _swap(old: tuple[ServerFunction, ...], new: tuple[ServerFunction, ...]) -> None:
-    """Drop the functions of ``old`` whose signature ``new`` does not have, then create or
-    replace every function of ``new`` whose body changed."""
-    bind = op.get_bind()
-    keep = {f.signature for f in new}
-    before = {f.signature: f.definition for f in old}
-    for f in old:
-        if f.signature not in keep:
-            bind.execute(text(f.drop_sql()))
-    for f in new:
-        if before.get(f.signature) != f.definition:
-            bind.execute(text(f.create_sql()))
-
-
 def upgrade(**kw: Any) -> None:
     cfg = migration_config(kw)
-    _swap(declare_functions(cfg, as_of="0002"), declare_functions(cfg, as_of="0003"))
+    swap_functions(op.get_bind(), declare_functions(cfg, as_of="0002"),
+                   declare_functions(cfg, as_of="0003"))
 
 
 def downgrade(**kw: Any) -> None:
     cfg = migration_config(kw)
-    _swap(declare_functions(cfg, as_of="0003"), declare_functions(cfg, as_of="0002"))
+    swap_functions(op.get_bind(), declare_functions(cfg, as_of="0003"),
+                   declare_functions(cfg, as_of="0002"))

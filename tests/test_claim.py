@@ -459,3 +459,26 @@ def test_claim_continues_after_prune_removed_the_start_of_the_claim_chain(engine
     storage.enqueue_params_batch(engine, [job({"who": "c"})])  # position 3
     claimed = storage.claim_runtime_batch(engine, "q", 5)
     assert [j.job.args["who"] for j in claimed] == ["c"]
+
+
+def test_claim_follows_a_lane_from_an_older_ring_slot_into_the_current_one(engine, make_storage):
+    storage = make_storage(queue_slot_count=4)
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(3)])  # slot 0
+    assert storage.rotate(engine).kind == "rotated"  # the current slot is 1 from here on
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(3, 6)])  # slot 1
+    # The first probe looks for the head position in the current slot and misses; the
+    # claim must still start at the oldest position and cross into slot 1 in order.
+    claimed = storage.claim_runtime_batch(engine, "q", 10)
+    assert [c.job.args["i"] for c in claimed] == [0, 1, 2, 3, 4, 5]
+    assert sorted({c.claim.ready_slot for c in claimed}) == [0, 1]
+    assert len(storage.complete_runtime_batch(engine, claimed)) == 6
+    assert storage.claim_runtime_batch(engine, "q", 10) == []
+
+
+def test_claim_after_a_partial_claim_resumes_in_the_slot_the_lane_left_off(engine, make_storage):
+    storage = make_storage(queue_slot_count=4)
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])  # slot 0
+    assert [c.job.args["i"] for c in storage.claim_runtime_batch(engine, "q", 2)] == [0, 1]
+    assert storage.rotate(engine).kind == "rotated"
+    # the chain's next position is in slot 0 while the ring writes slot 1
+    assert [c.job.args["i"] for c in storage.claim_runtime_batch(engine, "q", 5)] == [2, 3]

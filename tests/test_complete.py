@@ -226,3 +226,28 @@ def test_fast_completion_records_the_kind_the_claim_returned(engine, storage):
     (c,) = storage.claim_runtime_batch(engine, "q", 1)
     assert storage.complete_runtime_batch(engine, [c]) == [(c.job.id, 1)]
     assert count_rows(engine, storage, "done_entries", "kind = 'mailer.send'") == 1
+
+
+def test_one_completion_call_finishes_receipts_from_two_claim_slots(engine, make_storage):
+    storage = make_storage(claim_slot_count=2)
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])
+    first = storage.claim_runtime_batch(engine, "q", 2)
+    assert storage.rotate_claims(engine).kind == "rotated"
+    second = storage.claim_runtime_batch(engine, "q", 2)
+    assert {c.claim.claim_slot for c in first} != {c.claim.claim_slot for c in second}
+    both = [second[0], first[0], second[1], first[1]]
+    done = storage.complete_runtime_batch(engine, both)
+    assert done == [(c.job.id, c.job.run_lease) for c in both]  # input order kept
+    assert storage.complete_runtime_batch(engine, both) == []
+    assert storage.queue_counts(engine, "q").running == 0
+
+
+def test_completion_with_a_wrong_claim_slot_falls_back_and_completes_once(engine, storage):
+    # the attempt is (job_id, run_lease); the claim slot is only where the fast path looks
+    storage.enqueue_params_batch(engine, [job()])
+    (c,) = storage.claim_runtime_batch(engine, "q", 1)
+    bogus = c.__class__(c.claim.__class__(**{**c.claim.__dict__, "claim_slot": 99}), c.job,
+                        c.unique_states)
+    assert storage.complete_runtime_batch(engine, [bogus]) == [(c.job.id, c.job.run_lease)]
+    assert storage.complete_runtime_batch(engine, [c]) == []
+    assert storage.load_job(engine, c.job.id).state is JobState.COMPLETED

@@ -210,6 +210,22 @@ def _lease_claim_indexes(url: str) -> dict[str, str]:
     return {f"{table}.{index}": am for table, index, am in rows}
 
 
+def _claim_body(url: str) -> str:
+    eng = _engine(url)
+    with eng.connect() as conn:
+        body = conn.execute(text("SELECT pg_get_functiondef('qstore.claim_ready'::regproc)")).scalar_one()
+    eng.dispose()
+    return str(body)
+
+
+def test_upgrade_0004_claims_through_named_ring_children(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "0003")
+    assert "qstore.ready_entries_0 r" not in _claim_body(fresh_db_url)
+    alembic(fresh_db_url, "upgrade", "0004")
+    body = _claim_body(fresh_db_url)
+    assert "qstore.ready_entries_0 r" in body and "qstore.ready_entries_15 r" in body
+
+
 def test_upgrade_0004_leaves_receipts_one_btree_and_a_ready_slot_brin(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "0003")
     before = _lease_claim_indexes(fresh_db_url)
@@ -251,6 +267,7 @@ def test_downgrade_to_0003_restores_the_receipt_btrees(fresh_db_url):
     assert "lease_claims.lease_claims_ready_slot_idx" not in idx
     assert idx["lease_claims.lease_claims_stale_idx"] == "btree"
     assert idx["lease_claims.lease_claims_ready_ref_idx"] == "btree"
+    assert "qstore.ready_entries_0 r" not in _claim_body(fresh_db_url)  # the frozen 0003 body
 
 
 # -- check --------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from qstore.config import QueueStorageConfig
+from qstore.schema.rings import child_name
 from qstore.schema.types import COUNTER_BUCKETS
 
 __all__ = ["ServerFunction", "ServerView", "declare_functions", "declare_views"]
@@ -161,18 +162,18 @@ def _segment_claim(s: str, k: int) -> str:
     return f"""RETURN QUERY
     WITH picked AS (
       SELECT r.*, EXISTS (
-               SELECT 1 FROM {s}.ready_tombstones_{k} t
+               SELECT 1 FROM {s}.{child_name('ready_tombstones', k)} t
                WHERE t.queue = r.queue
                  AND t.priority = r.priority AND t.enqueue_shard = r.enqueue_shard
                  AND t.lane_seq = r.lane_seq) AS tombstoned
-      FROM {s}.ready_entries_{k} r
+      FROM {s}.{child_name('ready_entries', k)} r
       WHERE r.queue = p_queue
         AND r.priority = v_lane.lane_priority AND r.enqueue_shard = v_lane.shard
         AND r.lane_seq >= v_pos
       ORDER BY r.lane_seq
       LIMIT v_limit
     ), claim_range AS (
-      INSERT INTO {s}.ready_claim_ranges_{k} AS cr
+      INSERT INTO {s}.{child_name('ready_claim_ranges', k)} AS cr
         (ready_slot, ready_generation, queue, priority, enqueue_shard, first_seq, last_seq,
          claimed_at)
       SELECT v_seg_slot, v_seg_gen, p_queue, v_lane.lane_priority, v_lane.shard, v_pos,
@@ -358,7 +359,7 @@ BEGIN
       v_found := false;
       {_dispatch("v_guess", slots, lambda k: f'''SELECT r.ready_slot, r.ready_generation, r.lane_seq
           INTO v_seg_slot, v_seg_gen, v_seg_first
-          FROM {s}.ready_entries_{k} r
+          FROM {s}.{child_name('ready_entries', k)} r
           WHERE r.queue = p_queue AND r.priority = v_lane.lane_priority
             AND r.enqueue_shard = v_lane.shard AND r.lane_seq = v_pos;
         v_found := FOUND;''')}
@@ -374,7 +375,7 @@ BEGIN
       EXIT WHEN NOT v_found;
       v_guess := v_seg_slot;
       v_next := NULL;
-      {_dispatch("v_seg_slot", slots, lambda k: f'''SELECT cr.last_seq INTO v_next FROM {s}.ready_claim_ranges_{k} cr
+      {_dispatch("v_seg_slot", slots, lambda k: f'''SELECT cr.last_seq INTO v_next FROM {s}.{child_name('ready_claim_ranges', k)} cr
           WHERE cr.queue = p_queue AND cr.priority = v_lane.lane_priority
             AND cr.enqueue_shard = v_lane.shard AND cr.first_seq = v_seg_first;''')}
       IF v_next IS NULL THEN
@@ -418,12 +419,12 @@ def _slot_completion(s: str, k: int) -> str:
     SELECT c.*, i.kind
     FROM input i
     CROSS JOIN LATERAL (
-      SELECT c.* FROM {s}.lease_claims_{k} c
+      SELECT c.* FROM {s}.{child_name('lease_claims', k)} c
       WHERE c.job_id = i.job_id AND c.run_lease = i.run_lease
         AND c.materialized_at IS NULL
       FOR UPDATE) c
   ), closed AS (
-    INSERT INTO {s}.lease_claim_closures_{k} AS cl (claim_slot, job_id, run_lease, outcome)
+    INSERT INTO {s}.{child_name('lease_claim_closures', k)} AS cl (claim_slot, job_id, run_lease, outcome)
     SELECT l.claim_slot, l.job_id, l.run_lease, 'completed' FROM locked l
     ON CONFLICT DO NOTHING
     RETURNING cl.claim_slot, cl.job_id, cl.run_lease

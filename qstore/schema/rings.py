@@ -16,10 +16,15 @@ from sqlalchemy import Column, MetaData, PrimaryKeyConstraint, Table
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateTable, SchemaItem
 
-__all__ = ["PARTITION_OF", "PARTITION_VALUE", "RingFamily", "is_partition_child", "ring_table"]
+__all__ = ["PARTITION_OF", "PARTITION_VALUE", "RingFamily", "child_name", "is_partition_child", "ring_table"]
 
 PARTITION_OF = "qstore_partition_of"
 PARTITION_VALUE = "qstore_partition_value"
+
+
+def child_name(parent: str, slot: int) -> str:
+    """The relation name of ring child ``slot`` of ``parent`` (``<parent>_<slot>``)."""
+    return f"{parent}_{slot}"
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ def ring_table(
         if pk_cols:
             cols.append(PrimaryKeyConstraint(*pk_cols, name=f"{name}_{slot}_pkey"))
         child = Table(
-            f"{name}_{slot}",
+            child_name(name, slot),
             metadata,
             *cols,
             schema=schema,

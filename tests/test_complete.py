@@ -251,3 +251,15 @@ def test_completion_with_a_wrong_claim_slot_falls_back_and_completes_once(engine
     assert storage.complete_runtime_batch(engine, [bogus]) == [(c.job.id, c.job.run_lease)]
     assert storage.complete_runtime_batch(engine, [c]) == []
     assert storage.load_job(engine, c.job.id).state is JobState.COMPLETED
+
+
+def test_a_fast_completion_locks_one_claim_child_not_every_child(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])
+    claimed = storage.claim_runtime_batch(engine, "q", 4)
+    with engine.connect() as conn, conn.begin():
+        base = conn.execute(text("SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() "
+                                 "AND locktype = 'relation'")).scalar_one()
+        assert len(storage.complete_runtime_batch(conn, claimed)) == 4
+        taken = conn.execute(text("SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() "
+                                  "AND locktype = 'relation'")).scalar_one() - base
+    assert taken <= 20, taken

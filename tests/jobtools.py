@@ -1,5 +1,6 @@
 """Small helpers shared by the attempt-lifecycle test modules: enqueue one job, claim it,
-read a job's state, count rows of a table and take a census of every table family."""
+read a job's state, count rows of a table, count the relation locks a session holds and
+take a census of every table family."""
 
 from __future__ import annotations
 
@@ -59,3 +60,10 @@ def requeue(engine, s, claimed: ClaimedRuntimeJob) -> None:
     job = claimed.job
     assert s.retry_after(engine, job.id, job.run_lease, 0) is not None
     assert s.promote_due(engine, JobState.RETRYABLE, 100) >= 1
+
+
+def relation_locks(conn) -> int:
+    """Relation locks held by ``conn``'s backend (its transaction's, plus the query's own)."""
+    return conn.execute(text(
+        "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation'"
+    )).scalar_one()

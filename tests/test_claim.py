@@ -9,7 +9,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from jobtools import requeue
+from jobtools import relation_locks, requeue
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -484,18 +484,12 @@ def test_claim_after_a_partial_claim_resumes_in_the_slot_the_lane_left_off(engin
     assert [c.job.args["i"] for c in storage.claim_runtime_batch(engine, "q", 5)] == [2, 3]
 
 
-def _relation_locks(conn) -> int:
-    return conn.execute(text(
-        "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation'"
-    )).scalar_one()
-
-
 def test_a_claim_locks_its_ring_children_not_every_child_of_the_ring(engine, storage):
     # A generic plan over a partitioned parent would lock all 16 ready children (and their
     # indexes) in every transaction; the claim names the one child it reads.
     storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])
     with engine.connect() as conn, conn.begin():
-        baseline = _relation_locks(conn)
+        baseline = relation_locks(conn)
         assert len(storage.claim_runtime_batch(conn, "q", 4)) == 4
-        taken = _relation_locks(conn) - baseline
+        taken = relation_locks(conn) - baseline
     assert taken <= 40, taken

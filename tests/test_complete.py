@@ -4,7 +4,7 @@ nothing and are absent from the result; every completion path; the caller's tran
 from __future__ import annotations
 
 import pytest
-from jobtools import requeue
+from jobtools import relation_locks, requeue
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -257,9 +257,7 @@ def test_a_fast_completion_locks_one_claim_child_not_every_child(engine, storage
     storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])
     claimed = storage.claim_runtime_batch(engine, "q", 4)
     with engine.connect() as conn, conn.begin():
-        base = conn.execute(text("SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() "
-                                 "AND locktype = 'relation'")).scalar_one()
+        base = relation_locks(conn)
         assert len(storage.complete_runtime_batch(conn, claimed)) == 4
-        taken = conn.execute(text("SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() "
-                                  "AND locktype = 'relation'")).scalar_one() - base
+        taken = relation_locks(conn) - base
     assert taken <= 20, taken

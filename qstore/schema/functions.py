@@ -156,6 +156,23 @@ def _dispatch(var: str, count: int, branch: Callable[[int], str]) -> str:
     return "\n      ".join(arms) + "\n      END IF;"
 
 
+def _position_probe(s: str, k: int) -> str:
+    """The ready row at exactly ``v_pos`` of the lane, in ready child ``k``."""
+    return f"""SELECT r.ready_slot, r.ready_generation, r.lane_seq
+          INTO v_seg_slot, v_seg_gen, v_seg_first
+          FROM {s}.{child_name('ready_entries', k)} r
+          WHERE r.queue = p_queue AND r.priority = v_lane.lane_priority
+            AND r.enqueue_shard = v_lane.shard AND r.lane_seq = v_pos;
+        v_found := FOUND;"""
+
+
+def _range_probe(s: str, k: int) -> str:
+    """The committed claim range starting at ``v_seg_first``, in range child ``k``."""
+    return f"""SELECT cr.last_seq INTO v_next FROM {s}.{child_name('ready_claim_ranges', k)} cr
+          WHERE cr.queue = p_queue AND cr.priority = v_lane.lane_priority
+            AND cr.enqueue_shard = v_lane.shard AND cr.first_seq = v_seg_first;"""
+
+
 def _segment_claim(s: str, k: int) -> str:
     """The claim of one segment of ready child ``k``: pick, record the range, write
     receipts or leases, return the rows; ``v_rows`` gets how many."""
@@ -357,12 +374,7 @@ BEGIN
       -- commits, so a later row implies earlier ones ended) or history a prune truncated
       -- together with its claim ranges.
       v_found := false;
-      {_dispatch("v_guess", slots, lambda k: f'''SELECT r.ready_slot, r.ready_generation, r.lane_seq
-          INTO v_seg_slot, v_seg_gen, v_seg_first
-          FROM {s}.{child_name('ready_entries', k)} r
-          WHERE r.queue = p_queue AND r.priority = v_lane.lane_priority
-            AND r.enqueue_shard = v_lane.shard AND r.lane_seq = v_pos;
-        v_found := FOUND;''')}
+      {_dispatch("v_guess", slots, lambda k: _position_probe(s, k))}
       IF NOT v_found THEN
         SELECT r.ready_slot, r.ready_generation, r.lane_seq
           INTO v_seg_slot, v_seg_gen, v_seg_first
@@ -375,9 +387,7 @@ BEGIN
       EXIT WHEN NOT v_found;
       v_guess := v_seg_slot;
       v_next := NULL;
-      {_dispatch("v_seg_slot", slots, lambda k: f'''SELECT cr.last_seq INTO v_next FROM {s}.{child_name('ready_claim_ranges', k)} cr
-          WHERE cr.queue = p_queue AND cr.priority = v_lane.lane_priority
-            AND cr.enqueue_shard = v_lane.shard AND cr.first_seq = v_seg_first;''')}
+      {_dispatch("v_seg_slot", slots, lambda k: _range_probe(s, k))}
       IF v_next IS NULL THEN
         v_pos := v_seg_first;
         EXIT;

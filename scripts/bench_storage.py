@@ -5,6 +5,11 @@ then ``pinned``) and each system:
 
 1. fresh schema; enqueue N jobs with the batch INSERT path (timed), one chunk per transaction;
 2. fresh schema again; enqueue the same N jobs with COPY (timed) — these are the jobs drained;
+   then warm every pooled connection: each one claims and completes a batch of a separate
+   warm-up queue (so the drain measures steady state, not each new session's first
+   planning of the statements — qstore's PL/pgSQL functions also compile on first use);
+   the classic table is vacuumed afterwards so the warm-up leaves it no dead tuples;
+   ``--no-warmup`` skips this;
 3. ``pinned`` only: a separate session runs ``BEGIN; SELECT txid_current();`` and stays idle
    in that transaction until step 5 is done;
 4. drain with W threads looping claim(batch) + complete (one transaction each: by default
@@ -52,6 +57,9 @@ from classic_queue import ClassicQueue
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/bench_storage"
 QUEUE = "bench"
+# sorts before QUEUE and is enqueued before the measured jobs: every key the drain appends
+# (job ids, queue names) stays the largest in its index, as without a warm-up
+WARMUP_QUEUE = "a_warmup"
 KIND = "bench_job"
 PRIORITY = 2
 PHASES = ("clean", "pinned")
@@ -66,8 +74,8 @@ TARGETS = {
 Job = tuple[str, str, int, dict[str, Any]]  # (queue, kind, priority, args)
 
 
-def workload(n: int) -> list[Job]:
-    return [(QUEUE, KIND, PRIORITY, {"n": i, "payload": "x" * 16}) for i in range(n)]
+def workload(n: int, queue: str = QUEUE) -> list[Job]:
+    return [(queue, KIND, PRIORITY, {"n": i, "payload": "x" * 16}) for i in range(n)]
 
 
 # -- systems under test -----------------------------------------------------------------
@@ -103,11 +111,11 @@ class ClassicSystem:
     def enqueue_insert(self, conn: Connection, jobs: Sequence[Any]) -> int:
         return self.q.enqueue_insert(conn, jobs)
 
-    def claim(self, target: Connection | Engine, batch: int) -> Sequence[Any]:
+    def claim(self, target: Connection | Engine, batch: int, queue: str = QUEUE) -> Sequence[Any]:
         if isinstance(target, Engine):  # own transaction: one autocommitted statement
             with autocommit(target) as conn:
-                return self.q.claim(conn, QUEUE, batch)
-        return self.q.claim(target, QUEUE, batch)
+                return self.q.claim(conn, queue, batch)
+        return self.q.claim(target, queue, batch)
 
     def complete(self, target: Connection | Engine, claimed: Sequence[Any]) -> int:
         if isinstance(target, Engine):
@@ -118,6 +126,11 @@ class ClassicSystem:
     @staticmethod
     def ids_of(claimed: Sequence[Any]) -> list[int]:
         return [j.id for j in claimed]
+
+    def settle(self, engine: Engine) -> None:
+        """Remove what the warm-up left behind (its claimed-and-deleted rows)."""
+        with autocommit(engine) as conn:
+            conn.exec_driver_sql(f'VACUUM "{self.schema}".jobs')
 
 
 class QstoreSystem:
@@ -135,7 +148,7 @@ class QstoreSystem:
         self.schema = schema
         self.shards = shards
         self._params = InsertParams
-        self._opts = InsertOpts(queue=QUEUE, priority=PRIORITY)
+        self._opts_type = InsertOpts
         self._deadline = timedelta(minutes=5)
         for method in ("enqueue_params_copy", "enqueue_params_batch",
                        "claim_runtime_batch", "complete_runtime_batch"):
@@ -152,7 +165,10 @@ class QstoreSystem:
         self.storage.reset(engine)
 
     def convert(self, jobs: Sequence[Job]) -> Sequence[Any]:
-        return [self._params(kind, args, self._opts) for _q, kind, _p, args in jobs]
+        opts: dict[tuple[str, int], Any] = {}
+        return [self._params(kind, args, opts.get((q, p)) or opts.setdefault(
+                    (q, p), self._opts_type(queue=q, priority=p)))
+                for q, kind, p, args in jobs]
 
     def enqueue_copy(self, conn: Connection, jobs: Sequence[Any]) -> int:
         return self.storage.enqueue_params_copy(conn, list(jobs))
@@ -160,9 +176,9 @@ class QstoreSystem:
     def enqueue_insert(self, conn: Connection, jobs: Sequence[Any]) -> int:
         return self.storage.enqueue_params_batch(conn, list(jobs))
 
-    def claim(self, target: Connection | Engine, batch: int) -> Sequence[Any]:
+    def claim(self, target: Connection | Engine, batch: int, queue: str = QUEUE) -> Sequence[Any]:
         # an Engine target is qstore's own-transaction mode
-        return self.storage.claim_runtime_batch(target, QUEUE, batch, self._deadline)
+        return self.storage.claim_runtime_batch(target, queue, batch, self._deadline)
 
     def complete(self, target: Connection | Engine, claimed: Sequence[Any]) -> int:
         return len(self.storage.complete_runtime_batch(target, list(claimed)))
@@ -171,11 +187,39 @@ class QstoreSystem:
     def ids_of(claimed: Sequence[Any]) -> list[int]:
         return [c.job.id for c in claimed]
 
+    def settle(self, engine: Engine) -> None:
+        """Nothing to clean: the warm-up's rows are appended ring entries, none dead."""
+
 
 # -- one measurement ----------------------------------------------------------------------
 def as_count(value: Any) -> int:
     """Enqueue methods return a count; tolerate a list of ids as well."""
     return len(value) if isinstance(value, (list, tuple)) else int(value)
+
+
+def enqueue_warmup(engine: Engine, system: Any, batch: int) -> None:
+    """The warm-up queue's jobs: one batch per pooled connection."""
+    with engine.begin() as conn:
+        system.enqueue_copy(conn, system.convert(workload(engine.pool.size() * batch,  # type: ignore[attr-defined]
+                                                          WARMUP_QUEUE)))
+
+
+def warm_pool(engine: Engine, system: Any, batch: int) -> None:
+    """Claim and complete one batch of the warm-up queue on every pooled connection (all
+    checked out at once, so each is a different server session), then let the system clean
+    up after it. The measured queue is not touched."""
+    size = engine.pool.size()  # type: ignore[attr-defined]
+    conns = [engine.connect() for _ in range(size)]
+    try:
+        for conn in conns:
+            with conn.begin():
+                got = system.claim(conn, batch, WARMUP_QUEUE)
+            with conn.begin():
+                system.complete(conn, got)
+    finally:
+        for conn in conns:
+            conn.close()
+    system.settle(engine)
 
 
 def run_one(engine: Engine, system: Any, phase: str, jobs: Sequence[Job], args: argparse.Namespace,
@@ -194,6 +238,8 @@ def run_one(engine: Engine, system: Any, phase: str, jobs: Sequence[Job], args: 
     res["insert_enqueue"] = {"seconds": secs, "jobs_per_s": n / secs}
 
     system.fresh(engine)
+    if args.warmup:
+        enqueue_warmup(engine, system, args.batch)
     checkpoint(engine)
     secs, wrote = timed_enqueue(
         engine, lambda c, b: as_count(system.enqueue_copy(c, b)), prepared, args.enqueue_chunk
@@ -201,6 +247,8 @@ def run_one(engine: Engine, system: Any, phase: str, jobs: Sequence[Job], args: 
     if wrote != n:
         raise RuntimeError(f"{system.name}: COPY wrote {wrote} of {n} jobs")
     res["copy_enqueue"] = {"seconds": secs, "jobs_per_s": n / secs}
+    if args.warmup:
+        warm_pool(engine, system, args.batch)
 
     pin = XminPin(engine) if phase == "pinned" else None
     wal_from = wal_position(engine)
@@ -405,6 +453,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="own: claim and complete get the Engine and run as their own "
                         "transaction (one autocommitted statement each where the system can); "
                         "explicit: the worker wraps each call in BEGIN/COMMIT on its connection")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="drain on cold pooled connections (each session plans, and qstore's "
+                        "functions compile, during the timed drain)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
                    help="session setting for every benchmark connection, e.g. --set jit=off "
                         "(repeatable; applies to both systems)")
@@ -441,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     exact = ensure_pgstattuple(engine)
     info = server_info(engine)
     print(f"jobs={args.jobs} threads={args.threads} batch={args.batch} "
-          f"enqueue_chunk={args.enqueue_chunk} transactions={args.transactions} qstore_shards={args.qstore_shards} cpus={info['cpus']} "
+          f"enqueue_chunk={args.enqueue_chunk} transactions={args.transactions} warmup={args.warmup} qstore_shards={args.qstore_shards} cpus={info['cpus']} "
           f"postgres={info['postgres']['server_version']} "
           f"autovacuum={info['postgres']['autovacuum']} jit={info['postgres']['jit']} "
           f"dead-tuple source={'pgstattuple' if exact else 'n_dead_tup'}"

@@ -4,6 +4,7 @@ caller's transaction."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -14,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from qstore import ClaimedEntry, JobRow, JobState, ValidationError
+from qstore.model import ClaimedRuntimeJob, field_names
 from qstore.storage.jobs import InsertOpts, InsertParams
 
 UTC = timezone.utc
@@ -292,6 +294,18 @@ def test_claims_without_receipts_materialise_leases(engine, make_storage):
 
 
 # -- variants ---------------------------------------------------------------------------------
+
+def test_claimed_rows_are_whole_dataclasses_equal_to_normally_built_ones(engine, storage):
+    # the claim path fills the frozen dataclasses' __dict__ directly (model.assemble)
+    storage.enqueue_params_batch(engine, [job({"i": 1}, tags=["t"], metadata={"m": 1})])
+    (c,) = storage.claim_runtime_batch(engine, "q", 1)
+    for obj, cls in ((c, ClaimedRuntimeJob), (c.claim, ClaimedEntry), (c.job, JobRow)):
+        assert set(vars(obj)) == field_names(cls)
+        assert dataclasses.replace(obj) == obj  # replace() goes through __init__
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            obj.__setattr__("job_id" if cls is ClaimedEntry else "unique_states", 5)
+    assert hash(dataclasses.replace(c.claim)) == hash(c.claim)
+
 
 def test_claim_job_batch_returns_running_job_rows(engine, storage):
     storage.enqueue_params_batch(engine, [job({"i": 1}, tags=["t"])])

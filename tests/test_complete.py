@@ -228,6 +228,17 @@ def test_fast_completion_records_the_kind_the_claim_returned(engine, storage):
     assert count_rows(engine, storage, "done_entries", "kind = 'mailer.send'") == 1
 
 
+@pytest.mark.parametrize("kind", ['say "hi"', "back\\slash", "a,b", "{braces}", "NULL", " spaced ",
+                                  "ünïcødé ✓"])
+def test_fast_completion_keeps_any_kind_text_intact(engine, storage, kind):
+    # kinds travel to complete_receipts inside one text[] literal; quoting must be exact
+    storage.enqueue_params_batch(engine, [InsertParams(kind, {}, InsertOpts(queue="q")),
+                                          InsertParams("plain", {}, InsertOpts(queue="q"))])
+    got = storage.claim_runtime_batch(engine, "q", 2)
+    assert storage.complete_runtime_batch(engine, got) == [(c.job.id, 1) for c in got]
+    assert [storage.load_job(engine, c.job.id).kind for c in got] == [kind, "plain"]
+
+
 def test_one_completion_call_finishes_receipts_from_two_claim_slots(engine, make_storage):
     storage = make_storage(claim_slot_count=2)
     storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])

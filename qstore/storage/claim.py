@@ -19,7 +19,7 @@ from sqlalchemy import BigInteger, Boolean, Connection, Integer, Text, bindparam
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
 
 from qstore.errors import QueueStorageError, ValidationError
-from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobRow, JobState
+from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobRow, JobState, assemble
 from qstore.schema import StorageSchema
 from qstore.storage._tx import Target, owns_transaction, single_statement, transaction
 from qstore.storage.jobs import is_stripe, validate_queue
@@ -96,19 +96,26 @@ def _to_runtime(row: Any, receipts: bool) -> ClaimedRuntimeJob:
         metadata, errors, tags, progress = {}, None, [], None
     if effective_priority != priority:
         metadata.setdefault(ORIGINAL_PRIORITY_KEY, priority)
-    entry = ClaimedEntry(
-        queue, priority, lane_seq, ready_slot, ready_generation, lease_slot, lease_generation,
-        claim_slot, receipts, enqueue_shard, job_id, run_lease,
-    )
-    job = JobRow(
-        id=job_id, kind=kind, queue=queue, args=args, state=JobState.RUNNING,
-        priority=effective_priority, attempt=attempt, run_lease=run_lease,
-        max_attempts=max_attempts, run_at=run_at, created_at=created_at,
-        heartbeat_at=claimed_at, deadline_at=deadline_at, attempted_at=claimed_at,
-        errors=errors, metadata=metadata, tags=tags, unique_key=unique_key,
-        unique_states=unique_states, progress=progress,
-    )
-    return ClaimedRuntimeJob(entry, job, unique_states)
+    # assemble(): one __dict__ fill per object instead of a frozen __init__ (see model.py);
+    # every field is named here, tests/test_model.py checks these match the dataclasses
+    entry = assemble(ClaimedEntry, {
+        "queue": queue, "priority": priority, "lane_seq": lane_seq, "ready_slot": ready_slot,
+        "ready_generation": ready_generation, "lease_slot": lease_slot,
+        "lease_generation": lease_generation, "claim_slot": claim_slot,
+        "lease_claim_receipt": receipts, "enqueue_shard": enqueue_shard, "job_id": job_id,
+        "run_lease": run_lease,
+    })
+    job = assemble(JobRow, {
+        "id": job_id, "kind": kind, "queue": queue, "args": args, "state": JobState.RUNNING,
+        "priority": effective_priority, "attempt": attempt, "run_lease": run_lease,
+        "max_attempts": max_attempts, "run_at": run_at, "created_at": created_at,
+        "heartbeat_at": claimed_at, "deadline_at": deadline_at, "attempted_at": claimed_at,
+        "finalized_at": None, "errors": errors, "metadata": metadata, "tags": tags,
+        "unique_key": unique_key, "unique_states": unique_states, "callback_id": None,
+        "callback_timeout_at": None, "callback_filter": None, "callback_on_complete": None,
+        "callback_on_fail": None, "callback_transform": None, "progress": progress,
+    })
+    return assemble(ClaimedRuntimeJob, {"claim": entry, "job": job, "unique_states": unique_states})
 
 
 def claim_physical(conn: Connection, sch: StorageSchema, queue: str, max_batch: int,

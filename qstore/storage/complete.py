@@ -23,7 +23,7 @@ from qstore.storage._tx import Target, owns_transaction, single_statement, trans
 from qstore.storage.attempts import take_attempts
 from qstore.storage.enqueue import LaneRouter
 from qstore.storage.jobs import holds_key
-from qstore.storage.statements import array_param, schema_func
+from qstore.storage.statements import packed_array_param, schema_func
 from qstore.storage.transitions import Decision, apply
 from qstore.storage.writers import Body
 
@@ -32,14 +32,14 @@ __all__ = ["complete_pairs", "complete_runtime", "complete_runtime_on"]
 # Completion never re-enqueues, so it needs no lane routing state of its own.
 _NO_REENQUEUE = LaneRouter()
 
-_ARRAYS: dict[str, Any] = {"claim_slots": Integer(), "job_ids": BigInteger(), "run_leases": BigInteger(),
-                           "kinds": Text()}
+_ARRAYS: dict[str, type[Any]] = {"claim_slots": Integer, "job_ids": BigInteger, "run_leases": BigInteger,
+                                 "kinds": Text}
 
 
 @functools.lru_cache(maxsize=64)
 def _fast_stmt(sch: StorageSchema) -> Any:
     """``SELECT * FROM <schema>.complete_receipts(:arrays…)`` (see schema/functions.py)."""
-    fn = schema_func(sch, "complete_receipts", *(array_param(n, t) for n, t in _ARRAYS.items()))
+    fn = schema_func(sch, "complete_receipts", *(packed_array_param(n, t) for n, t in _ARRAYS.items()))
     return select(fn.table_valued(column("job_id", BigInteger()), column("run_lease", BigInteger())))
 
 
@@ -63,22 +63,32 @@ def complete_pairs(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[i
 
 def _complete_fast(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """One ``complete_receipts`` call for the fast candidates among ``claimed``. Returns the
-    pairs it completed and the pairs left for the general path (non-candidates, and
-    candidates whose receipt was materialised or already closed)."""
+    pairs it completed, in input order, and the pairs left for the general path
+    (non-candidates, and candidates whose receipt was materialised or already closed)."""
     # one entry per attempt: the same attempt twice in one call completes once
-    fast = list({(j.job.id, j.job.run_lease): j for j in claimed if _fast_candidate(j)}.values())
-    done: list[tuple[int, int]] = []
-    if fast:
-        e: list[ClaimedEntry] = [j.claim for j in fast]
-        rows = conn.execute(_fast_stmt(sch), {
-            "claim_slots": [x.claim_slot for x in e], "job_ids": [x.job_id for x in e],
-            "run_leases": [x.run_lease for x in e], "kinds": [j.job.kind for j in fast],
-        }).all()
-        done = [(r.job_id, r.run_lease) for r in rows]
-    finished = set(done)
-    rest = list(dict.fromkeys(
-        (j.job.id, j.job.run_lease) for j in claimed if (j.job.id, j.job.run_lease) not in finished))
-    return done, rest
+    fast: dict[tuple[int, int], ClaimedRuntimeJob] = {}
+    rest: dict[tuple[int, int], None] = {}
+    for j in claimed:
+        pair = (j.job.id, j.job.run_lease)
+        if _fast_candidate(j):
+            fast.setdefault(pair, j)
+        else:
+            rest[pair] = None
+    if not fast:
+        return [], list(rest)
+    e: list[ClaimedEntry] = [j.claim for j in fast.values()]
+    rows = conn.execute(_fast_stmt(sch), {
+        "claim_slots": [x.claim_slot for x in e], "job_ids": [x.job_id for x in e],
+        "run_leases": [x.run_lease for x in e], "kinds": [j.job.kind for j in fast.values()],
+    }).all()
+    finished = set(map(tuple, rows))
+    if len(finished) == len(fast):
+        done = list(fast)
+    else:
+        done = [pr for pr in fast if pr in finished]
+        rest.update((pr, None) for pr in fast if pr not in finished)
+    # a pair both fast (one copy) and not (another copy with other attributes) is done once
+    return done, [pr for pr in rest if pr not in finished]
 
 
 def _in_input_order(done: list[tuple[int, int]], claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
@@ -88,11 +98,11 @@ def _in_input_order(done: list[tuple[int, int]], claimed: Sequence[ClaimedRuntim
 
 def complete_runtime(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
     """Complete each claimed attempt at most once, in one transaction; returns the pairs
-    that completed."""
+    that completed, in input order."""
     done, rest = _complete_fast(conn, sch, claimed)
-    if rest:
-        done += complete_pairs(conn, sch, rest)
-    return _in_input_order(done, claimed)
+    if not rest:
+        return done
+    return _in_input_order(done + complete_pairs(conn, sch, rest), claimed)
 
 
 def complete_runtime_on(target: Target, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
@@ -108,7 +118,8 @@ def complete_runtime_on(target: Target, sch: StorageSchema, claimed: Sequence[Cl
             return complete_runtime(conn, sch, claimed)
     with single_statement(target) as conn:
         done, rest = _complete_fast(conn, sch, claimed)
-    if rest:
-        with transaction(target) as conn:
-            done += complete_pairs(conn, sch, rest)
+    if not rest:
+        return done
+    with transaction(target) as conn:
+        done += complete_pairs(conn, sch, rest)
     return _in_input_order(done, claimed)

@@ -97,7 +97,7 @@ def _to_runtime(row: Any, receipts: bool) -> ClaimedRuntimeJob:
     if effective_priority != priority:
         metadata.setdefault(ORIGINAL_PRIORITY_KEY, priority)
     # assemble(): one __dict__ fill per object instead of a frozen __init__ (see model.py);
-    # every field is named here, tests/test_model.py checks these match the dataclasses
+    # every field is named here; tests/test_claim.py checks these match the dataclasses
     entry = assemble(ClaimedEntry, {
         "queue": queue, "priority": priority, "lane_seq": lane_seq, "ready_slot": ready_slot,
         "ready_generation": ready_generation, "lease_slot": lease_slot,

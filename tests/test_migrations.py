@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,22 +41,32 @@ def alembic(url: str, *args: str, ini: Path = INI, cwd: Path | None = None,
     return proc
 
 
-def _engine(url: str) -> Engine:
-    return create_engine(url, poolclass=pool.NullPool)
+@contextmanager
+def engine_on(url: str) -> Iterator[Engine]:
+    """A pool-less engine on ``url``, disposed on exit (also when the block fails)."""
+    eng = create_engine(url, poolclass=pool.NullPool)
+    try:
+        yield eng
+    finally:
+        eng.dispose()
+
+
+def _execute(url: str, *statements: str) -> None:
+    """Run ``statements`` in one committed transaction."""
+    with engine_on(url) as eng, eng.begin() as conn:
+        for statement in statements:
+            conn.execute(text(statement))
 
 
 def _version(url: str, schema: str) -> str | None:
-    eng = _engine(url)
-    with eng.connect() as conn:
+    with engine_on(url) as eng, eng.connect() as conn:
         v = conn.execute(text(f"SELECT version_num FROM {schema}.qstore_alembic_version")).scalar()
-    eng.dispose()
     return v
 
 
 def _objects(url: str, schema: str) -> dict[str, set[str]]:
     """Every relation (by kind), function and type left in ``schema``."""
-    eng = _engine(url)
-    with eng.connect() as conn:
+    with engine_on(url) as eng, eng.connect() as conn:
         rels = conn.execute(text(
             "SELECT c.relkind, c.relname FROM pg_class c "
             "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s"),
@@ -65,7 +77,6 @@ def _objects(url: str, schema: str) -> dict[str, set[str]]:
         types = set(conn.execute(text(
             "SELECT t.typname FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace "
             "WHERE n.nspname = :s"), {"s": schema}).scalars())
-    eng.dispose()
     out: dict[str, set[str]] = {"functions": procs, "types": types}
     for kind, name in rels:
         out.setdefault(kind, set()).add(name)
@@ -77,19 +88,18 @@ def _objects(url: str, schema: str) -> dict[str, set[str]]:
 
 def test_upgrade_head_on_empty_database_creates_default_schema_at_head(fresh_db_url, tmp_path):
     alembic(fresh_db_url, "upgrade", "head", cwd=tmp_path)
-    eng = _engine(fresh_db_url)
-    insp = inspect(eng)
-    assert "qstore" in insp.get_schema_names()
-    assert insp.has_table("qstore_alembic_version", schema="qstore")
-    assert insp.has_table("ready_entries", schema="qstore")
-    eng.dispose()
+    with engine_on(fresh_db_url) as eng:
+        insp = inspect(eng)
+        assert "qstore" in insp.get_schema_names()
+        assert insp.has_table("qstore_alembic_version", schema="qstore")
+        assert insp.has_table("ready_entries", schema="qstore")
     assert _version(fresh_db_url, "qstore") == HEAD
 
 
 def test_upgrade_head_installs_default_shape_with_sixteen_queue_slots(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "head")
-    assert QueueStorage.from_existing_schema("qstore", _engine(fresh_db_url)).config \
-        == QueueStorage().config
+    with engine_on(fresh_db_url) as eng:
+        assert QueueStorage.from_existing_schema("qstore", eng).config == QueueStorage().config
 
 
 def test_upgrade_with_x_schema_and_slot_count_creates_and_records_that_shape(fresh_db_url):
@@ -97,21 +107,19 @@ def test_upgrade_with_x_schema_and_slot_count_creates_and_records_that_shape(fre
     objs = _objects(fresh_db_url, "custom")
     assert {f"ready_entries_{k}" for k in range(5)} <= objs["r"]
     assert "ready_entries_5" not in objs["r"]
-    eng = _engine(fresh_db_url)
-    with eng.connect() as conn:
-        recorded = conn.execute(text(
-            "SELECT schema_name, queue_slot_count FROM custom.storage_config")).one()
-    assert tuple(recorded) == ("custom", 5)
-    s = QueueStorage.from_existing_schema("custom", eng)
-    eng.dispose()
+    with engine_on(fresh_db_url) as eng:
+        with eng.connect() as conn:
+            recorded = conn.execute(text(
+                "SELECT schema_name, queue_slot_count FROM custom.storage_config")).one()
+        assert tuple(recorded) == ("custom", 5)
+        s = QueueStorage.from_existing_schema("custom", eng)
     assert (s.schema(), s.queue_slot_count(), s.lease_slot_count()) == ("custom", 5, 8)
 
 
 def test_upgrade_of_custom_schema_does_not_create_the_default_schema(fresh_db_url):
     alembic(fresh_db_url, "-x", "schema=custom", "-x", "queue_slot_count=5", "upgrade", "head")
-    eng = _engine(fresh_db_url)
-    assert "qstore" not in inspect(eng).get_schema_names()
-    eng.dispose()
+    with engine_on(fresh_db_url) as eng:
+        assert "qstore" not in inspect(eng).get_schema_names()
 
 
 def test_two_storage_schemas_coexist_each_with_its_own_version_table(fresh_db_url):
@@ -128,24 +136,23 @@ def test_two_storage_schemas_coexist_each_with_its_own_version_table(fresh_db_ur
 def test_upgrade_keeps_rows_written_at_the_previous_revision(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "0001")
     assert _version(fresh_db_url, "qstore") == "0001"
-    eng = _engine(fresh_db_url)
-    with eng.begin() as conn:
-        assert "dlq_enabled" not in {c["name"] for c in inspect(conn).get_columns(
-            "queue_meta", schema="qstore")}
-        conn.execute(text("INSERT INTO qstore.queue_meta (queue, paused) VALUES ('mail', true)"))
-        conn.execute(text(
-            "INSERT INTO qstore.deferred_jobs (job_id, kind, queue, priority, state) "
-            "VALUES (42, 'send', 'mail', 2, 'scheduled')"))
-        conn.execute(text(RESERVE.format(s="qstore")))
-    alembic(fresh_db_url, "upgrade", "head")
-    with eng.connect() as conn:
-        meta = conn.execute(text(
-            "SELECT queue, paused, dlq_enabled FROM qstore.queue_meta")).all()
-        deferred = conn.execute(text(
-            "SELECT job_id, kind, queue FROM qstore.deferred_jobs")).all()
-        heads = conn.execute(text("SELECT queue, priority FROM qstore.queue_claim_heads")).all()
-        next_pos = conn.execute(text(RESERVE.format(s="qstore"))).scalar()
-    eng.dispose()
+    with engine_on(fresh_db_url) as eng:
+        with eng.begin() as conn:
+            assert "dlq_enabled" not in {c["name"] for c in inspect(conn).get_columns(
+                "queue_meta", schema="qstore")}
+            conn.execute(text("INSERT INTO qstore.queue_meta (queue, paused) VALUES ('mail', true)"))
+            conn.execute(text(
+                "INSERT INTO qstore.deferred_jobs (job_id, kind, queue, priority, state) "
+                "VALUES (42, 'send', 'mail', 2, 'scheduled')"))
+            conn.execute(text(RESERVE.format(s="qstore")))
+        alembic(fresh_db_url, "upgrade", "head")
+        with eng.connect() as conn:
+            meta = conn.execute(text(
+                "SELECT queue, paused, dlq_enabled FROM qstore.queue_meta")).all()
+            deferred = conn.execute(text(
+                "SELECT job_id, kind, queue FROM qstore.deferred_jobs")).all()
+            heads = conn.execute(text("SELECT queue, priority FROM qstore.queue_claim_heads")).all()
+            next_pos = conn.execute(text(RESERVE.format(s="qstore"))).scalar()
     assert [tuple(r) for r in meta] == [("mail", True, False)]
     assert [tuple(r) for r in deferred] == [(42, "send", "mail")]
     assert [tuple(r) for r in heads] == [("q", 2)]
@@ -154,13 +161,11 @@ def test_upgrade_keeps_rows_written_at_the_previous_revision(fresh_db_url):
 
 
 def _complete_signatures(url: str) -> set[str]:
-    eng = _engine(url)
-    with eng.connect() as conn:
+    with engine_on(url) as eng, eng.connect() as conn:
         rows = conn.execute(text(
             "SELECT pg_get_function_identity_arguments(p.oid) FROM pg_proc p "
             "JOIN pg_namespace n ON n.oid = p.pronamespace "
             "WHERE n.nspname = 'qstore' AND p.proname = 'complete_receipts'")).scalars().all()
-    eng.dispose()
     return set(rows)
 
 
@@ -177,16 +182,13 @@ def test_upgrade_0003_replaces_the_completion_function_and_a_drain_works(fresh_d
     alembic(fresh_db_url, "upgrade", "0002")
     alembic(fresh_db_url, "upgrade", "0003")
     assert _complete_signatures(fresh_db_url) == {NEW_COMPLETE}
-    eng = _engine(fresh_db_url)
     storage = QueueStorage()
-    try:
+    with engine_on(fresh_db_url) as eng:
         storage.enqueue_params_batch(eng, [InsertParams("k", {"n": i}, InsertOpts(queue="q"))
                                            for i in range(3)])
         claimed = storage.claim_runtime_batch(eng, "q", 10, 60)
         assert len(storage.complete_runtime_batch(eng, claimed)) == 3
         assert storage.load_job(eng, claimed[0].job.id).state.value == "completed"
-    finally:
-        eng.dispose()
 
 
 def test_downgrade_to_0002_restores_the_frozen_completion_function(fresh_db_url):
@@ -198,23 +200,19 @@ def test_downgrade_to_0002_restores_the_frozen_completion_function(fresh_db_url)
 
 def _lease_claim_indexes(url: str) -> dict[str, str]:
     """Index name -> access method on the ``lease_claims`` parent and on its child 0."""
-    eng = _engine(url)
-    with eng.connect() as conn:
+    with engine_on(url) as eng, eng.connect() as conn:
         rows = conn.execute(text(
             "SELECT c.relname, i.relname, am.amname FROM pg_index x "
             "JOIN pg_class c ON c.oid = x.indrelid JOIN pg_class i ON i.oid = x.indexrelid "
             "JOIN pg_am am ON am.oid = i.relam JOIN pg_namespace n ON n.oid = c.relnamespace "
             "WHERE n.nspname = 'qstore' AND c.relname IN ('lease_claims', 'lease_claims_0')"
         )).all()
-    eng.dispose()
     return {f"{table}.{index}": am for table, index, am in rows}
 
 
 def _claim_body(url: str) -> str:
-    eng = _engine(url)
-    with eng.connect() as conn:
+    with engine_on(url) as eng, eng.connect() as conn:
         body = conn.execute(text("SELECT pg_get_functiondef('qstore.claim_ready'::regproc)")).scalar_one()
-    eng.dispose()
     return str(body)
 
 
@@ -243,9 +241,8 @@ def test_upgrade_0004_leaves_receipts_one_btree_and_a_ready_slot_brin(fresh_db_u
 
 def test_upgrade_0004_keeps_open_receipts_and_the_claim_drains_after_it(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "0003")
-    eng = _engine(fresh_db_url)
     storage = QueueStorage()
-    try:
+    with engine_on(fresh_db_url) as eng:
         storage.enqueue_params_batch(eng, [InsertParams("k", {"n": i}, InsertOpts(queue="q"))
                                            for i in range(4)])
         first = storage.claim_runtime_batch(eng, "q", 2, 60)
@@ -255,8 +252,6 @@ def test_upgrade_0004_keeps_open_receipts_and_the_claim_drains_after_it(fresh_db
         done = storage.complete_runtime_batch(eng, [*first, *rest])
         assert len(done) == 4
         assert storage.queue_counts(eng, "q").running == 0
-    finally:
-        eng.dispose()
 
 
 def test_downgrade_to_0003_restores_the_receipt_btrees(fresh_db_url):
@@ -289,13 +284,10 @@ def test_alembic_check_reports_no_drift_for_a_custom_shape(fresh_db_url):
 
 def test_alembic_check_fails_when_a_function_body_drifts(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "head")
-    eng = _engine(fresh_db_url)
-    with eng.begin() as conn:
-        conn.execute(text(
-            "CREATE OR REPLACE FUNCTION qstore.backoff_duration(attempt integer, "
-            "max_attempts integer) RETURNS interval LANGUAGE sql VOLATILE AS "
-            "$$ SELECT interval '1 second' $$"))
-    eng.dispose()
+    _execute(fresh_db_url,
+             "CREATE OR REPLACE FUNCTION qstore.backoff_duration(attempt integer, "
+             "max_attempts integer) RETURNS interval LANGUAGE sql VOLATILE AS "
+             "$$ SELECT interval '1 second' $$")
     proc = alembic(fresh_db_url, "check", check=False)
     assert proc.returncode != 0
     assert "backoff_duration" in proc.stdout + proc.stderr
@@ -303,10 +295,7 @@ def test_alembic_check_fails_when_a_function_body_drifts(fresh_db_url):
 
 def test_alembic_check_fails_when_an_index_is_dropped(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "head")
-    eng = _engine(fresh_db_url)
-    with eng.begin() as conn:
-        conn.execute(text("DROP INDEX qstore.deferred_jobs_due_idx"))
-    eng.dispose()
+    _execute(fresh_db_url, "DROP INDEX qstore.deferred_jobs_due_idx")
     proc = alembic(fresh_db_url, "check", check=False)
     assert proc.returncode != 0
     assert "deferred_jobs_due_idx" in proc.stdout + proc.stderr
@@ -314,10 +303,7 @@ def test_alembic_check_fails_when_an_index_is_dropped(fresh_db_url):
 
 def test_alembic_check_fails_when_a_partitioned_parent_index_is_dropped(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "head")
-    eng = _engine(fresh_db_url)
-    with eng.begin() as conn:
-        conn.execute(text("DROP INDEX qstore.ready_entries_job_id_idx"))
-    eng.dispose()
+    _execute(fresh_db_url, "DROP INDEX qstore.ready_entries_job_id_idx")
     proc = alembic(fresh_db_url, "check", check=False)
     assert proc.returncode != 0
 
@@ -333,10 +319,7 @@ def test_create_all_install_has_no_drift_against_the_migrations(make_storage, db
 
 def test_downgrade_base_removes_every_object_but_the_version_table(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "head")
-    eng = _engine(fresh_db_url)
-    with eng.begin() as conn:  # creates two runtime lane sequences
-        conn.execute(text(RESERVE.format(s="qstore")))
-    eng.dispose()
+    _execute(fresh_db_url, RESERVE.format(s="qstore"))  # creates two runtime lane sequences
     seqs = _objects(fresh_db_url, "qstore")["S"]
     assert len({s for s in seqs if s.startswith(("queue_enqueue_seq_", "queue_claim_seq_"))}) == 2
     alembic(fresh_db_url, "downgrade", "base")
@@ -447,13 +430,12 @@ def host_app(tmp_path: Path) -> Path:
 
 def test_host_app_upgrade_heads_creates_host_table_and_qstore_schema(fresh_db_url, host_app):
     alembic(fresh_db_url, "upgrade", "heads", ini=host_app, cwd=host_app.parent)
-    eng = _engine(fresh_db_url)
-    insp = inspect(eng)
-    assert insp.has_table("host_orders", schema="public")
-    assert insp.has_table("ready_entries", schema="qstore")
-    with eng.connect() as conn:
-        versions = set(conn.execute(text("SELECT version_num FROM public.alembic_version")).scalars())
-    eng.dispose()
+    with engine_on(fresh_db_url) as eng:
+        insp = inspect(eng)
+        assert insp.has_table("host_orders", schema="public")
+        assert insp.has_table("ready_entries", schema="qstore")
+        with eng.connect() as conn:
+            versions = set(conn.execute(text("SELECT version_num FROM public.alembic_version")).scalars())
     assert versions == {"h0001", HEAD}
 
 
@@ -466,9 +448,8 @@ def test_host_app_heads_lists_both_branches(fresh_db_url, host_app):
 def test_host_app_qstore_revisions_take_shape_from_x_arguments(fresh_db_url, host_app):
     alembic(fresh_db_url, "-x", "schema=jobs", "-x", "queue_slot_count=5",
             "upgrade", "heads", ini=host_app)
-    eng = _engine(fresh_db_url)
-    s = QueueStorage.from_existing_schema("jobs", eng)
-    eng.dispose()
+    with engine_on(fresh_db_url) as eng:
+        s = QueueStorage.from_existing_schema("jobs", eng)
     assert (s.schema(), s.queue_slot_count()) == ("jobs", 5)
 
 
@@ -480,8 +461,7 @@ def test_host_app_check_does_not_see_the_qstore_schema_as_drift(fresh_db_url, ho
 
 def test_host_app_can_upgrade_only_the_qstore_branch(fresh_db_url, host_app):
     alembic(fresh_db_url, "upgrade", f"{BRANCH_LABEL}@head", ini=host_app)
-    eng = _engine(fresh_db_url)
-    insp = inspect(eng)
-    assert insp.has_table("ready_entries", schema="qstore")
-    assert not insp.has_table("host_orders", schema="public")
-    eng.dispose()
+    with engine_on(fresh_db_url) as eng:
+        insp = inspect(eng)
+        assert insp.has_table("ready_entries", schema="qstore")
+        assert not insp.has_table("host_orders", schema="public")

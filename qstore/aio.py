@@ -68,4 +68,4 @@ class AsyncQueueStorage:
 
     @staticmethod
     async def active_schema(target: AsyncTarget) -> str | None:
-        return await run_on(target, QueueStorage.active_schema_in_tx)  # type: ignore[no-any-return]
+        return await run_on(target, QueueStorage.active_schema_in_tx)

@@ -10,7 +10,7 @@ Revisions live in ``qstore/migrations/versions`` (shipped in the wheel, branch l
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ __all__ = [
 BRANCH_LABEL = "qstore"
 PACKAGE_MIGRATIONS = Path(__file__).with_name("migrations")
 CONFIG_ATTRIBUTE = "qstore_config"
-_X_FIELDS = {
+_X_FIELDS: dict[str, Callable[[str], Any]] = {
     "queue_slot_count": int,
     "lease_slot_count": int,
     "claim_slot_count": int,
@@ -115,7 +115,7 @@ def _children(sch: StorageSchema) -> set[str]:
     return {t.name for t in sch.metadata.tables.values() if "qstore_partition_of" in t.info}
 
 
-def include_name_for(sch: StorageSchema):  # type: ignore[no-untyped-def]
+def include_name_for(sch: StorageSchema) -> Callable[[str | None, str, Mapping[str, Any]], bool]:
     """``include_name``: only this install's schema, never the Alembic version table."""
     schema = sch.config.schema
 
@@ -129,7 +129,7 @@ def include_name_for(sch: StorageSchema):  # type: ignore[no-untyped-def]
     return include_name
 
 
-def include_object_for(sch: StorageSchema):  # type: ignore[no-untyped-def]
+def include_object_for(sch: StorageSchema) -> Callable[[Any, str | None, str, bool, Any], bool]:
     """``include_object``: skip PostgreSQL's derived child indexes and foreign entities."""
     children = _children(sch)
     schema = sch.config.schema

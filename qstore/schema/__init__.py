@@ -19,7 +19,7 @@ from qstore.config import QueueStorageConfig
 from qstore.schema import control_plane, execution_plane, queue_plane
 from qstore.schema.functions import ServerFunction, ServerView, declare_functions, declare_views
 from qstore.schema.rings import RingFamily, is_partition_child
-from qstore.schema.types import job_state_enum
+from qstore.schema.types import Since, job_state_enum
 
 __all__ = [
     "REVISIONS",
@@ -89,7 +89,7 @@ class StorageSchema:
         }
 
 
-def _since_predicate(as_of: str | None):  # type: ignore[no-untyped-def]
+def _since_predicate(as_of: str | None) -> Since:
     if as_of is None:
         return lambda rev: True
     if as_of not in REVISIONS:

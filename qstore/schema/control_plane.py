@@ -3,6 +3,8 @@ bounded-claimer slots, the backend registry and the recorded install configurati
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     Boolean,
     CheckConstraint,
@@ -34,7 +36,7 @@ from qstore.schema.types import (
 
 def declare_ring_control(md: MetaData, cfg: QueueStorageConfig, ring: str) -> tuple[Table, Table]:
     """``<ring>_ring_state`` (singleton cursor) and ``<ring>_ring_slots`` (generation per slot)."""
-    cols = [
+    cols: list[Column[Any]] = [
         Column("singleton", Boolean, nullable=False, server_default=text("true")),
         Column("current_slot", INT, nullable=False),
         Column("generation", BIGINT, nullable=False),
@@ -123,7 +125,7 @@ def declare_counters(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Tabl
 
 def declare_queue_meta(md: MetaData, cfg: QueueStorageConfig, since: Since) -> Table:
     """Per logical queue: pause gate, enqueue shard count and (0002) DLQ policy."""
-    cols = [
+    cols: list[Column[Any]] = [
         Column("queue", TEXT, nullable=False),
         Column("paused", Boolean, nullable=False, server_default=text("false")),
         Column("paused_at", TS),

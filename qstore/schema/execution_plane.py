@@ -13,7 +13,7 @@ from qstore.schema.types import BIGINT, INT, JSON, NOW, SMALLINT, TEXT, TS, UUID
 LANE = ("queue", "priority", "enqueue_shard")
 
 
-def declare_leases(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> RingFamily:  # type: ignore[type-arg]
+def declare_leases(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> RingFamily:
     """Materialised, mutable attempts (callbacks, receipts-off claims).
 
     ``priority`` is the lane priority (the join key back to the ready row);

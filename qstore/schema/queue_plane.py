@@ -4,6 +4,7 @@ terminal count deltas), the deferred backlog and the DLQ."""
 from __future__ import annotations
 
 from sqlalchemy import CheckConstraint, Column, Index, MetaData, PrimaryKeyConstraint, Table, text
+from sqlalchemy.sql.schema import SchemaItem
 from sqlalchemy.types import TypeEngine
 
 from qstore.config import QueueStorageConfig
@@ -17,7 +18,7 @@ LANE = ("queue", "priority", "enqueue_shard")
 LANE_KEY = (*LANE, "lane_seq", "ready_slot")
 
 
-def _ring(md: MetaData, cfg: QueueStorageConfig, name: str, *items) -> RingFamily:  # type: ignore[no-untyped-def]
+def _ring(md: MetaData, cfg: QueueStorageConfig, name: str, *items: SchemaItem) -> RingFamily:
     return ring_table(md, name, "ready_slot", cfg.queue_slot_count, *items, schema=cfg.schema)
 
 
@@ -87,7 +88,7 @@ def declare_claim_ranges(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
     )
 
 
-def declare_done_entries(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> RingFamily:  # type: ignore[type-arg]
+def declare_done_entries(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> RingFamily:
     """Terminal facts. Narrow rows (claimed attempts) leave the body columns NULL and
     hydrate from their ready row; wide rows carry the body themselves."""
     return _ring(
@@ -135,7 +136,7 @@ def declare_terminal_deltas(md: MetaData, cfg: QueueStorageConfig) -> RingFamily
     )
 
 
-def _job_snapshot_columns(state_type: TypeEngine, state_default: str, *, dlq: bool) -> list[Column]:  # type: ignore[type-arg]
+def _job_snapshot_columns(state_type: TypeEngine, state_default: str, *, dlq: bool) -> list[Column]:
     return [
         Column("job_id", BIGINT, primary_key=True, autoincrement=False),
         Column("kind", TEXT, nullable=False),
@@ -156,7 +157,7 @@ def _job_snapshot_columns(state_type: TypeEngine, state_default: str, *, dlq: bo
     ]
 
 
-def declare_deferred_jobs(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> Table:  # type: ignore[type-arg]
+def declare_deferred_jobs(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> Table:
     """Future / backoff backlog (scheduled, retryable); promotion deletes and re-enqueues."""
     return Table(
         "deferred_jobs", md,
@@ -168,7 +169,7 @@ def declare_deferred_jobs(md: MetaData, cfg: QueueStorageConfig, state_type: Typ
     )
 
 
-def declare_dlq_entries(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> Table:  # type: ignore[type-arg]
+def declare_dlq_entries(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> Table:
     """Operator hold table for dead-lettered jobs."""
     return Table(
         "dlq_entries", md,

@@ -13,7 +13,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, func, insert, select, update
+from sqlalchemy import BigInteger, Connection, bindparam, func, insert, select, update
 
 from qstore.model import JobRow, JobState
 from qstore.schema import StorageSchema
@@ -36,7 +36,7 @@ LIVE = ("running", "waiting_external")
 def _statements(sch: StorageSchema) -> dict[str, Any]:
     r, t, cr, h = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent, sch.claim_heads
     c, cl, le, d = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.deferred
-    job = bindparam("b_job")
+    job = bindparam("b_job", type_=BigInteger())
     tombstoned = select(t.c.job_id).where(
         t.c.ready_slot == r.c.ready_slot, t.c.queue == r.c.queue, t.c.priority == r.c.priority,
         t.c.enqueue_shard == r.c.enqueue_shard, t.c.lane_seq == r.c.lane_seq).exists()
@@ -188,9 +188,10 @@ def move_job(conn: Connection, sch: StorageSchema, router: LaneRouter, job_id: i
         new_p = priority if priority is not None else r.priority
         if new_q == r.queue and new_p == r.priority:
             return False
-        body = take_available(conn, sch, r)
-        if body is None:
+        taken = take_available(conn, sch, r)
+        if taken is None:
             continue
+        body = taken
         meta = body.metadata
         if new_p != r.priority:
             meta = _stamp(meta, ORIGINAL_PRIORITY, r.priority)

@@ -124,7 +124,7 @@ def take_attempts(
               for row in conn.execute(s["delete_leases"], {**arg, "states": list(lease_states)})}
     closed: set[tuple[int, int]] = set()
     if claims:
-        closed = {tuple(row) for row in conn.execute(s["close"], {**arg, "outcome": outcome})}  # type: ignore[misc]
+        closed = {tuple(row) for row in conn.execute(s["close"], {**arg, "outcome": outcome})}
     taken_keys = [pr for pr in pairs if pr in leases or pr in closed]
     if not taken_keys:
         return []

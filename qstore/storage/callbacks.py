@@ -14,7 +14,18 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, func, literal, null, select, update
+from sqlalchemy import (
+    BigInteger,
+    BindParameter,
+    Connection,
+    and_,
+    bindparam,
+    func,
+    literal,
+    null,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -40,7 +51,7 @@ RESULT_KEY = "_qstore_callback_result"
 def _statements(sch: StorageSchema) -> dict[str, Any]:
     c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
     r, lrs = sch.ready.parent, sch.lease_ring_state
-    job, lease = bindparam("b_job"), bindparam("b_lease")
+    job, lease = bindparam("b_job", type_=BigInteger()), bindparam("b_lease", type_=BigInteger())
     now = func.clock_timestamp()
     closed = receipt_closed(cl, c)
     has_lease = attempt_leased(le, c)
@@ -56,7 +67,7 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
                          st.c.heartbeat_at.label("state_heartbeat_at"))
                   .select_from(le.join(r, body_join).outerjoin(
                       st, and_(st.c.job_id == le.c.job_id, st.c.run_lease == le.c.run_lease))))
-    token = bindparam("b_token")
+    token: BindParameter[Any] = bindparam("b_token")
     return {
         "lock_claim": select(c).where(c.c.job_id == job, c.c.run_lease == lease).with_for_update(),
         "insert_lease": pg_insert(le).from_select(lease_cols, select(

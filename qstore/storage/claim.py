@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Boolean, Connection, Integer, Text, bindparam, column, select
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
+from sqlalchemy.types import TypeEngine
 
 from qstore.errors import QueueStorageError, ValidationError
 from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobRow, JobState, assemble
@@ -28,7 +29,7 @@ from qstore.storage.statements import schema_func
 __all__ = ["ClaimRouter", "claim_physical", "duration_ms", "stripes_for"]
 
 TS = TIMESTAMP(timezone=True)
-_CLAIM_COLUMNS = [
+_CLAIM_COLUMNS: list[tuple[str, TypeEngine[Any]]] = [
     ("claim_slot", Integer()), ("lease_slot", Integer()), ("lease_generation", BigInteger()),
     ("ready_slot", Integer()), ("ready_generation", BigInteger()), ("queue", Text()),
     ("priority", Integer()), ("effective_priority", Integer()), ("enqueue_shard", Integer()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
@@ -22,7 +23,7 @@ from qstore.storage.writers import Body, job_row, now, write_dlq
 __all__ = ["bulk_move_failed", "bulk_retry", "discard_failed_by_kind", "move_failed", "retry_from_dlq"]
 
 
-def _move(conn: Connection, sch: StorageSchema, rows: list[Any], reason: str) -> list[JobRow]:
+def _move(conn: Connection, sch: StorageSchema, rows: Sequence[Any], reason: str) -> list[JobRow]:
     if not rows:
         return []
     history.delete_done(conn, sch, rows)
@@ -62,7 +63,7 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
     return {"take": q.delete().where(q.c.job_id == bindparam("job_id")).returning(*q.c)}
 
 
-def _retry_rows(conn: Connection, sch: StorageSchema, router: LaneRouter, rows: list[Any],
+def _retry_rows(conn: Connection, sch: StorageSchema, router: LaneRouter, rows: Sequence[Any],
                 opts: RetryFromDlqOpts) -> list[JobRow]:
     at = now(conn)
     items = []

@@ -153,10 +153,10 @@ def assign_lanes(
         elif row.ordering_key is not None:
             row.shard = shard_for_ordering_key(row.ordering_key, shards)
         else:
-            key = (row.queue, row.priority)
-            if key not in rotor_pick:
-                rotor_pick[key] = router.next_rotor() % shards
-            row.shard = rotor_pick[key]
+            pick = (row.queue, row.priority)
+            if pick not in rotor_pick:
+                rotor_pick[pick] = router.next_rotor() % shards
+            row.shard = rotor_pick[pick]
         lanes[(row.queue, row.priority, row.shard)].append(row)
     order = sorted(lanes)
     starts = conn.execute(statements(sch)["reserve"], {
@@ -252,6 +252,7 @@ def _copy_ready(conn: Connection, sch: StorageSchema, rows: Sequence[PreparedJob
     """
     slot, generation = conn.execute(statements(sch)["ring"]).one()
     raw = conn.connection.driver_connection
+    assert raw is not None, "COPY needs a live DBAPI connection"
     prep = conn.dialect.identifier_preparer
     target = f"{prep.quote_schema(sch.config.schema)}.{prep.quote(sch.ready.parent.name)}"
     sql = f"COPY {target} ({', '.join(_COPY_FIELDS)}) FROM STDIN"

@@ -191,6 +191,7 @@ def truncate_tables(conn: Connection, tables: Sequence[Table]) -> None:
 
 def _regclass(t: Table) -> Any:
     prep = _PG.identifier_preparer
+    assert t.schema is not None, t  # every storage table is schema-qualified
     return cast(literal(f"{prep.quote_schema(t.schema)}.{prep.quote(t.name)}"), REGCLASS)
 
 

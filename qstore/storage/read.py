@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, and_, bindparam, column, func, select, table
-from sqlalchemy.types import BigInteger
+from sqlalchemy.types import BigInteger, Text
 
 from qstore.model import JobRow, JobState, QueueCounts
 from qstore.schema import StorageSchema
@@ -29,7 +29,7 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
         "job_id", "kind", "queue", "state", "priority", "attempt", "run_lease", "args",
         "max_attempts", "run_at", "created_at", "attempted_at", "finalized_at", "unique_key",
         "unique_states", "payload")), schema=sch.config.schema)
-    queues = bindparam("queues", expanding=True)
+    queues = bindparam("queues", type_=Text(), expanding=True)
     tombstoned = select(t.c.job_id).where(
         t.c.ready_slot == r.c.ready_slot, t.c.queue == r.c.queue, t.c.priority == r.c.priority,
         t.c.enqueue_shard == r.c.enqueue_shard, t.c.lane_seq == r.c.lane_seq).exists()

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, delete, func, select
+from sqlalchemy import Connection, Integer, and_, bindparam, delete, func, select
 from sqlalchemy.dialects.postgresql import INTERVAL
 
 from qstore.model import JobRow, JobState
@@ -40,7 +40,7 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
     leased = attempt_leased(le, c)
     st_c = st.alias("st_c")
     st_l = st.alias("st_l")
-    limit = bindparam("limit")
+    limit = bindparam("limit", type_=Integer())
     paused = select(m.c.queue).where(m.c.queue == func.regexp_replace(d.c.queue, "#[0-9]+$", ""), m.c.paused).exists()
     due = (select(d.c.job_id).where(d.c.state == bindparam("state"), d.c.run_at <= now, ~paused)
            .order_by(d.c.run_at, d.c.priority, d.c.job_id).limit(limit).with_for_update(skip_locked=True))

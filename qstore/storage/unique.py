@@ -38,11 +38,11 @@ def acquire(conn: Connection, sch: StorageSchema, owners: Sequence[tuple[bytes, 
         if seen.setdefault(key, job_id) != job_id:
             raise UniqueConflictError("job_unique_claims", f"duplicate unique key {key.hex()} in one batch")
     t = sch.unique_claims
-    stmt = pg_insert(t).values([{"unique_key": k, "job_id": j} for k, j in seen.items()])
-    stmt = stmt.on_conflict_do_update(
+    ins = pg_insert(t).values([{"unique_key": k, "job_id": j} for k, j in seen.items()])
+    stmt = ins.on_conflict_do_update(
         index_elements=[t.c.unique_key],
-        set_={"job_id": stmt.excluded.job_id},
-        where=t.c.job_id == stmt.excluded.job_id,
+        set_={"job_id": ins.excluded.job_id},
+        where=t.c.job_id == ins.excluded.job_id,
     ).returning(t.c.unique_key)
     got = set(conn.execute(stmt).scalars())
     missing = [k for k in seen if k not in got]

@@ -1,4 +1,7 @@
-"""Command line: ``python -m qstore demo`` and ``python -m qstore install``.
+"""Command line: ``python -m qstore demo``, ``install`` and ``maintain``.
+
+``maintain`` runs an install's upkeep (:mod:`qstore.maintainer`) until interrupted, or once
+with ``--once``; the install's shape is read back from the database.
 
 ``demo`` runs a fixed list of steps (:data:`DEMO_STEPS`) against one database: today it
 installs the schema and prints its three rings and its tables; later steps (enqueue, claim,
@@ -14,8 +17,10 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ from sqlalchemy import URL, Engine, create_engine, inspect, select
 
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import QueueStorageError, translate_errors
+from qstore.maintainer import Maintainer, TaskReport
 from qstore.storage import QueueStorage
 
 __all__ = ["DEMO_STEPS", "DemoContext", "build_parser", "main"]
@@ -229,6 +235,38 @@ def cmd_install(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _print_reports(reports: Sequence[TaskReport], out: TextIO) -> bool:
+    """One line per task report; True if none failed."""
+    for r in reports:
+        what = f"ERROR {r.error}" if r.error else repr(r.result)
+        print(f"{r.task}: {what} ({r.duration * 1000:.1f} ms)", file=out)
+    return all(r.error is None for r in reports)
+
+
+def cmd_maintain(args: argparse.Namespace, out: TextIO) -> int:
+    url = args.url or os.environ.get(URL_ENV)
+    if not url:
+        print(f"maintain needs --url or {URL_ENV}", file=sys.stderr)
+        return 2
+    engine = create_engine(url)
+    try:
+        storage = QueueStorage.from_existing_schema(args.schema, engine)
+        maintainer = Maintainer(storage, engine)
+        if args.once:
+            return 0 if _print_reports(maintainer.run_all(), out) else 1
+        print(f"qstore maintainer for schema {storage.schema()!r}: running until interrupted", file=out)
+        maintainer.start()
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            pass
+        maintainer.stop()
+        return 0
+    finally:
+        engine.dispose()
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", help=f"SQLAlchemy URL (default: ${URL_ENV})")
@@ -246,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     install = sub.add_parser("install", parents=[common],
                              help="install or upgrade the schema and activate it")
     install.set_defaults(func=cmd_install)
+    maintain = sub.add_parser("maintain", parents=[common],
+                              help="run the install's upkeep (rings, promotion, rescue, rollup); "
+                                   "one leader per install")
+    maintain.add_argument("--once", action="store_true",
+                          help="run every task once, print what each did and exit (1 if one failed)")
+    maintain.set_defaults(func=cmd_maintain)
     return parser
 
 

@@ -1,0 +1,365 @@
+"""The maintainer: a leader-elected loop that runs an install's periodic upkeep.
+
+Queue storage needs upkeep that nothing on the enqueue/claim/complete path does: rotating
+and pruning the three rings (without it history is never truncated), promoting due
+scheduled and retryable jobs (without it they never become claimable), rescuing abandoned
+attempts (stale heartbeats, passed deadlines, timed-out callbacks) and folding terminal
+count deltas into the counters. :class:`Maintainer` runs those tasks on the cadences of
+STORAGE.md §2.2 (:class:`MaintenanceSchedule`), in a background thread or one pass at a time.
+
+Any number of processes may run a maintainer for the same install: each tries to take a
+session advisory lock keyed on the schema name, only the holder runs tasks, and the others
+retry until the holder's session ends (stop, crash, network loss), then one of them takes
+over. The lock lives on a dedicated connection in autocommit mode, so leadership never
+holds a transaction open (it does not pin the MVCC horizon). Every task runs on the given
+``Engine`` in its own transaction; a failing task is logged and reported, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+from sqlalchemy import Connection, Engine, func, literal, select
+from sqlalchemy.exc import DBAPIError
+
+from qstore.errors import ValidationError
+from qstore.model import JobState, PruneOutcome, RotateOutcome
+from qstore.storage import QueueStorage
+
+__all__ = ["Maintainer", "MaintenanceSchedule", "RingTick", "TaskReport"]
+
+log = logging.getLogger("qstore.maintainer")
+
+#: Rescue functions return at most this many rows per call (STORAGE.md §7.7); a full
+#: batch means more may be waiting, so the task calls again (up to ``RESCUE_MAX_CALLS``).
+RESCUE_BATCH = 500
+RESCUE_MAX_CALLS = 32
+
+
+@dataclass(frozen=True)
+class MaintenanceSchedule:
+    """Cadences (seconds) and batch limits of the maintenance tasks; defaults per §2.2.
+
+    Every field must be a positive finite number, except ``prune_backoff_limit`` which may
+    be 0 (no backoff). After ``k`` consecutive prunes of a ring that pruned nothing, the
+    next ``2**min(k, prune_backoff_limit) - 1`` ticks of that ring only rotate.
+    """
+
+    queue_ring_every: float = 1.0
+    lease_ring_every: float = 0.25
+    claim_ring_every: float = 1.0
+    promote_every: float = 0.25
+    promote_batch_size: int = 4096
+    promote_max_batches: int = 32
+    rescue_every: float = 30.0
+    heartbeat_staleness: float = 90.0
+    rollup_every: float = 30.0
+    rollup_max_slots: int = 4
+    prune_backoff_limit: int = 5
+    leader_retry_every: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            floor_ok = f.name == "prune_backoff_limit"
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0 or (value == 0 and not floor_ok)):
+                raise ValidationError(f.name, value, "must be a positive finite number"
+                                      if not floor_ok else "must be a non-negative integer")
+            if f.name.endswith(("_size", "_batches", "_slots", "_limit")) and not isinstance(value, int):
+                raise ValidationError(f.name, value, "must be an integer")
+
+
+@dataclass(frozen=True)
+class TaskReport:
+    """What one run of one task did: ``result`` on success, ``error`` (the exception's
+    text) on failure. ``duration`` is in seconds."""
+
+    task: str
+    result: Any
+    error: str | None
+    duration: float
+
+
+@dataclass(frozen=True)
+class RingTick:
+    """One ring tick: the rotation's outcome, and the prune's (``None`` while backing off)."""
+
+    rotate: RotateOutcome
+    prune: PruneOutcome | None
+
+
+class _Ring:
+    """Rotate every tick; prune unless backing off after prunes that pruned nothing."""
+
+    def __init__(self, rotate: Callable[[], RotateOutcome], prune: Callable[[], PruneOutcome],
+                 backoff_limit: int) -> None:
+        self._rotate, self._prune, self._limit = rotate, prune, backoff_limit
+        self._misses = 0
+        self._skip = 0
+
+    def __call__(self) -> RingTick:
+        rotated = self._rotate()
+        if self._skip > 0:
+            self._skip -= 1
+            return RingTick(rotated, None)
+        pruned = self._prune()
+        if pruned.kind == "pruned":
+            self._misses = 0
+        else:
+            self._misses += 1
+            self._skip = 2 ** min(self._misses, self._limit) - 1
+        return RingTick(rotated, pruned)
+
+
+@dataclass
+class _Task:
+    name: str
+    every: float
+    run: Callable[[], Any]
+    due: float = 0.0
+    reports: list[TaskReport] = field(default_factory=list)
+
+
+class Maintainer:
+    """Runs the upkeep of one install (``storage``) against ``engine``.
+
+    Use :meth:`start` / :meth:`stop` (or ``with Maintainer(...):``) for a background thread,
+    or drive it yourself: :meth:`acquire_leadership`, then :meth:`run_pending` on your own
+    clock or :meth:`run_all` for one full pass. ``engine`` must be a synchronous
+    ``Engine`` (for an async application, a second engine on the same URL).
+    """
+
+    def __init__(self, storage: QueueStorage, engine: Engine,
+                 schedule: MaintenanceSchedule | None = None, *, keep_reports: int = 100) -> None:
+        if not isinstance(engine, Engine):
+            raise ValidationError("engine", engine, "the maintainer needs a synchronous Engine")
+        if keep_reports < 1:
+            raise ValidationError("keep_reports", keep_reports, "must be at least 1")
+        self.storage = storage
+        self.engine = engine
+        self.schedule = schedule or MaintenanceSchedule()
+        self._keep = keep_reports
+        self._lock_conn: Connection | None = None
+        self._checked_at = 0.0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._tasks = self._build_tasks()
+
+    # -- tasks ------------------------------------------------------------------------
+    def _build_tasks(self) -> list[_Task]:
+        s, e, sch = self.storage, self.engine, self.schedule
+        lim = sch.prune_backoff_limit
+        return [
+            _Task("queue_ring", sch.queue_ring_every,
+                  _Ring(lambda: s.rotate(e), lambda: s.prune_oldest(e), lim)),
+            _Task("lease_ring", sch.lease_ring_every,
+                  _Ring(lambda: s.rotate_leases(e), lambda: s.prune_oldest_leases(e), lim)),
+            _Task("claim_ring", sch.claim_ring_every,
+                  _Ring(lambda: s.rotate_claims(e), lambda: s.prune_oldest_claims(e), lim)),
+            _Task("promote", sch.promote_every, self._promote),
+            _Task("rescue", sch.rescue_every, self._rescue),
+            _Task("rollup", sch.rollup_every,
+                  lambda: s.rollup_terminal_count_deltas(e, sch.rollup_max_slots)),
+        ]
+
+    def _promote(self) -> dict[str, int]:
+        """Due ``scheduled`` jobs first, then due ``retryable`` ones, in bounded batches."""
+        moved: dict[str, int] = {}
+        size = self.schedule.promote_batch_size
+        for state in (JobState.SCHEDULED, JobState.RETRYABLE):
+            total = 0
+            for _ in range(self.schedule.promote_max_batches):
+                n = self.storage.promote_due(self.engine, state, size)
+                total += n
+                if n < size:
+                    break
+            moved[state.value] = total
+        return moved
+
+    def _rescue(self) -> dict[str, int]:
+        """Stale heartbeats, passed deadlines and timed-out callbacks, until a call comes
+        back short of a full batch. Returns how many attempts each family rescued."""
+        s, e = self.storage, self.engine
+        staleness = timedelta(seconds=self.schedule.heartbeat_staleness)
+        families: dict[str, Callable[[], list[Any]]] = {
+            "heartbeat": lambda: s.rescue_stale_heartbeats(e, staleness),
+            "deadline": lambda: s.rescue_expired_deadlines(e),
+            "callback": lambda: s.rescue_expired_callbacks(e),
+        }
+        rescued: dict[str, int] = {}
+        for name, call in families.items():
+            total = 0
+            for _ in range(RESCUE_MAX_CALLS):
+                n = len(call())
+                total += n
+                if n < RESCUE_BATCH:
+                    break
+            rescued[name] = total
+        return rescued
+
+    @property
+    def task_names(self) -> list[str]:
+        return [t.name for t in self._tasks]
+
+    def reports(self, task: str | None = None) -> list[TaskReport]:
+        """The most recent reports of one task (oldest first), or of every task (grouped
+        by task, in task order)."""
+        chosen = [t for t in self._tasks if task is None or t.name == task]
+        if task is not None and not chosen:
+            raise ValidationError("task", task, f"not one of {self.task_names}")
+        return [r for t in chosen for r in t.reports]
+
+    def _run(self, task: _Task) -> TaskReport:
+        started = time.monotonic()
+        try:
+            result, error = task.run(), None
+        except Exception as exc:  # a task's failure must not stop the other tasks
+            log.warning("qstore maintenance task %s failed: %s", task.name, exc, exc_info=True)
+            result, error = None, f"{type(exc).__name__}: {exc}"
+        report = TaskReport(task.name, result, error, time.monotonic() - started)
+        task.reports.append(report)
+        del task.reports[:-self._keep]
+        return report
+
+    def run_all(self) -> list[TaskReport]:
+        """Run every task once now, whether due or not (leadership is not checked)."""
+        now = time.monotonic()
+        out = []
+        for t in self._tasks:
+            out.append(self._run(t))
+            t.due = now + t.every
+        return out
+
+    def run_pending(self) -> list[TaskReport]:
+        """Run the tasks that are due, if this maintainer holds leadership; returns their
+        reports (empty when none was due or another maintainer leads)."""
+        if not self.is_leader():
+            return []
+        out = []
+        for t in self._tasks:
+            now = time.monotonic()
+            if t.due <= now:
+                out.append(self._run(t))
+                # fixed cadence; a task that overran its interval runs again one interval later
+                t.due = max(t.due + t.every, time.monotonic())
+        return out
+
+    def seconds_until_due(self) -> float:
+        return max(0.0, min(t.due for t in self._tasks) - time.monotonic())
+
+    # -- leadership -------------------------------------------------------------------
+    def _lock_key(self) -> Any:
+        return func.hashtextextended(literal("qstore:maintainer:") + literal(self.storage.schema()), 0)
+
+    def acquire_leadership(self) -> bool:
+        """Try once to become this install's leader; True if this maintainer now leads.
+
+        The lock is a session-level advisory lock on a dedicated autocommit connection; it
+        is released by :meth:`release_leadership` or when that session ends.
+        """
+        if self.is_leader():
+            return True
+        conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            got = bool(conn.execute(select(func.pg_try_advisory_lock(self._lock_key()))).scalar_one())
+        except BaseException:
+            conn.close()
+            raise
+        if not got:
+            conn.close()
+            return False
+        self._lock_conn = conn
+        self._checked_at = time.monotonic()
+        log.info("qstore maintainer leads schema %s", self.storage.schema())
+        return True
+
+    def is_leader(self) -> bool:
+        """Whether this maintainer holds leadership. The lock's session is checked for
+        liveness at most every ``leader_retry_every`` seconds; a dead session ends it."""
+        conn = self._lock_conn
+        if conn is None:
+            return False
+        if time.monotonic() - self._checked_at < self.schedule.leader_retry_every:
+            return True
+        try:
+            conn.execute(select(literal(1)))
+        except DBAPIError as exc:
+            log.warning("qstore maintainer lost leadership of %s: %s", self.storage.schema(), exc)
+            self._drop_lock_conn()
+            return False
+        self._checked_at = time.monotonic()
+        return True
+
+    def _drop_lock_conn(self) -> None:
+        conn, self._lock_conn = self._lock_conn, None
+        if conn is not None:
+            try:
+                conn.invalidate()  # never return a session that may still hold the lock to the pool
+            finally:
+                conn.close()
+
+    def release_leadership(self) -> None:
+        """Give up leadership (another maintainer may take it over at once)."""
+        conn = self._lock_conn
+        if conn is None:
+            return
+        try:
+            conn.execute(select(func.pg_advisory_unlock(self._lock_key())))
+        except DBAPIError:
+            pass  # the session is gone, and the lock with it
+        finally:
+            self._drop_lock_conn()
+
+    # -- background thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                leads = self.acquire_leadership()
+            except DBAPIError as exc:
+                log.warning("qstore maintainer cannot reach the database: %s", exc)
+                leads = False
+            if not leads:
+                self._stop.wait(self.schedule.leader_retry_every)
+                continue
+            self.run_pending()
+            self._stop.wait(min(self.seconds_until_due(), self.schedule.leader_retry_every))
+        self.release_leadership()
+
+    def start(self) -> None:
+        """Start the background thread (a daemon); it competes for leadership and, while it
+        leads, runs every task when due."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("maintainer already running")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name=f"qstore-maintainer-{self.storage.schema()}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the thread after its current task and release leadership."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self.release_leadership()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> Maintainer:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

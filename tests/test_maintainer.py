@@ -1,0 +1,309 @@
+"""The maintainer (qstore.maintainer): one leader per install runs ring rotation and prune,
+promotion, rescue and the counter rollup on a schedule; leadership moves when the leader's
+session ends, and leadership never holds a transaction open."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+
+from qstore import QueueStorage, ValidationError
+from qstore.cli import main as cli_main
+from qstore.maintainer import Maintainer, MaintenanceSchedule, RingTick
+from qstore.model import JobState
+from qstore.storage.jobs import InsertOpts, InsertParams
+
+SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}
+Q = "mq"
+FAST = MaintenanceSchedule(queue_ring_every=0.05, lease_ring_every=0.05, claim_ring_every=0.05,
+                           promote_every=0.05, rescue_every=0.05, rollup_every=0.05,
+                           leader_retry_every=0.05, heartbeat_staleness=3600)
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    """A per-test Engine (see tests/test_rings.py for why not the shared one)."""
+    eng = create_engine(db_url, pool_size=5, max_overflow=10)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def small(make_storage: Callable[..., QueueStorage]) -> QueueStorage:
+    return make_storage(**SMALL)
+
+
+@pytest.fixture
+def maintainers(small: QueueStorage, engine: Engine) -> Iterator[Callable[..., Maintainer]]:
+    """``make(storage=small, schedule=FAST)`` → a Maintainer stopped at teardown."""
+    made: list[Maintainer] = []
+
+    def make(storage: QueueStorage | None = None, schedule: MaintenanceSchedule = FAST) -> Maintainer:
+        m = Maintainer(storage or small, engine, schedule)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.stop()
+
+
+def enqueue(st: QueueStorage, engine: Engine, n: int = 1, **opts: Any) -> None:
+    assert st.enqueue_params_batch(engine, [InsertParams("m", {"i": i}, InsertOpts(queue=Q, **opts))
+                                            for i in range(n)]) == n
+
+
+def job_state(st: QueueStorage, engine: Engine, job_id: int) -> JobState:
+    row = st.load_job(engine, job_id)
+    assert row is not None
+    return row.state
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def run(m: Maintainer, task: str) -> Any:
+    """Run every task once; the result of ``task`` (which must not have failed)."""
+    report = next(r for r in m.run_all() if r.task == task)
+    assert report.error is None, report
+    return report.result
+
+
+def deferred_ids(st: QueueStorage, engine: Engine) -> list[int]:
+    with engine.connect() as c:
+        return list(c.execute(text(f'SELECT job_id FROM "{st.schema()}".deferred_jobs')).scalars())
+
+
+# -- schedule ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "value"), [
+    ("queue_ring_every", 0), ("promote_every", -1.0), ("rescue_every", float("nan")),
+    ("promote_batch_size", 0), ("rollup_max_slots", 2.5), ("prune_backoff_limit", -1),
+    ("lease_ring_every", True),
+])
+def test_schedule_rejects_bad_values_naming_the_field(name: str, value: object) -> None:
+    with pytest.raises(ValidationError) as err:
+        MaintenanceSchedule(**{name: value})  # type: ignore[arg-type]
+    assert err.value.field == name
+
+
+def test_schedule_allows_no_prune_backoff() -> None:
+    assert MaintenanceSchedule(prune_backoff_limit=0).prune_backoff_limit == 0
+
+
+def test_maintainer_refuses_an_async_engine_or_a_connection(small: QueueStorage, engine: Engine) -> None:
+    with engine.connect() as conn, pytest.raises(ValidationError) as err:
+        Maintainer(small, conn)  # type: ignore[arg-type]
+    assert err.value.field == "engine"
+
+
+# -- leadership ------------------------------------------------------------------------------------
+def test_only_one_maintainer_leads_an_install(maintainers: Callable[..., Maintainer]) -> None:
+    a, b = maintainers(), maintainers()
+    assert a.acquire_leadership()
+    assert not b.acquire_leadership()
+    assert a.is_leader() and not b.is_leader()
+    assert b.run_pending() == []  # a follower runs nothing
+
+
+def test_leadership_passes_on_release(maintainers: Callable[..., Maintainer]) -> None:
+    a, b = maintainers(), maintainers()
+    assert a.acquire_leadership()
+    a.release_leadership()
+    assert not a.is_leader()
+    assert b.acquire_leadership()
+
+
+def test_installs_elect_their_leaders_independently(
+        maintainers: Callable[..., Maintainer], make_storage: Callable[..., QueueStorage]) -> None:
+    a = maintainers()
+    other = maintainers(make_storage(**SMALL))
+    assert a.acquire_leadership() and other.acquire_leadership()
+
+
+def test_leadership_passes_when_the_leaders_session_dies(
+        maintainers: Callable[..., Maintainer], engine: Engine) -> None:
+    a, b = maintainers(), maintainers()
+    assert a.acquire_leadership()
+    assert a._lock_conn is not None
+    pid = a._lock_conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    with engine.connect() as c:
+        assert c.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar_one()
+    assert wait_until(lambda: b.acquire_leadership())
+    time.sleep(FAST.leader_retry_every)  # past the liveness-check interval
+    assert not a.is_leader()
+
+
+def test_leadership_holds_no_transaction_open(maintainers: Callable[..., Maintainer], engine: Engine) -> None:
+    """An idle-in-transaction leader would pin the MVCC horizon the rings exist to ignore."""
+    a = maintainers()
+    assert a.acquire_leadership()
+    assert a._lock_conn is not None
+    pid = a._lock_conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    with engine.connect() as c:
+        state, xid, xmin = c.execute(text(
+            "SELECT state, backend_xid, backend_xmin FROM pg_stat_activity WHERE pid = :p"), {"p": pid}).one()
+    assert (state, xid, xmin) == ("idle", None, None)
+
+
+# -- tasks ---------------------------------------------------------------------------------------
+def test_promote_task_makes_due_scheduled_jobs_claimable(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    enqueue(small, engine, 3, run_at=datetime.now(timezone.utc) + timedelta(seconds=0.3))
+    assert small.claim_runtime_batch(engine, Q, 10) == []
+    m = maintainers()
+    assert run(m, "promote") == {"scheduled": 0, "retryable": 0}  # not due yet
+    time.sleep(0.35)
+    assert run(m, "promote") == {"scheduled": 3, "retryable": 0}
+    assert len(small.claim_runtime_batch(engine, Q, 10)) == 3
+
+
+def test_promote_task_moves_more_than_one_batch(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    enqueue(small, engine, 7, run_at=datetime.now(timezone.utc) + timedelta(seconds=0.2))
+    time.sleep(0.25)
+    m = maintainers(schedule=MaintenanceSchedule(promote_batch_size=2, promote_max_batches=3))
+    assert run(m, "promote")["scheduled"] == 6  # 3 batches of 2
+    assert len(deferred_ids(small, engine)) == 1
+
+
+def test_rescue_task_reopens_attempts_past_their_deadline(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    enqueue(small, engine, 2)
+    claimed = small.claim_runtime_batch(engine, Q, 2, 0.001)
+    time.sleep(0.02)
+    assert run(maintainers(), "rescue") == {"heartbeat": 0, "deadline": 2, "callback": 0}
+    assert {job_state(small, engine, c.job.id) for c in claimed} == {JobState.RETRYABLE}
+    assert small.complete_runtime_batch(engine, claimed) == []  # the rescued attempts are closed
+
+
+def test_ring_tasks_rotate_and_prune_spent_history(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    m = maintainers(schedule=MaintenanceSchedule(prune_backoff_limit=0))
+    pruned = 0
+    for _ in range(6):
+        enqueue(small, engine, 2)
+        claimed = small.claim_runtime_batch(engine, Q, 2)
+        assert len(small.complete_runtime_batch(engine, claimed)) == 2
+        tick = run(m, "queue_ring")
+        assert isinstance(tick, RingTick) and tick.prune is not None
+        pruned += tick.prune.kind == "pruned"
+    assert pruned >= 3
+    counts = small.queue_counts(engine, Q)
+    assert (counts.available, counts.running, counts.terminal) == (0, 0, 12)
+
+
+def test_prune_backs_off_after_prunes_that_prune_nothing(maintainers: Callable[..., Maintainer]) -> None:
+    m = maintainers(schedule=MaintenanceSchedule(prune_backoff_limit=2))
+    ticks = [run(m, "lease_ring") for _ in range(10)]
+    pruned_at = [i for i, t in enumerate(ticks) if t.prune is not None]
+    # an idle ring: noop, skip 1, noop, skip 3, noop, skip 3, ...
+    assert pruned_at == [0, 2, 6]
+    assert all(t.prune.kind == "noop" for t in ticks if t.prune is not None)
+
+
+def test_rollup_task_reports_its_outcome(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    assert run(maintainers(), "rollup").rolled_slots == 0  # nothing sealed yet
+
+
+def test_failing_task_is_reported_and_the_others_still_run(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    with engine.begin() as c:  # break the promote task: it reads the deferred backlog
+        c.execute(text(f'ALTER TABLE "{small.schema()}".deferred_jobs RENAME TO deferred_jobs_gone'))
+    m = maintainers()
+    for _ in range(2):  # and it keeps failing without stopping the rest
+        reports = {r.task: r for r in m.run_all()}
+        assert reports["promote"].error is not None and "deferred_jobs" in reports["promote"].error
+        assert all(r.error is None for t, r in reports.items() if t not in ("promote", "rescue"))
+        assert isinstance(reports["queue_ring"].result, RingTick)
+
+
+def test_reports_are_kept_per_task_and_bounded(small: QueueStorage, engine: Engine) -> None:
+    m = Maintainer(small, engine, keep_reports=3)
+    for _ in range(5):
+        m.run_all()
+    assert len(m.reports("promote")) == 3
+    assert len(m.reports()) == 3 * len(m.task_names)
+    with pytest.raises(ValidationError):
+        m.reports("nope")
+
+
+# -- background thread ---------------------------------------------------------------------------
+def test_background_maintainer_promotes_and_rescues_on_its_own(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    enqueue(small, engine, 2, run_at=datetime.now(timezone.utc) + timedelta(seconds=0.2))
+    m = maintainers()
+    m.start()
+    assert wait_until(lambda: deferred_ids(small, engine) == [])
+    claimed = small.claim_runtime_batch(engine, Q, 2, 0.001)
+    assert len(claimed) == 2
+    assert wait_until(lambda: {job_state(small, engine, c.job.id) for c in claimed} == {JobState.RETRYABLE})
+    assert m.is_leader()
+    m.stop()
+    assert not m.running and not m.is_leader()
+
+
+def test_follower_thread_takes_over_when_the_leader_stops(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    a, b = maintainers(), maintainers()
+    a.start()
+    assert wait_until(a.is_leader)
+    b.start()
+    time.sleep(0.2)
+    assert not b.is_leader()
+    assert b.reports() == []  # the follower ran nothing
+    a.stop()
+    assert wait_until(b.is_leader)
+    enqueue(small, engine, 1, run_at=datetime.now(timezone.utc) + timedelta(seconds=0.1))
+    assert wait_until(lambda: deferred_ids(small, engine) == [])
+
+
+def test_context_manager_starts_and_stops(small: QueueStorage, engine: Engine) -> None:
+    with Maintainer(small, engine, FAST) as m:
+        assert m.running
+        assert wait_until(m.is_leader)
+    assert not m.running and not m.is_leader()
+
+
+def test_cli_maintain_once_runs_every_task(small: QueueStorage, engine: Engine, db_url: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    enqueue(small, engine, 1, run_at=datetime.now(timezone.utc) + timedelta(seconds=0.1))
+    time.sleep(0.15)
+    code = cli_main(["maintain", "--once", "--url", db_url, "--schema", small.schema()])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "promote" in out and "'scheduled': 1" in out
+    assert deferred_ids(small, engine) == []
+
+
+def test_cli_maintain_runs_until_terminated_and_releases_leadership(
+        small: QueueStorage, engine: Engine, db_url: str, maintainers: Callable[..., Maintainer]) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "qstore", "maintain", "--url", db_url,
+                             "--schema", small.schema()], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        follower = maintainers()
+        with engine.connect() as c:
+            assert wait_until(lambda: c.execute(text(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")).scalar_one() == 1)
+        assert not follower.acquire_leadership()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert follower.acquire_leadership()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

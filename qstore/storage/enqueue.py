@@ -38,7 +38,7 @@ from sqlalchemy.util.concurrency import await_
 from qstore.schema import StorageSchema
 from qstore.storage import unique
 from qstore.storage.jobs import PreparedJob, shard_for_ordering_key
-from qstore.storage.statements import array_param, schema_func, unnest_rows
+from qstore.storage.statements import packed_array_param, schema_func, unnest_rows
 
 __all__ = ["ENQUEUE_COLUMNS", "LaneRouter", "ReadyRow", "notify_queues", "write_jobs"]
 
@@ -89,9 +89,9 @@ def statements(sch: StorageSchema) -> dict[str, Any]:
             func.generate_series(1, bindparam("n", type_=Integer()))),
         "reserve": select(schema_func(
             sch, "reserve_lanes",
-            array_param("queues", Text()), array_param("logicals", Text()),
-            array_param("priorities", SmallInteger()), array_param("shards", SmallInteger()),
-            array_param("counts", Integer()),
+            packed_array_param("queues", Text()), packed_array_param("logicals", Text()),
+            packed_array_param("priorities", SmallInteger()), packed_array_param("shards", SmallInteger()),
+            packed_array_param("counts", Integer()),
         )),
         "ready": insert(sch.ready.parent).from_select(ready_cols, ready_sel),
         "deferred": insert(sch.deferred).from_select(deferred_cols, deferred_sel),

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from sqlalchemy import Connection, Engine, func, literal, select
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import SQLAlchemyError
 
 from qstore.errors import ValidationError
 from qstore.model import JobState, PruneOutcome, RotateOutcome
@@ -135,7 +135,9 @@ class Maintainer:
     Use :meth:`start` / :meth:`stop` (or ``with Maintainer(...):``) for a background thread,
     or drive it yourself: :meth:`acquire_leadership`, then :meth:`run_pending` on your own
     clock or :meth:`run_all` for one full pass. ``engine`` must be a synchronous
-    ``Engine`` (for an async application, a second engine on the same URL).
+    ``Engine`` (for an async application, a second engine on the same URL); while this
+    maintainer leads, it keeps one of the engine's pooled connections for the lock.
+    Leadership methods may be called from any thread.
     """
 
     def __init__(self, storage: QueueStorage, engine: Engine,
@@ -149,6 +151,7 @@ class Maintainer:
         self.schedule = schedule or MaintenanceSchedule()
         self._keep = keep_reports
         self._lock_conn: Connection | None = None
+        self._leadership = threading.RLock()  # guards _lock_conn (one SQLAlchemy Connection, many threads)
         self._checked_at = 0.0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -266,6 +269,10 @@ class Maintainer:
         The lock is a session-level advisory lock on a dedicated autocommit connection; it
         is released by :meth:`release_leadership` or when that session ends.
         """
+        with self._leadership:
+            return self._acquire()
+
+    def _acquire(self) -> bool:
         if self.is_leader():
             return True
         conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
@@ -285,6 +292,10 @@ class Maintainer:
     def is_leader(self) -> bool:
         """Whether this maintainer holds leadership. The lock's session is checked for
         liveness at most every ``leader_retry_every`` seconds; a dead session ends it."""
+        with self._leadership:
+            return self._check()
+
+    def _check(self) -> bool:
         conn = self._lock_conn
         if conn is None:
             return False
@@ -292,7 +303,7 @@ class Maintainer:
             return True
         try:
             conn.execute(select(literal(1)))
-        except DBAPIError as exc:
+        except SQLAlchemyError as exc:  # dead session, or a connection SQLAlchemy invalidated
             log.warning("qstore maintainer lost leadership of %s: %s", self.storage.schema(), exc)
             self._drop_lock_conn()
             return False
@@ -309,12 +320,16 @@ class Maintainer:
 
     def release_leadership(self) -> None:
         """Give up leadership (another maintainer may take it over at once)."""
+        with self._leadership:
+            self._release()
+
+    def _release(self) -> None:
         conn = self._lock_conn
         if conn is None:
             return
         try:
             conn.execute(select(func.pg_advisory_unlock(self._lock_key())))
-        except DBAPIError:
+        except SQLAlchemyError:
             pass  # the session is gone, and the lock with it
         finally:
             self._drop_lock_conn()
@@ -323,14 +338,14 @@ class Maintainer:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                leads = self.acquire_leadership()
-            except DBAPIError as exc:
+                if not self.acquire_leadership():
+                    self._stop.wait(self.schedule.leader_retry_every)
+                    continue
+                self.run_pending()
+            except Exception as exc:  # the loop outlives database outages; tasks catch their own
                 log.warning("qstore maintainer cannot reach the database: %s", exc)
-                leads = False
-            if not leads:
                 self._stop.wait(self.schedule.leader_retry_every)
                 continue
-            self.run_pending()
             self._stop.wait(min(self.seconds_until_due(), self.schedule.leader_retry_every))
         self.release_leadership()
 

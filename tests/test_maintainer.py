@@ -257,6 +257,27 @@ def test_background_maintainer_promotes_and_rescues_on_its_own(
     assert not m.running and not m.is_leader()
 
 
+def lock_holders(engine: Engine) -> list[int]:
+    """Backends holding an advisory lock (only maintainers take them in these tests)."""
+    with engine.connect() as c:
+        return list(c.execute(text(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted")).scalars())
+
+
+def test_background_maintainer_leads_again_after_its_session_is_killed(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    m = maintainers()
+    m.start()
+    assert wait_until(lambda: len(lock_holders(engine)) == 1)
+    (first,) = lock_holders(engine)
+    with engine.connect() as c:
+        assert c.execute(text("SELECT pg_terminate_backend(:p)"), {"p": first}).scalar_one()
+    assert wait_until(lambda: len(holders := lock_holders(engine)) == 1 and holders[0] != first)
+    assert m.is_leader()
+    enqueue(small, engine, 1, run_at=datetime.now(timezone.utc) + timedelta(seconds=0.1))
+    assert wait_until(lambda: deferred_ids(small, engine) == [])  # and it still does its work
+
+
 def test_follower_thread_takes_over_when_the_leader_stops(
         small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
     a, b = maintainers(), maintainers()

@@ -30,7 +30,7 @@ FAST = MaintenanceSchedule(queue_ring_every=0.05, lease_ring_every=0.05, claim_r
 
 @pytest.fixture
 def engine(db_url: str) -> Iterator[Engine]:
-    """A per-test Engine (see tests/test_rings.py for why not the shared one)."""
+    """A private pool: these tests kill backends and keep connections for locks."""
     eng = create_engine(db_url, pool_size=5, max_overflow=10)
     yield eng
     eng.dispose()

@@ -228,6 +228,7 @@ def drain(
                     if own_transactions:
                         got = claim(engine)  # type: ignore[arg-type]
                     else:
+                        assert conn is not None
                         with conn.begin():
                             got = claim(conn)
                     calls += 1
@@ -248,6 +249,7 @@ def drain(
                     if own_transactions:
                         done = complete(engine, got)  # type: ignore[arg-type]
                     else:
+                        assert conn is not None
                         with conn.begin():
                             done = complete(conn, got)
                     if done != len(got):

@@ -70,11 +70,20 @@ class System:
     name: str
     schema: str
 
-    def install(self, engine: Engine) -> None: ...
-    def drop(self, engine: Engine) -> None: ...
-    def enqueue(self, engine: Engine, n: int, seq: int) -> int: ...
-    def work(self, engine: Engine, batch: int) -> int: ...
-    def maintain(self, engine: Engine) -> None: ...
+    def install(self, engine: Engine) -> None:
+        raise NotImplementedError
+
+    def drop(self, engine: Engine) -> None:
+        raise NotImplementedError
+
+    def enqueue(self, engine: Engine, n: int, seq: int) -> int:
+        raise NotImplementedError
+
+    def work(self, engine: Engine, batch: int) -> int:
+        raise NotImplementedError
+
+    def maintain(self, engine: Engine) -> None:
+        raise NotImplementedError
 
 
 class QstoreSystem(System):

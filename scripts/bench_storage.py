@@ -139,10 +139,7 @@ class QstoreSystem:
     def __init__(self, schema: str, shards: int = 1) -> None:
         from qstore.config import QueueStorageConfig
         from qstore.storage import QueueStorage
-        try:
-            from qstore.storage.enqueue import InsertOpts, InsertParams
-        except ImportError:  # declared in qstore.storage.jobs; enqueue may not re-export it
-            from qstore.storage.jobs import InsertOpts, InsertParams
+        from qstore.storage.jobs import InsertOpts, InsertParams
 
         self.storage = QueueStorage(QueueStorageConfig(schema=schema))
         self.schema = schema
@@ -374,7 +371,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         "copy_enqueue_jobs_per_s": (copy_q, ">=", TARGETS["copy_enqueue_jobs_per_s"]),
         "pinned_dead_pct": (dead_pct, "<=", TARGETS["pinned_dead_pct"]),
     }
-    verdicts = {}
+    verdicts: dict[str, dict[str, Any]] = {}
     for key, (value, op, target) in checks.items():
         if value is None:
             verdicts[key] = {"value": None, "target": f"{op} {target}", "result": "SKIP"}

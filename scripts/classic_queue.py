@@ -156,6 +156,7 @@ class ClassicQueue:
     def enqueue_copy(self, conn: Connection, jobs: Iterable[tuple[str, str, int, Any]]) -> int:
         """``COPY … FROM STDIN`` on the caller's connection (psycopg 3 driver required)."""
         raw = conn.connection.driver_connection
+        assert raw is not None, "COPY needs a live DBAPI connection"
         prep = conn.dialect.identifier_preparer
         target = f"{prep.format_table(self.jobs)} (queue, kind, priority, args)"
         n = 0

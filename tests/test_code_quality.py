@@ -1,4 +1,5 @@
-"""The published package type-checks (it ships ``py.typed``) and the sources are lint-clean.
+"""The published package (it ships ``py.typed``) and the benchmark scripts type-check, and the
+sources are lint-clean.
 
 Both gates run the tools' Python entry points on the repository checkout, so CI enforces
 them through the same test command as everything else.
@@ -15,9 +16,9 @@ from mypy import api as mypy_api
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_package_type_checks_clean_under_mypy() -> None:
+def test_package_and_benchmark_scripts_type_check_clean_under_mypy() -> None:
     out, err, status = mypy_api.run(["--config-file", str(ROOT / "pyproject.toml"),
-                                     "--no-incremental", str(ROOT / "qstore")])
+                                     "--no-incremental", str(ROOT / "qstore"), str(ROOT / "scripts")])
     assert status == 0, out + err
 
 

@@ -106,6 +106,29 @@ def test_completion_keeps_payload_on_the_terminal_view(engine, storage):
     assert loaded.finalized_at is not None and loaded.attempted_at == a.job.attempted_at
 
 
+TERMINAL_PATHS = {
+    "complete_runtime_batch": lambda e, s, c: s.complete_runtime_batch(e, [c]),
+    "complete_job_batch_by_id": lambda e, s, c: s.complete_job_batch_by_id(e, [(c.job.id, c.job.run_lease)]),
+    "complete_after_heartbeat": lambda e, s, c: (s.heartbeat_batch(e, [(c.job.id, c.job.run_lease)]),
+                                                 s.complete_runtime_batch(e, [c])),
+    "complete_materialised": lambda e, s, c: (s.register_callback(e, c.job.id, c.job.run_lease, 3600),
+                                              s.complete_job_batch_by_id(e, [(c.job.id, c.job.run_lease)])),
+    "cancel_running": lambda e, s, c: s.cancel_running(e, c.job.id, c.job.run_lease, "stop"),
+}
+
+
+@pytest.mark.parametrize("path", list(TERMINAL_PATHS))
+def test_terminal_history_keeps_metadata_and_tags_on_every_path(engine, storage, path):
+    """A narrow done row whose payload equals the ready row's must hydrate it (SQL NULL),
+    not shadow it (a stored JSON null would read back as "no metadata")."""
+    (a,) = claimed_jobs(engine, storage, 1, metadata={"m": 1}, tags=["t"])
+    TERMINAL_PATHS[path](engine, storage, a)
+    loaded = storage.load_job(engine, a.job.id)
+    assert loaded.state in (JobState.COMPLETED, JobState.CANCELLED)
+    assert (loaded.metadata.get("m"), loaded.tags) == (1, ["t"])
+    assert count_rows(engine, storage, "done_entries", "payload = 'null'::jsonb") == 0
+
+
 def test_unique_job_completes_through_the_general_path(engine, storage):
     opts = UniqueOpts(states=0b0000_0111)  # released once completed
     storage.enqueue_params_batch(engine, [job({"u": 1}, unique=opts)])

@@ -340,6 +340,20 @@ def test_downgrade_then_upgrade_reinstalls_cleanly(fresh_db_url):
     assert alembic(fresh_db_url, "check", check=False).returncode == 0
 
 
+def test_upgrade_0005_repairs_terminal_rows_that_hid_their_metadata(fresh_db_url):
+    alembic(fresh_db_url, "upgrade", "0004")
+    storage = QueueStorage()
+    with engine_on(fresh_db_url) as eng:
+        storage.enqueue_params_batch(eng, [InsertParams("k", {}, InsertOpts(queue="q", metadata={"m": 1}))])
+        (c,) = storage.claim_runtime_batch(eng, "q", 1)
+        storage.complete_job_batch_by_id(eng, [(c.job.id, c.job.run_lease)])
+        # what the general terminal path wrote before 0005: JSON null, not NULL
+        _execute(fresh_db_url, "UPDATE qstore.done_entries SET payload = 'null'::jsonb")
+        assert storage.load_job(eng, c.job.id).metadata == {}
+        alembic(fresh_db_url, "upgrade", "0005")
+        assert storage.load_job(eng, c.job.id).metadata == {"m": 1}
+
+
 # -- packaging and branch label -----------------------------------------------------------
 
 
@@ -354,7 +368,8 @@ def test_revision_files_ship_under_the_package_version_location():
     assert Path(qstore.__file__).parent in loc.parents
     assert {p.name for p in loc.glob("qstore_*.py")} >= {
         "qstore_0001_substrate.py", "qstore_0002_queue_dlq_policy.py",
-        "qstore_0003_claim_wait_and_kind_snapshot.py", "qstore_0004_lean_claim_path.py"}
+        "qstore_0003_claim_wait_and_kind_snapshot.py", "qstore_0004_lean_claim_path.py",
+        "qstore_0005_terminal_payload_null.py"}
 
 
 def test_pyproject_package_data_covers_the_revision_files():

@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: Revision ids in order; ``as_of`` in :func:`build_metadata` selects a historical shape.
-REVISIONS = ("0001", "0002", "0003", "0004")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005")
 SEED_KEY = "qstore_seed"
 
 

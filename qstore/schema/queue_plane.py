@@ -9,7 +9,7 @@ from sqlalchemy.types import TypeEngine
 
 from qstore.config import QueueStorageConfig
 from qstore.schema.rings import RingFamily, ring_table
-from qstore.schema.types import BIGINT, BYTES, INT, JSON, NOW, SMALLINT, TEXT, TS
+from qstore.schema.types import BIGINT, BYTES, INT, JSON, NOW, OPTIONAL_JSON, SMALLINT, TEXT, TS
 
 LANE = ("queue", "priority", "enqueue_shard")
 # Primary keys lead with the lane position and end with the partition key: inside one slot
@@ -43,7 +43,7 @@ def declare_ready_entries(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
         Column("created_at", TS, nullable=False, server_default=NOW),
         Column("unique_key", BYTES),
         Column("unique_states", TEXT),
-        Column("payload", JSON),
+        Column("payload", OPTIONAL_JSON),
         PrimaryKeyConstraint(*LANE_KEY, name="ready_entries_pkey"),
         Index("ready_entries_job_id_idx", "job_id"),
     )
@@ -112,7 +112,7 @@ def declare_done_entries(md: MetaData, cfg: QueueStorageConfig, state_type: Type
         Column("created_at", TS),
         Column("unique_key", BYTES),
         Column("unique_states", TEXT),
-        Column("payload", JSON),
+        Column("payload", OPTIONAL_JSON),
         PrimaryKeyConstraint(*LANE_KEY, name="done_entries_pkey"),
         Index("done_entries_job_id_idx", "job_id"),
         Index("done_entries_failed_idx", "queue", postgresql_where=text("state = 'failed'")),
@@ -153,7 +153,7 @@ def _job_snapshot_columns(state_type: TypeEngine, state_default: str, *, dlq: bo
         Column("created_at", TS, nullable=False, server_default=NOW),
         Column("unique_key", BYTES),
         Column("unique_states", TEXT),
-        Column("payload", JSON),
+        Column("payload", OPTIONAL_JSON),
     ]
 
 

@@ -34,6 +34,9 @@ INT = Integer()
 SMALLINT = SmallInteger()
 TEXT = Text()
 JSON = JSONB()
+#: Optional JSON whose absence is SQL NULL (Python ``None`` binds as NULL, not JSON null):
+#: a narrow done row's NULL ``payload`` means "the ready row's", so it must stay NULL.
+OPTIONAL_JSON = JSONB(none_as_null=True)
 BYTES = BYTEA()
 TS = TIMESTAMP(timezone=True)
 UUIDT = UUID(as_uuid=True)

@@ -47,14 +47,14 @@ ENQUEUE_COLUMNS: dict[str, Any] = {
     "priority": SmallInteger(), "attempt": SmallInteger(), "run_lease": BigInteger(),
     "max_attempts": SmallInteger(), "lane_seq": BigInteger(), "enqueue_shard": SmallInteger(),
     "created_at": TIMESTAMP(timezone=True), "unique_key": BYTEA(), "unique_states": Text(),
-    "payload": JSONB(),
+    "payload": JSONB(none_as_null=True),
 }
 DEFERRED_COLUMNS: dict[str, Any] = {
     "job_id": BigInteger(), "kind": Text(), "queue": Text(), "args": JSONB(), "state": Text(),
     "priority": SmallInteger(), "attempt": SmallInteger(), "run_lease": BigInteger(),
     "max_attempts": SmallInteger(), "run_at": TIMESTAMP(timezone=True),
     "created_at": TIMESTAMP(timezone=True), "unique_key": BYTEA(), "unique_states": Text(),
-    "payload": JSONB(),
+    "payload": JSONB(none_as_null=True),
 }
 SHARD_CACHE_TTL = 5.0
 

@@ -174,7 +174,11 @@ def write_terminal(conn: Connection, sch: StorageSchema, items: Sequence[tuple[B
                 "max_attempts": b.max_attempts, "run_at": b.run_at, "created_at": b.created_at,
                 "unique_key": b.unique_key, "unique_states": b.unique_states, "payload": b.payload,
             })
-    conn.execute(insert(sch.done.parent), rows)
+    # narrow and wide rows carry different columns: one executemany each (an executemany
+    # takes its column list from the first row)
+    for group in ([r for r in rows if "args" not in r], [r for r in rows if "args" in r]):
+        if group:
+            conn.execute(insert(sch.done.parent), group)
     write_deltas(conn, sch, [(r["ready_slot"], r["ready_generation"], r["queue"], r["priority"],
                               r["enqueue_shard"], r["job_id"]) for r in rows], +1)
 

@@ -217,10 +217,8 @@ def reset_install(engine: Engine, config: QueueStorageConfig) -> None:
         seed_rows(c, storage_schema(config))
 
 
-@pytest.fixture(scope="module")
-def installed(engine: Engine) -> Iterator[QueueStorageConfig]:
-    """A default-shape install shared by one test module (use through ``st``)."""
-    config = QueueStorageConfig(schema=unique_schema())
+def _module_install(engine: Engine, **shape: int) -> Iterator[QueueStorageConfig]:
+    config = QueueStorageConfig(schema=unique_schema(), **shape)
     with engine.begin() as c:
         lifecycle.create_all(c, config)
     yield config
@@ -228,15 +226,37 @@ def installed(engine: Engine) -> Iterator[QueueStorageConfig]:
         c.execute(text(f'DROP SCHEMA IF EXISTS "{config.schema}" CASCADE'))
 
 
+def _resetter(engine: Engine, config: QueueStorageConfig) -> Callable[[], QueueStorage]:
+    def reset() -> QueueStorage:
+        reset_install(engine, config)
+        return QueueStorage(config)
+
+    return reset
+
+
+@pytest.fixture(scope="module")
+def installed(engine: Engine) -> Iterator[QueueStorageConfig]:
+    """A default-shape install shared by one test module (use through ``reset_storage``)."""
+    yield from _module_install(engine)
+
+
+@pytest.fixture(scope="module")
+def small_installed(engine: Engine) -> Iterator[QueueStorageConfig]:
+    """A small-ring install (4 queue, 2 lease, 2 claim slots) shared by one test module, so
+    short runs rotate through whole rings and prune (use through ``reset_small_storage``)."""
+    yield from _module_install(engine, queue_slot_count=4, lease_slot_count=2, claim_slot_count=2)
+
+
 @pytest.fixture
 def reset_storage(engine: Engine, installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
     """``reset_storage()`` → the module's install reset to fresh, as a new QueueStorage."""
+    return _resetter(engine, installed)
 
-    def reset() -> QueueStorage:
-        reset_install(engine, installed)
-        return QueueStorage(installed)
 
-    return reset
+@pytest.fixture
+def reset_small_storage(engine: Engine, small_installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
+    """``reset_small_storage()`` → the module's small-ring install reset to fresh."""
+    return _resetter(engine, small_installed)
 
 
 @pytest.fixture

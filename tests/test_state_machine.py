@@ -5,6 +5,7 @@ lost or active twice (census of live representations, STORAGE.md §8 I1-I3, I15)
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -71,6 +72,9 @@ EXPECTED = {
     "dlq": (JobState.FAILED, 1),
 }
 DEFERRED = ("scheduled", "retryable")
+TERMINAL = ("completed", "failed", "cancelled")
+#: What the maintenance runs pruned (checked after the run: the run must have exercised it).
+PRUNED: Counter = Counter()
 
 
 @dataclass
@@ -82,10 +86,13 @@ class ModelJob:
     run_at: datetime | None = None  # deferred jobs: when they fall due
 
 
-def build_machine(engine, fresh_storage: Callable[[], QueueStorage]) -> type[RuleBasedStateMachine]:
+def build_machine(engine, fresh_storage: Callable[[], QueueStorage],
+                  maintenance: bool = False) -> type[RuleBasedStateMachine]:
     class JobLifecycle(RuleBasedStateMachine):
         """Random enqueue / claim / heartbeat / outcome / rescue / promotion / admin sequences
-        against an in-memory model of each job's state, attempt and run_lease."""
+        against an in-memory model of each job's state, attempt and run_lease. With
+        ``maintenance``, rotate + prune of all three rings interleave with them: terminal
+        history may then disappear (state "gone"), nothing else may."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -250,6 +257,20 @@ def build_machine(engine, fresh_storage: Callable[[], QueueStorage]) -> type[Rul
             else:
                 assert row is None
 
+        @precondition(lambda self: maintenance)
+        @rule()
+        def maintain(self) -> None:
+            s = self.s
+            for rotate in (s.rotate, s.rotate_leases, s.rotate_claims):
+                rotate(engine)
+            for ring, prune in (("queue", s.prune_oldest), ("lease", s.prune_oldest_leases),
+                                ("claim", s.prune_oldest_claims)):
+                PRUNED[ring] += prune(engine).kind == "pruned"
+            for job_id in self.ids(*TERMINAL):
+                if s.load_job(engine, job_id) is None:  # its history was pruned
+                    self.jobs[job_id].state = "gone"
+                    PRUNED["terminal jobs"] += 1
+
         # -- invariant ----------------------------------------------------------------------
         @invariant()
         def database_agrees_with_the_model(self) -> None:
@@ -260,6 +281,9 @@ def build_machine(engine, fresh_storage: Callable[[], QueueStorage]) -> type[Rul
             assert set(live) <= set(self.jobs), "live rows of a job nobody enqueued"
             for job_id, m in self.jobs.items():
                 row = rows[job_id]
+                if m.state == "gone":
+                    assert row is None and live.get(job_id, 0) == 0, (job_id, row)
+                    continue
                 assert row is not None, f"job {job_id} was lost"
                 want_state, want_live = EXPECTED[m.state]
                 assert (row.state, row.attempt, row.run_lease) == (want_state, m.attempt, m.run_lease), (
@@ -267,11 +291,31 @@ def build_machine(engine, fresh_storage: Callable[[], QueueStorage]) -> type[Rul
                 assert live.get(job_id, 0) == want_live, (
                     f"job {job_id} ({m.state}) has {live.get(job_id, 0)} live representations")
 
+        @invariant()
+        def exact_counts_agree_with_the_model(self) -> None:
+            counts = self.s.queue_counts(engine, "q")
+            want = (len(self.ids("available")), len(self.ids("running")),
+                    len(self.ids(*TERMINAL, "gone")))  # rollups keep pruned history counted
+            assert (counts.available, counts.running, counts.terminal) == want, (counts, want)
+
     return JobLifecycle
 
 
 def test_random_job_lifecycles_keep_database_and_model_in_agreement(engine, reset_storage):
+    """``QSTORE_STATE_MACHINE_EXAMPLES`` runs more examples (a longer bug hunt than CI's)."""
     machine = build_machine(engine, reset_storage)
+    examples = int(os.environ.get("QSTORE_STATE_MACHINE_EXAMPLES", "20"))
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=20, stateful_step_count=25, deadline=None,
+        max_examples=examples, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+
+def test_random_lifecycles_with_ring_maintenance_lose_no_live_job(engine, reset_small_storage):
+    PRUNED.clear()
+    machine = build_machine(engine, reset_small_storage, maintenance=True)
+    examples = int(os.environ.get("QSTORE_STATE_MACHINE_EXAMPLES", "20"))
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=examples, stateful_step_count=30, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    assert PRUNED["queue"] and PRUNED["claim"] and PRUNED["terminal jobs"], PRUNED

@@ -36,6 +36,7 @@ from sqlalchemy.dialects.postgresql import BYTEA, JSONB, REGCLASS, TIMESTAMP
 from sqlalchemy.util.concurrency import await_
 
 from qstore.schema import StorageSchema
+from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage import unique
 from qstore.storage.jobs import PreparedJob, shard_for_ordering_key
 from qstore.storage.statements import packed_array_param, schema_func, unnest_rows
@@ -47,14 +48,14 @@ ENQUEUE_COLUMNS: dict[str, Any] = {
     "priority": SmallInteger(), "attempt": SmallInteger(), "run_lease": BigInteger(),
     "max_attempts": SmallInteger(), "lane_seq": BigInteger(), "enqueue_shard": SmallInteger(),
     "created_at": TIMESTAMP(timezone=True), "unique_key": BYTEA(), "unique_states": Text(),
-    "payload": JSONB(none_as_null=True),
+    "payload": OPTIONAL_JSON,
 }
 DEFERRED_COLUMNS: dict[str, Any] = {
     "job_id": BigInteger(), "kind": Text(), "queue": Text(), "args": JSONB(), "state": Text(),
     "priority": SmallInteger(), "attempt": SmallInteger(), "run_lease": BigInteger(),
     "max_attempts": SmallInteger(), "run_at": TIMESTAMP(timezone=True),
     "created_at": TIMESTAMP(timezone=True), "unique_key": BYTEA(), "unique_states": Text(),
-    "payload": JSONB(none_as_null=True),
+    "payload": OPTIONAL_JSON,
 }
 SHARD_CACHE_TTL = 5.0
 

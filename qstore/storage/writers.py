@@ -152,21 +152,22 @@ def write_terminal(conn: Connection, sch: StorageSchema, items: Sequence[tuple[B
         return
     narrow = [(b, st) for b, st in items if b.ready_slot is not None]
     wide = [(b, st) for b, st in items if b.ready_slot is None]
-    rows: list[dict[str, Any]] = []
+    narrow_rows: list[dict[str, Any]] = []  # body columns absent (NULL)
     for b, st in narrow:
         base = (ready_payloads or {}).get(b.job_id, "__unknown__")
         payload = b.payload
-        rows.append({
+        narrow_rows.append({
             "ready_slot": b.ready_slot, "ready_generation": b.ready_generation, "job_id": b.job_id,
             "kind": b.kind, "queue": b.queue, "state": st.value, "priority": b.priority,
             "attempt": b.attempt, "run_lease": b.run_lease, "lane_seq": b.lane_seq,
             "enqueue_shard": b.enqueue_shard, "attempted_at": b.attempted_at,
             "finalized_at": finalized_at, "payload": None if payload == base else payload,
         })
+    wide_rows: list[dict[str, Any]] = []  # the whole body
     if wide:
         slot, gen = conn.execute(enqueue.statements(sch)["ring"]).one()
         for b, st in wide:
-            rows.append({
+            wide_rows.append({
                 "ready_slot": slot, "ready_generation": gen, "job_id": b.job_id, "kind": b.kind,
                 "queue": b.queue, "state": st.value, "priority": b.priority, "attempt": b.attempt,
                 "run_lease": b.run_lease, "lane_seq": -b.job_id, "enqueue_shard": 0,
@@ -174,13 +175,13 @@ def write_terminal(conn: Connection, sch: StorageSchema, items: Sequence[tuple[B
                 "max_attempts": b.max_attempts, "run_at": b.run_at, "created_at": b.created_at,
                 "unique_key": b.unique_key, "unique_states": b.unique_states, "payload": b.payload,
             })
-    # narrow and wide rows carry different columns: one executemany each (an executemany
-    # takes its column list from the first row)
-    for group in ([r for r in rows if "args" not in r], [r for r in rows if "args" in r]):
+    # the two kinds carry different columns: one executemany each (an executemany takes
+    # its column list from its first row)
+    for group in (narrow_rows, wide_rows):
         if group:
             conn.execute(insert(sch.done.parent), group)
     write_deltas(conn, sch, [(r["ready_slot"], r["ready_generation"], r["queue"], r["priority"],
-                              r["enqueue_shard"], r["job_id"]) for r in rows], +1)
+                              r["enqueue_shard"], r["job_id"]) for r in (*narrow_rows, *wide_rows)], +1)
 
 
 def write_dlq(conn: Connection, sch: StorageSchema, items: Sequence[tuple[Body, str, int]], at: datetime) -> None:

@@ -10,19 +10,18 @@ Revisions live in ``qstore/migrations/versions`` (shipped in the wheel, branch l
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from alembic.config import Config as AlembicConfig
-from sqlalchemy import Connection, create_engine, func, inspect, pool, select, text
+from sqlalchemy import Connection, create_engine, func, inspect, literal, pool, select, text
 from sqlalchemy.schema import CreateSchema
 
 from alembic import command
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import ValidationError
-from qstore.schema import StorageSchema, drop_runtime_objects, storage_schema
-from qstore.schema.functions import ServerFunction
+from qstore.schema import StorageSchema, storage_schema
 
 __all__ = [
     "BRANCH_LABEL",
@@ -32,10 +31,13 @@ __all__ = [
     "downgrade",
     "include_name_for",
     "include_object_for",
+    "lock_install",
     "migration_config",
     "read_recorded_config",
+    "revision_shape",
     "run_env",
-    "swap_functions",
+    "run_statements",
+    "serialise_migrations",
     "upgrade",
     "version_location",
 ]
@@ -111,6 +113,25 @@ def migration_config(kw: Mapping[str, Any] | None = None) -> QueueStorageConfig:
     return from_x or QueueStorageConfig()
 
 
+def revision_shape(kw: Mapping[str, Any] | None = None) -> QueueStorageConfig:
+    """The shape of the install a revision's ``upgrade``/``downgrade`` is running for (see
+    :func:`migration_config`), with that install's migration lock held (so a host
+    application's Alembic run and :meth:`QueueStorage.prepare_schema` never interleave).
+    Revisions read only its plain fields."""
+    from alembic import op
+
+    cfg = migration_config(kw)
+    lock_install(op.get_bind(), cfg.schema)
+    return cfg
+
+
+def run_statements(connection: Connection, statements: Sequence[str]) -> None:
+    """Execute a revision's frozen statements, each exactly as rendered (no bind-parameter
+    parsing: ``%`` and ``:name`` inside function bodies reach the server unchanged)."""
+    for statement in statements:
+        connection.exec_driver_sql(statement.replace("%", "%%"))
+
+
 def _children(sch: StorageSchema) -> set[str]:
     return {t.name for t in sch.metadata.tables.values() if "qstore_partition_of" in t.info}
 
@@ -176,10 +197,10 @@ def run_env() -> None:
             raise ValidationError("sqlalchemy.url", url, "set -x url=…, QSTORE_DATABASE_URL or alembic.ini")
         engine = create_engine(url, poolclass=pool.NullPool)
         with engine.connect() as conn:
-            _run_with_connection(context, conn)
+            _run_with_connection(context, conn, owned=True)
         engine.dispose()
     else:
-        _run_with_connection(context, connection)
+        _run_with_connection(context, connection, owned=False)
 
 
 def _resolve_env_config(context: Any, connection: Connection) -> QueueStorageConfig:
@@ -191,15 +212,13 @@ def _resolve_env_config(context: Any, connection: Connection) -> QueueStorageCon
     return read_recorded_config(connection, schema) or from_x or QueueStorageConfig()
 
 
-def _run_with_connection(context: Any, connection: Connection) -> None:
+def _run_with_connection(context: Any, connection: Connection, *, owned: bool) -> None:
     cfg = _resolve_env_config(context, connection)
+    if owned:
+        connection.commit()  # end the read above: the migration runs in a transaction of its own
     context.config.attributes[CONFIG_ATTRIBUTE] = cfg
     sch = storage_schema(cfg)
     _register_entities(sch)
-    # The version table lives inside the storage schema, so the schema must exist first.
-    connection.execute(CreateSchema(cfg.schema, if_not_exists=True))
-    if not connection.in_nested_transaction() and context.config.attributes.get("connection") is None:
-        connection.commit()
     context.configure(
         connection=connection,
         target_metadata=sch.metadata,
@@ -212,7 +231,27 @@ def _run_with_connection(context: Any, connection: Connection) -> None:
         transactional_ddl=True,
     )
     with context.begin_transaction():
+        # One run at a time per install: a concurrent run (another deploy, prepare_schema)
+        # waits here, then finds the schema and version table as the first one left them.
+        lock_install(connection, cfg.schema)
+        # The version table lives inside the storage schema, so the schema must exist first.
+        connection.execute(CreateSchema(cfg.schema, if_not_exists=True))
         context.run_migrations(qstore_config=cfg)
+
+
+def lock_install(connection: Connection, schema: str) -> None:
+    """Take the transaction-scoped advisory lock that serialises installs, upgrades and
+    downgrades of ``schema`` (held until the transaction ends; re-entrant)."""
+    connection.execute(select(func.pg_advisory_xact_lock(install_lock_key(schema))))
+
+
+def serialise_migrations(connection: Connection) -> None:
+    """For a host application's ``env.py``: call inside ``context.begin_transaction()``,
+    before ``context.run_migrations()``. Concurrent ``alembic upgrade`` runs against the same
+    database (two pods deploying at once) then run one after the other: the second waits,
+    sees the version table the first committed, and has nothing left to do."""
+    connection.execute(select(func.pg_advisory_xact_lock(
+        func.hashtextextended(literal("qstore.alembic:") + func.current_database(), 0))))
 
 
 def alembic_config(config: QueueStorageConfig, connection: Connection | None = None) -> AlembicConfig:
@@ -247,39 +286,6 @@ def current_revision(connection: Connection, config: QueueStorageConfig) -> str 
     ).scalar()
 
 
-def swap_functions(connection: Connection, old: tuple[ServerFunction, ...],
-                   new: tuple[ServerFunction, ...]) -> None:
-    """Move an install's server functions from the set ``old`` to the set ``new``: drop
-    those whose signature ``new`` lacks, then create or replace each one whose body
-    differs (for revisions that only change function bodies or signatures)."""
-    keep = {f.signature for f in new}
-    before = {f.signature: f.definition for f in old}
-    for f in old:
-        if f.signature not in keep:
-            connection.execute(text(f.drop_sql()))
-    for f in new:
-        if before.get(f.signature) != f.definition:
-            connection.execute(text(f.create_sql()))
-
-
 def install_lock_key(schema: str) -> Any:
     """Advisory-lock key serialising installs/upgrades of one schema."""
     return func.hashtextextended(f"qstore.install:{schema}", 0)
-
-
-def drop_install(connection: Connection, sch: StorageSchema) -> None:
-    """Downgrade body of the first revision: drop every object the install created, then
-    the schema itself when nothing else (e.g. the version table) remains in it."""
-    sch.metadata.drop_all(connection)
-    drop_runtime_objects(connection, sch)
-    remaining = connection.execute(
-        text("SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-             "WHERE n.nspname = :s"), {"s": sch.config.schema}
-    ).scalar()
-    types = connection.execute(
-        text("SELECT count(*) FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace "
-             "WHERE n.nspname = :s AND t.typtype = 'e'"), {"s": sch.config.schema}
-    ).scalar()
-    if remaining == 0 and types == 0:
-        prep = connection.dialect.identifier_preparer
-        connection.execute(text(f"DROP SCHEMA IF EXISTS {prep.quote_schema(sch.config.schema)}"))

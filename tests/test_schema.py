@@ -114,13 +114,6 @@ def test_functions_and_view_are_declared_for_the_schema():
     assert all(f.schema == "shape_test" for f in sch.functions)
 
 
-def test_as_of_0001_omits_the_dlq_policy_column():
-    old = build_metadata(QueueStorageConfig(schema="asof"), as_of="0001")
-    new = build_metadata(QueueStorageConfig(schema="asof"))
-    assert "dlq_enabled" not in old.tables["asof.queue_meta"].c
-    assert "dlq_enabled" in new.tables["asof.queue_meta"].c
-
-
 # -- against PostgreSQL -------------------------------------------------------------------
 
 

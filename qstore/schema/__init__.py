@@ -19,7 +19,7 @@ from qstore.config import QueueStorageConfig
 from qstore.schema import control_plane, execution_plane, queue_plane
 from qstore.schema.functions import ServerFunction, ServerView, declare_functions, declare_views
 from qstore.schema.rings import RingFamily, is_partition_child
-from qstore.schema.types import Since, job_state_enum
+from qstore.schema.types import job_state_enum
 
 __all__ = [
     "REVISIONS",
@@ -31,7 +31,7 @@ __all__ = [
     "storage_schema",
 ]
 
-#: Revision ids in order; ``as_of`` in :func:`build_metadata` selects a historical shape.
+#: Revision ids in order; the declaration below is the shape of the last one (the head).
 REVISIONS = ("0001", "0002", "0003", "0004", "0005")
 SEED_KEY = "qstore_seed"
 
@@ -89,17 +89,7 @@ class StorageSchema:
         }
 
 
-def _since_predicate(as_of: str | None) -> Since:
-    if as_of is None:
-        return lambda rev: True
-    if as_of not in REVISIONS:
-        raise ValueError(f"unknown qstore revision {as_of!r}")
-    limit = REVISIONS.index(as_of)
-    return lambda rev: REVISIONS.index(rev) <= limit
-
-
-def _build(config: QueueStorageConfig, as_of: str | None) -> StorageSchema:
-    since = _since_predicate(as_of)
+def _build(config: QueueStorageConfig) -> StorageSchema:
     s = config.schema
     md = MetaData(schema=s)
     state = job_state_enum(s)
@@ -113,18 +103,18 @@ def _build(config: QueueStorageConfig, as_of: str | None) -> StorageSchema:
     deferred = queue_plane.declare_deferred_jobs(md, config, state)
     dlq = queue_plane.declare_dlq_entries(md, config, state)
     leases = execution_plane.declare_leases(md, config, state)
-    claims = execution_plane.declare_lease_claims(md, config, since)
+    claims = execution_plane.declare_lease_claims(md, config)
     closures = execution_plane.declare_lease_claim_closures(md, config)
     attempt_state = execution_plane.declare_attempt_state(md, config)
     rings = {r: control_plane.declare_ring_control(md, config, r) for r in ("queue", "lease", "claim")}
     lanes, enqueue_heads, claim_heads = control_plane.declare_lanes(md, config)
     live_counts, rollups = control_plane.declare_counters(md, config)
-    queue_meta = control_plane.declare_queue_meta(md, config, since)
+    queue_meta = control_plane.declare_queue_meta(md, config)
     unique_claims = control_plane.declare_unique_claims(md, config)
     claimer_leases, claimer_state = control_plane.declare_claimers(md, config)
     storage_config, backends, transition = control_plane.declare_install_tables(md, config)
 
-    functions = declare_functions(config, as_of)
+    functions = declare_functions(config)
     views = declare_views(config)
     sch = StorageSchema(
         config=config, metadata=md, ready=ready, tombstones=tombstones,
@@ -214,17 +204,18 @@ def drop_runtime_objects(connection: Connection, sch: StorageSchema) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def storage_schema(config: QueueStorageConfig, as_of: str | None = None) -> StorageSchema:
-    """The (cached) declaration of ``config``'s install, optionally as of a past revision."""
-    return _build(config, as_of)
+def storage_schema(config: QueueStorageConfig) -> StorageSchema:
+    """The (cached) declaration of ``config``'s install at the head revision."""
+    return _build(config)
 
 
-def build_metadata(config: QueueStorageConfig, as_of: str | None = None) -> MetaData:
+def build_metadata(config: QueueStorageConfig) -> MetaData:
     """A fresh ``MetaData`` declaring every object of ``config``'s install.
 
     Parent tables, their derived slot children (``PARTITION OF … FOR VALUES IN (k)``),
     unpartitioned tables, the ``job_state`` enum and ``job_id_seq`` are metadata objects;
     functions and views are listed in ``metadata.info['qstore_schema']`` and created by
-    ``create_all`` through DDL events. ``as_of`` selects the shape of an older revision.
+    ``create_all`` through DDL events. The declaration is the shape of the head revision;
+    past revisions live, frozen, in :mod:`qstore.migrations.frozen`.
     """
-    return _build(config, as_of).metadata
+    return _build(config).metadata

@@ -29,7 +29,6 @@ from qstore.schema.types import (
     TEXT,
     TS,
     UUIDT,
-    Since,
     warm,
 )
 
@@ -123,17 +122,16 @@ def declare_counters(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Tabl
     return live, rollups
 
 
-def declare_queue_meta(md: MetaData, cfg: QueueStorageConfig, since: Since) -> Table:
-    """Per logical queue: pause gate, enqueue shard count and (0002) DLQ policy."""
+def declare_queue_meta(md: MetaData, cfg: QueueStorageConfig) -> Table:
+    """Per logical queue: pause gate, enqueue shard count and DLQ policy."""
     cols: list[Column[Any]] = [
         Column("queue", TEXT, nullable=False),
         Column("paused", Boolean, nullable=False, server_default=text("false")),
         Column("paused_at", TS),
         Column("paused_by", TEXT),
         Column("enqueue_shards", SMALLINT, nullable=False, server_default=text("1")),
+        Column("dlq_enabled", Boolean, nullable=False, server_default=text("false")),
     ]
-    if since("0002"):
-        cols.append(Column("dlq_enabled", Boolean, nullable=False, server_default=text("false")))
     return Table(
         "queue_meta", md, *cols,
         PrimaryKeyConstraint("queue", name="queue_meta_pkey"),

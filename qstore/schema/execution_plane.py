@@ -8,7 +8,7 @@ from sqlalchemy.types import TypeEngine
 
 from qstore.config import QueueStorageConfig
 from qstore.schema.rings import RingFamily, ring_table
-from qstore.schema.types import BIGINT, INT, JSON, NOW, SMALLINT, TEXT, TS, UUIDT, Since, warm
+from qstore.schema.types import BIGINT, INT, JSON, NOW, SMALLINT, TEXT, TS, UUIDT, warm
 
 LANE = ("queue", "priority", "enqueue_shard")
 
@@ -52,22 +52,18 @@ def declare_leases(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine
     )
 
 
-def declare_lease_claims(md: MetaData, cfg: QueueStorageConfig, since: Since) -> RingFamily:
+def declare_lease_claims(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
     """Append-only claim receipts: one row per attempt ``(job_id, run_lease)``.
 
-    From revision 0004 the only B-tree is the primary key: receipts are written once per
+    The only B-tree is the primary key: receipts are written once per
     claimed job on the hot path and every secondary B-tree costs an index insert and its
     WAL per job. The queue-prune gate (open receipts of a ready slot) uses a BRIN on
     ``ready_slot`` instead (receipts are appended in roughly ready-slot order), and stale
     rescue never used the old ``(materialized_at, claimed_at, job_id)`` index: it filters on
     the heartbeat-or-claim time, which that index could not serve.
     """
-    if since("0004"):
-        lookups = [Index("lease_claims_ready_slot_idx", "ready_slot", postgresql_using="brin",
-                         postgresql_with={"pages_per_range": 16})]
-    else:
-        lookups = [Index("lease_claims_stale_idx", "materialized_at", "claimed_at", "job_id"),
-                   Index("lease_claims_ready_ref_idx", "ready_slot", "ready_generation")]
+    lookups = [Index("lease_claims_ready_slot_idx", "ready_slot", postgresql_using="brin",
+                     postgresql_with={"pages_per_range": 16})]
     return ring_table(
         md, "lease_claims", "claim_slot", cfg.claim_slot_count,
         Column("claim_slot", INT, nullable=False),

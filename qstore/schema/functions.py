@@ -491,23 +491,9 @@ $$""",
     )
 
 
-#: Revisions whose installs carry the frozen bodies of :mod:`qstore.schema.functions_0001`.
-FROZEN_0001 = ("0001", "0002")
-
-
-def declare_functions(cfg: QueueStorageConfig, as_of: str | None = None) -> tuple[ServerFunction, ...]:
-    """The server functions of an install at revision ``as_of`` (None: the newest)."""
+def declare_functions(cfg: QueueStorageConfig) -> tuple[ServerFunction, ...]:
+    """The server functions of an install of ``cfg`` at the head revision."""
     s = cfg.schema
-    if as_of in FROZEN_0001:
-        from qstore.schema import functions_0001 as frozen
-
-        return (_backoff(s), _ensure_lane(s), _reserve_lanes(s), frozen.claim_ready_0001(s),
-                frozen.complete_receipts_0001(s))
-    if as_of == "0003":
-        from qstore.schema import functions_0003 as frozen3
-
-        return (_backoff(s), _ensure_lane(s), _reserve_lanes(s), frozen3.claim_ready_0003(s),
-                frozen3.complete_receipts_0003(s))
     return (_backoff(s), _ensure_lane(s), _reserve_lanes(s), _claim_ready(cfg),
             _complete_receipts(cfg))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import BigInteger, Enum, Integer, SmallInteger, Text, text
@@ -22,12 +21,8 @@ __all__ = [
     "TS",
     "UUIDT",
     "WARM",
-    "Since",
     "job_state_enum",
 ]
-
-#: ``since(rev)``: whether the shape being declared includes what revision ``rev`` added.
-Since = Callable[[str], bool]
 
 BIGINT = BigInteger()
 INT = Integer()

@@ -34,7 +34,7 @@ def prepare_schema(engine: Target, config: QueueStorageConfig) -> bool:
     Raises ``ValidationError`` when the schema is already installed with another shape.
     """
     with transaction(engine) as conn:
-        conn.execute(select(func.pg_advisory_xact_lock(migrate.install_lock_key(config.schema))))
+        migrate.lock_install(conn, config.schema)
         recorded = migrate.read_recorded_config(conn, config.schema)
         if recorded is not None and recorded != config:
             raise ValidationError(
@@ -123,7 +123,7 @@ def reset(engine: Target, sch: StorageSchema, *, force: bool = False) -> None:
             "really mean to drop it",
         )
     with transaction(engine) as conn:
-        conn.execute(select(func.pg_advisory_xact_lock(migrate.install_lock_key(sch.config.schema))))
+        migrate.lock_install(conn, sch.config.schema)
         prep = conn.dialect.identifier_preparer
         conn.execute(text(f"DROP SCHEMA IF EXISTS {prep.quote_schema(sch.config.schema)} CASCADE"))
 

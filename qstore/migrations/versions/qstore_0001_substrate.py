@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy.schema import CreateSchema
-
 from alembic import op
-from qstore.migrate import drop_install, migration_config
-from qstore.schema import storage_schema
+from qstore.migrate import revision_shape, run_statements
+from qstore.migrations.frozen import r0001
 
 revision = "0001"
 down_revision = None
@@ -22,12 +20,8 @@ depends_on = None
 
 
 def upgrade(**kw: Any) -> None:
-    cfg = migration_config(kw)
-    bind = op.get_bind()
-    bind.execute(CreateSchema(cfg.schema, if_not_exists=True))
-    storage_schema(cfg, as_of="0001").metadata.create_all(bind)
+    run_statements(op.get_bind(), r0001.upgrade(revision_shape(kw)))
 
 
 def downgrade(**kw: Any) -> None:
-    cfg = migration_config(kw)
-    drop_install(op.get_bind(), storage_schema(cfg, as_of="0001"))
+    run_statements(op.get_bind(), r0001.downgrade(revision_shape(kw)))

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import sqlalchemy as sa
-
 from alembic import op
-from qstore.migrate import migration_config
+from qstore.migrate import revision_shape, run_statements
+from qstore.migrations.frozen import r0002
 
 revision = "0002"
 down_revision = "0001"
@@ -21,14 +20,8 @@ depends_on = None
 
 
 def upgrade(**kw: Any) -> None:
-    cfg = migration_config(kw)
-    op.add_column(
-        "queue_meta",
-        sa.Column("dlq_enabled", sa.Boolean(), nullable=False, server_default=sa.text("false")),
-        schema=cfg.schema,
-    )
+    run_statements(op.get_bind(), r0002.upgrade(revision_shape(kw)))
 
 
 def downgrade(**kw: Any) -> None:
-    cfg = migration_config(kw)
-    op.drop_column("queue_meta", "dlq_enabled", schema=cfg.schema)
+    run_statements(op.get_bind(), r0002.downgrade(revision_shape(kw)))

@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from alembic import op
-from qstore.migrate import migration_config, swap_functions
-from qstore.schema.functions import declare_functions
+from qstore.migrate import revision_shape, run_statements
+from qstore.migrations.frozen import r0003
 
 revision = "0003"
 down_revision = "0002"
@@ -29,12 +29,8 @@ depends_on = None
 
 
 def upgrade(**kw: Any) -> None:
-    cfg = migration_config(kw)
-    swap_functions(op.get_bind(), declare_functions(cfg, as_of="0002"),
-                   declare_functions(cfg, as_of="0003"))
+    run_statements(op.get_bind(), r0003.upgrade(revision_shape(kw)))
 
 
 def downgrade(**kw: Any) -> None:
-    cfg = migration_config(kw)
-    swap_functions(op.get_bind(), declare_functions(cfg, as_of="0003"),
-                   declare_functions(cfg, as_of="0002"))
+    run_statements(op.get_bind(), r0003.downgrade(revision_shape(kw)))

@@ -28,33 +28,18 @@ from __future__ import annotations
 from typing import Any
 
 from alembic import op
-from qstore.migrate import migration_config, swap_functions
-from qstore.schema.functions import declare_functions
+from qstore.migrate import revision_shape, run_statements
+from qstore.migrations.frozen import r0004
 
 revision = "0004"
 down_revision = "0003"
 branch_labels = None
 depends_on = None
 
-_TABLE = "lease_claims"
-
 
 def upgrade(**kw: Any) -> None:
-    cfg = migration_config(kw)
-    op.drop_index("lease_claims_stale_idx", table_name=_TABLE, schema=cfg.schema)
-    op.drop_index("lease_claims_ready_ref_idx", table_name=_TABLE, schema=cfg.schema)
-    op.create_index("lease_claims_ready_slot_idx", _TABLE, ["ready_slot"], schema=cfg.schema,
-                    postgresql_using="brin", postgresql_with={"pages_per_range": 16})
-    swap_functions(op.get_bind(), declare_functions(cfg, as_of="0003"),
-                   declare_functions(cfg, as_of="0004"))
+    run_statements(op.get_bind(), r0004.upgrade(revision_shape(kw)))
 
 
 def downgrade(**kw: Any) -> None:
-    cfg = migration_config(kw)
-    swap_functions(op.get_bind(), declare_functions(cfg, as_of="0004"),
-                   declare_functions(cfg, as_of="0003"))
-    op.drop_index("lease_claims_ready_slot_idx", table_name=_TABLE, schema=cfg.schema)
-    op.create_index("lease_claims_stale_idx", _TABLE, ["materialized_at", "claimed_at", "job_id"],
-                    schema=cfg.schema)
-    op.create_index("lease_claims_ready_ref_idx", _TABLE, ["ready_slot", "ready_generation"],
-                    schema=cfg.schema)
+    run_statements(op.get_bind(), r0004.downgrade(revision_shape(kw)))

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import sqlalchemy as sa
-
 from alembic import op
-from qstore.migrate import migration_config
+from qstore.migrate import revision_shape, run_statements
+from qstore.migrations.frozen import r0005
 
 revision = "0005"
 down_revision = "0004"
@@ -30,12 +29,8 @@ depends_on = None
 
 
 def upgrade(**kw: Any) -> None:
-    cfg = migration_config(kw)
-    done = sa.table("done_entries", sa.column("payload"), sa.column("args"), schema=cfg.schema)
-    op.execute(done.update()
-               .where(done.c.payload == sa.literal_column("'null'::jsonb"), done.c.args.is_(None))
-               .values(payload=sa.null()))
+    run_statements(op.get_bind(), r0005.upgrade(revision_shape(kw)))
 
 
 def downgrade(**kw: Any) -> None:
-    """Nothing to undo: the repaired rows are what the older code should have written."""
+    run_statements(op.get_bind(), r0005.downgrade(revision_shape(kw)))

@@ -4,6 +4,7 @@ from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import (
     CallbackNotFoundError,
     DatabaseError,
+    PartialCommitError,
     QueueStorageError,
     SchemaNotInstalledError,
     UniqueConflictError,
@@ -41,6 +42,7 @@ __all__ = [
     "JobRow",
     "JobState",
     "ListDlqFilter",
+    "PartialCommitError",
     "PruneOutcome",
     "QueueClaimerLease",
     "QueueCounts",

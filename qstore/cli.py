@@ -33,6 +33,7 @@ from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import QueueStorageError, translate_errors
 from qstore.maintainer import Maintainer, TaskReport
 from qstore.storage import QueueStorage
+from qstore.storage.maintenance import slot_generation
 
 __all__ = ["DEMO_STEPS", "DemoContext", "build_parser", "main"]
 
@@ -115,20 +116,20 @@ def step_show_rings(ctx: DemoContext) -> None:
     """Print each ring's cursor row and, per slot, its generation and child tables."""
     sch = ctx.storage.tables
     with ctx.engine.connect() as conn:
-        for ring, (state, slots, families) in sch.rings.items():
+        for ring in sch.rings:
+            state = ring.state
             cur = conn.execute(
                 select(state.c.current_slot, state.c.generation, state.c.slot_count)
             ).one()
             ctx.say()
-            ctx.say(f"{ring} ring: current_slot={cur.current_slot} generation={cur.generation} "
+            ctx.say(f"{ring.name} ring: current_slot={cur.current_slot} generation={cur.generation} "
                     f"slot_count={cur.slot_count}")
-            ctx.say(f"  families: {', '.join(f.name for f in families)}")
-            gens = {r.slot: r.generation for r in conn.execute(select(slots.c.slot, slots.c.generation))}
+            ctx.say(f"  families: {', '.join(f.name for f in ring.families)}")
             for k in range(cur.slot_count):
-                gen = gens.get(k)
-                label = "unused" if gen is None or gen < 0 else f"generation {gen}"
+                gen = slot_generation(cur.generation, k, cur.slot_count)
+                label = "unused" if gen < 0 else f"generation {gen}"
                 marker = "*" if k == cur.current_slot else " "
-                children = ", ".join(f.child(k).name for f in families)
+                children = ", ".join(f.child(k).name for f in ring.families)
                 ctx.say(f"  {marker} slot {k:>3} ({label}): {children}")
 
 

@@ -16,6 +16,7 @@ from sqlalchemy import exc as sa_exc
 __all__ = [
     "CallbackNotFoundError",
     "DatabaseError",
+    "PartialCommitError",
     "QueueStorageError",
     "SchemaNotInstalledError",
     "UniqueConflictError",
@@ -75,6 +76,19 @@ class DatabaseError(QueueStorageError):
         self.original = original
         self.sqlstate: str | None = _sqlstate(original)
         super().__init__(f"database error ({self.sqlstate or 'unknown'}): {original}")
+
+
+class PartialCommitError(DatabaseError):
+    """An operation that commits in more than one transaction failed after an earlier one
+    committed. ``committed`` lists what is done for good (do not redo it: a repeat would
+    report it as missing); ``pending`` lists what is in an unknown state only in the sense
+    that it was *not* done by this call (it is still live: repeat the call for it)."""
+
+    def __init__(self, original: BaseException, committed: list[Any], pending: list[Any]) -> None:
+        super().__init__(original)
+        self.committed = committed
+        self.pending = pending
+        self.args = (f"{self.args[0]} (committed: {len(committed)}, not done: {len(pending)})",)
 
 
 def _sqlstate(err: BaseException) -> str | None:

@@ -38,6 +38,10 @@ __all__ = ["Maintainer", "MaintenanceSchedule", "RingTick", "TaskReport"]
 
 log = logging.getLogger("qstore.maintainer")
 
+#: Prefix of the leader lock key (followed by the schema name); its version changes when
+#: upkeep changes in a way a previous release's maintainer cannot follow.
+LEADER_KEY_PREFIX = "qstore:maintainer:2:"
+
 #: Rescue functions return at most this many rows per call (STORAGE.md §7.7); a full
 #: batch means more may be waiting, so the task calls again (up to ``RESCUE_MAX_CALLS``).
 RESCUE_BATCH = 500
@@ -63,6 +67,7 @@ class MaintenanceSchedule:
     heartbeat_staleness: float = 90.0
     rollup_every: float = 30.0
     rollup_max_slots: int = 4
+    rollup_pinned_after: float = 5.0
     prune_backoff_limit: int = 5
     leader_retry_every: float = 1.0
 
@@ -171,7 +176,9 @@ class Maintainer:
             _Task("promote", sch.promote_every, self._promote),
             _Task("rescue", sch.rescue_every, self._rescue),
             _Task("rollup", sch.rollup_every,
-                  lambda: s.rollup_terminal_count_deltas(e, sch.rollup_max_slots)),
+                  lambda: s.rollup_terminal_count_deltas(
+                      e, sch.rollup_max_slots,
+                      pinned_after=timedelta(seconds=sch.rollup_pinned_after))),
         ]
 
     def _promote(self) -> dict[str, int]:
@@ -261,7 +268,10 @@ class Maintainer:
 
     # -- leadership -------------------------------------------------------------------
     def _lock_key(self) -> Any:
-        return func.hashtextextended(literal("qstore:maintainer:") + literal(self.storage.schema()), 0)
+        # Versioned by upkeep protocol: a maintainer of a release whose ring upkeep cannot run
+        # against this schema (during a rolling deploy) holds another key, so it never keeps
+        # a current maintainer from leading.
+        return func.hashtextextended(literal(LEADER_KEY_PREFIX) + literal(self.storage.schema()), 0)
 
     def acquire_leadership(self) -> bool:
         """Try once to become this install's leader; True if this maintainer now leads.

@@ -22,6 +22,7 @@ from alembic import command
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import ValidationError
 from qstore.schema import StorageSchema, storage_schema
+from qstore.schema.functions import execute_ddl
 
 __all__ = [
     "BRANCH_LABEL",
@@ -129,7 +130,7 @@ def run_statements(connection: Connection, statements: Sequence[str]) -> None:
     """Execute a revision's frozen statements, each exactly as rendered (no bind-parameter
     parsing: ``%`` and ``:name`` inside function bodies reach the server unchanged)."""
     for statement in statements:
-        connection.exec_driver_sql(statement.replace("%", "%%"))
+        execute_ddl(connection, statement)
 
 
 def _children(sch: StorageSchema) -> set[str]:

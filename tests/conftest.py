@@ -17,10 +17,12 @@ import contextlib
 import os
 import shutil
 import tempfile
+import textwrap
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -31,6 +33,7 @@ from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy import URL, Connection, Engine, create_engine, text
 
 from qstore import QueueStorage, QueueStorageConfig
+from qstore.migrate import version_location
 from qstore.schema import REVISIONS, seed_rows, storage_schema
 from qstore.storage import lifecycle
 
@@ -279,3 +282,66 @@ def fresh_engine(fresh_db_url: str) -> Iterator[Engine]:
     eng = create_engine(fresh_db_url, pool_size=10, max_overflow=10)
     yield eng
     eng.dispose()
+
+
+# -- a host application's own Alembic environment -------------------------------------------
+
+HOST_ENV = '''
+from alembic import context
+from sqlalchemy import Column, Integer, MetaData, Table, Text, create_engine, pool
+
+from qstore.migrate import serialise_migrations
+
+host_metadata = MetaData()
+Table("host_orders", host_metadata,
+      Column("id", Integer, primary_key=True),
+      Column("item", Text, nullable=False))
+
+url = context.get_x_argument(as_dictionary=True)["url"]
+engine = create_engine(url, poolclass=pool.NullPool)
+with engine.connect() as connection:
+    # The host compares only its own (default) schema; qstore's schema is qstore's business.
+    context.configure(connection=connection, target_metadata=host_metadata,
+                      include_schemas=False)
+    with context.begin_transaction():
+        serialise_migrations(connection)  # concurrent deploys run one after the other
+        context.run_migrations()
+engine.dispose()
+'''
+
+HOST_REVISION = '''
+"""host: orders table"""
+import sqlalchemy as sa
+from alembic import op
+
+revision = "h0001"
+down_revision = None
+branch_labels = ("host",)
+depends_on = None
+
+
+def upgrade():
+    op.create_table("host_orders",
+                    sa.Column("id", sa.Integer, primary_key=True),
+                    sa.Column("item", sa.Text, nullable=False))
+
+
+def downgrade():
+    op.drop_table("host_orders")
+'''
+
+
+@pytest.fixture
+def host_app(tmp_path: Path) -> Path:
+    """A host application's Alembic set-up in a temp dir; returns its alembic.ini."""
+    (tmp_path / "migrations" / "versions").mkdir(parents=True)
+    (tmp_path / "migrations" / "env.py").write_text(HOST_ENV)
+    (tmp_path / "migrations" / "versions" / "h0001_orders.py").write_text(HOST_REVISION)
+    ini = tmp_path / "alembic.ini"
+    ini.write_text(textwrap.dedent(f"""\
+        [alembic]
+        script_location = %(here)s/migrations
+        path_separator = os
+        version_locations = %(here)s/migrations/versions{os.pathsep}{version_location()}
+        """))
+    return ini

@@ -4,7 +4,10 @@ rebuild compared with a full scan of the done rows (+ pruned rollups)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -46,11 +49,13 @@ def drain(st: QueueStorage, engine: Engine, queue: str = Q) -> int:
 
 
 def scan_terminal(st: QueueStorage, engine: Engine, queue: str = Q) -> int:
-    """Ground truth: pruned rollups + every retained done row."""
+    """Ground truth: pruned history (rollups and the prune ledger) + every retained done row."""
     t = st.tables
     with engine.connect() as conn:
         rolled = conn.execute(select(func.coalesce(func.sum(t.rollups.c.pruned_completed_count), 0))
                               .where(t.rollups.c.queue == queue)).scalar_one()
+        rolled += conn.execute(select(func.coalesce(func.sum(t.rollup_ledger.c.pruned_count), 0))
+                               .where(t.rollup_ledger.c.queue == queue)).scalar_one()
         done = conn.execute(select(func.count()).select_from(t.done.parent)
                             .where(t.done.parent.c.queue == queue)).scalar_one()
     return int(rolled) + int(done)
@@ -139,7 +144,14 @@ def test_rollup_skips_slot_with_open_work(st: QueueStorage, engine: Engine) -> N
     assert assert_exact(st, engine) == 4
 
 
-def test_rollup_stands_down_while_mvcc_horizon_is_pinned(st: QueueStorage, engine: Engine) -> None:
+PIN = timedelta(milliseconds=50)  # a snapshot held longer than this pins the horizon here
+
+
+def hold_longer_than_pin() -> None:
+    time.sleep(PIN.total_seconds() * 3)
+
+
+def test_rollup_stands_down_while_a_snapshot_pins_the_mvcc_horizon(st: QueueStorage, engine: Engine) -> None:
     enqueue(st, engine, 6)
     assert drain(st, engine) == 6
     assert st.rotate(engine).kind == "rotated"
@@ -148,7 +160,8 @@ def test_rollup_stands_down_while_mvcc_horizon_is_pinned(st: QueueStorage, engin
     try:
         reader.execute(text("BEGIN ISOLATION LEVEL REPEATABLE READ"))
         assert reader.execute(text("SELECT 1")).scalar_one() == 1  # takes the snapshot
-        out = st.rollup_terminal_count_deltas(engine, 4)
+        hold_longer_than_pin()
+        out = st.rollup_terminal_count_deltas(engine, 4, pinned_after=PIN)
         assert out == TerminalDeltaRollupOutcome(skipped_mvcc_pinned=True)
         assert delta_rows(st, engine) == before  # touched nothing
         # exact counts stay right meanwhile, also with more traffic
@@ -161,7 +174,7 @@ def test_rollup_stands_down_while_mvcc_horizon_is_pinned(st: QueueStorage, engin
     finally:
         reader.execute(text("COMMIT"))
         reader.close()
-    out = st.rollup_terminal_count_deltas(engine, 4)
+    out = st.rollup_terminal_count_deltas(engine, 4, pinned_after=PIN)
     assert out.rolled_slots == 1 and not out.skipped_mvcc_pinned
     assert assert_exact(st, engine) == 8
 
@@ -172,9 +185,66 @@ def test_rollup_stands_down_for_idle_in_transaction_with_xid(st: QueueStorage, e
     assert st.rotate(engine).kind == "rotated"
     with engine.connect() as holder:
         holder.execute(select(func.txid_current()))  # READ COMMITTED, idle in tx with an xid
-        assert st.rollup_terminal_count_deltas(engine, 4).skipped_mvcc_pinned
+        hold_longer_than_pin()
+        assert st.rollup_terminal_count_deltas(engine, 4, pinned_after=PIN).skipped_mvcc_pinned
         holder.rollback()
-    assert st.rollup_terminal_count_deltas(engine, 4).rolled_slots == 1
+    assert st.rollup_terminal_count_deltas(engine, 4, pinned_after=PIN).rolled_slots == 1
+
+
+def test_rollup_is_not_stopped_by_a_snapshot_younger_than_the_pin_age(st: QueueStorage, engine: Engine) -> None:
+    enqueue(st, engine, 2)
+    assert drain(st, engine) == 2
+    assert st.rotate(engine).kind == "rotated"
+    with engine.connect() as reader:
+        reader.execute(text("BEGIN ISOLATION LEVEL REPEATABLE READ"))
+        reader.execute(text("SELECT 1"))
+        out = st.rollup_terminal_count_deltas(engine, 4, pinned_after=timedelta(seconds=30))
+        reader.execute(text("COMMIT"))
+    assert out.rolled_slots == 1 and not out.skipped_mvcc_pinned
+
+
+def test_rollup_makes_progress_while_workers_keep_running_short_statements(
+        st: QueueStorage, engine: Engine) -> None:
+    """Busy workers always have some statement with a snapshot in flight; only a snapshot
+    older than the pin age stands the rollup down."""
+    enqueue(st, engine, 4)
+    assert drain(st, engine) == 4
+    assert st.rotate(engine).kind == "rotated"
+    stop = threading.Event()
+
+    def busy() -> None:
+        with engine.connect() as c:
+            while not stop.is_set():
+                c.execute(text("SELECT pg_sleep(0.02)"))
+                c.commit()
+
+    workers = [threading.Thread(target=busy) for _ in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(0.1)
+        out = st.rollup_terminal_count_deltas(engine, 4)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert out.rolled_slots == 1 and not out.skipped_mvcc_pinned
+    assert assert_exact(st, engine) == 4
+
+
+def test_rollup_folds_the_prune_ledger_into_the_rollups(st: QueueStorage, engine: Engine) -> None:
+    enqueue(st, engine, 3)
+    assert drain(st, engine) == 3
+    assert st.rotate(engine).kind == "rotated"
+    assert st.prune_oldest(engine).kind == "pruned"
+    t = st.tables
+    with engine.connect() as conn:
+        assert conn.execute(select(func.sum(t.rollup_ledger.c.pruned_count))).scalar_one() == 3
+    st.rollup_terminal_count_deltas(engine, 4)
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(t.rollup_ledger)).scalar_one() == 0
+        assert conn.execute(select(t.rollups.c.pruned_completed_count)).scalar_one() == 3
+    assert assert_exact(st, engine) == 3
 
 
 def test_rollup_blocked_by_lock_on_delta_child(st: QueueStorage, engine: Engine) -> None:
@@ -223,7 +293,8 @@ def test_counters_exact_through_rollup_prune_and_rebuild(st: QueueStorage, engin
     t = st.tables
     with engine.connect() as conn:
         retained = conn.execute(select(func.count()).select_from(t.done.parent)).scalar_one()
-        rolled = conn.execute(select(func.sum(t.rollups.c.pruned_completed_count))).scalar_one()
+        rolled = conn.execute(select(func.coalesce(func.sum(t.rollups.c.pruned_completed_count), 0))).scalar_one()
+        rolled += conn.execute(select(func.coalesce(func.sum(t.rollup_ledger.c.pruned_count), 0))).scalar_one()
     assert live + deltas == retained
     assert rolled + retained == sum(total.values())
     assert rolled > 0  # prune did fold history
@@ -238,9 +309,9 @@ def test_counters_exact_through_rollup_prune_and_rebuild(st: QueueStorage, engin
 def test_untrusted_counters_scan_and_rebuild_restores_trust(st: QueueStorage, engine: Engine) -> None:
     enqueue(st, engine, 5)
     assert drain(st, engine) == 5
-    rs = st.tables.queue_ring_state
+    cs = st.tables.counter_state
     with engine.begin() as conn:  # simulate counters damaged and distrusted
-        conn.execute(update(rs).values(terminal_counter_trusted_at=None))
+        conn.execute(update(cs).values(terminal_counter_trusted_at=None))
         conn.execute(text(f'TRUNCATE "{st.schema()}".queue_terminal_count_deltas'))
     assert st.terminal_counter_trusted(engine) is False
     assert st.queue_counts(engine, Q).terminal == 5  # scan

@@ -17,7 +17,7 @@ from sqlalchemy import Engine, create_engine, text
 
 from qstore import QueueStorage, ValidationError
 from qstore.cli import main as cli_main
-from qstore.maintainer import Maintainer, MaintenanceSchedule, RingTick
+from qstore.maintainer import LEADER_KEY_PREFIX, Maintainer, MaintenanceSchedule, RingTick
 from qstore.model import JobState
 from qstore.storage.jobs import InsertOpts, InsertParams
 
@@ -257,22 +257,30 @@ def test_background_maintainer_promotes_and_rescues_on_its_own(
     assert not m.running and not m.is_leader()
 
 
-def lock_holders(engine: Engine) -> list[int]:
-    """Backends holding an advisory lock (only maintainers take them in these tests)."""
+LEADER_HOLDERS = """
+SELECT pid FROM pg_locks
+WHERE locktype = 'advisory' AND granted AND objsubid = 1
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND ((classid::bigint << 32) | objid::bigint) = hashtextextended(:prefix || :schema, 0)
+"""
+
+
+def lock_holders(engine: Engine, st: QueueStorage) -> list[int]:
+    """Backends of this test's database holding ``st``'s maintainer leader lock."""
     with engine.connect() as c:
-        return list(c.execute(text(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted")).scalars())
+        return list(c.execute(text(LEADER_HOLDERS), {
+            "prefix": LEADER_KEY_PREFIX, "schema": st.schema()}).scalars())
 
 
 def test_background_maintainer_leads_again_after_its_session_is_killed(
         small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
     m = maintainers()
     m.start()
-    assert wait_until(lambda: len(lock_holders(engine)) == 1)
-    (first,) = lock_holders(engine)
+    assert wait_until(lambda: len(lock_holders(engine, small)) == 1)
+    (first,) = lock_holders(engine, small)
     with engine.connect() as c:
         assert c.execute(text("SELECT pg_terminate_backend(:p)"), {"p": first}).scalar_one()
-    assert wait_until(lambda: len(holders := lock_holders(engine)) == 1 and holders[0] != first)
+    assert wait_until(lambda: len(holders := lock_holders(engine, small)) == 1 and holders[0] != first)
     assert m.is_leader()
     enqueue(small, engine, 1, run_at=datetime.now(timezone.utc) + timedelta(seconds=0.1))
     assert wait_until(lambda: deferred_ids(small, engine) == [])  # and it still does its work
@@ -317,9 +325,7 @@ def test_cli_maintain_runs_until_terminated_and_releases_leadership(
                              "--schema", small.schema()], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         follower = maintainers()
-        with engine.connect() as c:
-            assert wait_until(lambda: c.execute(text(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")).scalar_one() == 1)
+        assert wait_until(lambda: len(lock_holders(engine, small)) == 1)
         assert not follower.acquire_leadership()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

@@ -6,7 +6,6 @@ import glob
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +17,6 @@ import qstore
 from qstore import QueueStorage
 from qstore.migrate import BRANCH_LABEL, version_location
 from qstore.schema import REVISIONS
-from qstore.storage.jobs import InsertOpts, InsertParams
 
 REPO = Path(__file__).resolve().parents[1]
 INI = REPO / "alembic.ini"
@@ -178,17 +176,10 @@ def test_revision_0002_installs_the_frozen_function_bodies(fresh_db_url):
     assert _complete_signatures(fresh_db_url) == {OLD_COMPLETE}
 
 
-def test_upgrade_0003_replaces_the_completion_function_and_a_drain_works(fresh_db_url):
+def test_upgrade_0003_replaces_the_completion_function(fresh_db_url):
     alembic(fresh_db_url, "upgrade", "0002")
     alembic(fresh_db_url, "upgrade", "0003")
     assert _complete_signatures(fresh_db_url) == {NEW_COMPLETE}
-    storage = QueueStorage()
-    with engine_on(fresh_db_url) as eng:
-        storage.enqueue_params_batch(eng, [InsertParams("k", {"n": i}, InsertOpts(queue="q"))
-                                           for i in range(3)])
-        claimed = storage.claim_runtime_batch(eng, "q", 10, 60)
-        assert len(storage.complete_runtime_batch(eng, claimed)) == 3
-        assert storage.load_job(eng, claimed[0].job.id).state.value == "completed"
 
 
 def test_downgrade_to_0002_restores_the_frozen_completion_function(fresh_db_url):
@@ -237,21 +228,6 @@ def test_upgrade_0004_leaves_receipts_one_btree_and_a_ready_slot_brin(fresh_db_u
                       "lease_claims.lease_claims_deadline_idx": "brin",
                       "lease_claims.lease_claims_ready_slot_idx": "brin"}
     assert child == ["brin", "brin", "btree"]  # PostgreSQL carries the parent's set over
-
-
-def test_upgrade_0004_keeps_open_receipts_and_the_claim_drains_after_it(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "0003")
-    storage = QueueStorage()
-    with engine_on(fresh_db_url) as eng:
-        storage.enqueue_params_batch(eng, [InsertParams("k", {"n": i}, InsertOpts(queue="q"))
-                                           for i in range(4)])
-        first = storage.claim_runtime_batch(eng, "q", 2, 60)
-        alembic(fresh_db_url, "upgrade", "0004")
-        rest = storage.claim_runtime_batch(eng, "q", 10, 60)
-        assert len(first) == 2 and len(rest) == 2
-        done = storage.complete_runtime_batch(eng, [*first, *rest])
-        assert len(done) == 4
-        assert storage.queue_counts(eng, "q").running == 0
 
 
 def test_downgrade_to_0003_restores_the_receipt_btrees(fresh_db_url):
@@ -340,20 +316,6 @@ def test_downgrade_then_upgrade_reinstalls_cleanly(fresh_db_url):
     assert alembic(fresh_db_url, "check", check=False).returncode == 0
 
 
-def test_upgrade_0005_repairs_terminal_rows_that_hid_their_metadata(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "0004")
-    storage = QueueStorage()
-    with engine_on(fresh_db_url) as eng:
-        storage.enqueue_params_batch(eng, [InsertParams("k", {}, InsertOpts(queue="q", metadata={"m": 1}))])
-        (c,) = storage.claim_runtime_batch(eng, "q", 1)
-        storage.complete_job_batch_by_id(eng, [(c.job.id, c.job.run_lease)])
-        # what the general terminal path wrote before 0005: JSON null, not NULL
-        _execute(fresh_db_url, "UPDATE qstore.done_entries SET payload = 'null'::jsonb")
-        assert storage.load_job(eng, c.job.id).metadata == {}
-        alembic(fresh_db_url, "upgrade", "0005")
-        assert storage.load_job(eng, c.job.id).metadata == {"m": 1}
-
-
 # -- packaging and branch label -----------------------------------------------------------
 
 
@@ -384,64 +346,6 @@ def test_pyproject_package_data_covers_the_revision_files():
 
 
 # -- a host application's own Alembic environment -----------------------------------------
-
-HOST_ENV = '''
-from alembic import context
-from sqlalchemy import Column, Integer, MetaData, Table, Text, create_engine, pool
-
-host_metadata = MetaData()
-Table("host_orders", host_metadata,
-      Column("id", Integer, primary_key=True),
-      Column("item", Text, nullable=False))
-
-url = context.get_x_argument(as_dictionary=True)["url"]
-engine = create_engine(url, poolclass=pool.NullPool)
-with engine.connect() as connection:
-    # The host compares only its own (default) schema; qstore's schema is qstore's business.
-    context.configure(connection=connection, target_metadata=host_metadata,
-                      include_schemas=False)
-    with context.begin_transaction():
-        context.run_migrations()
-engine.dispose()
-'''
-
-HOST_REVISION = '''
-"""host: orders table"""
-import sqlalchemy as sa
-from alembic import op
-
-revision = "h0001"
-down_revision = None
-branch_labels = ("host",)
-depends_on = None
-
-
-def upgrade():
-    op.create_table("host_orders",
-                    sa.Column("id", sa.Integer, primary_key=True),
-                    sa.Column("item", sa.Text, nullable=False))
-
-
-def downgrade():
-    op.drop_table("host_orders")
-'''
-
-
-@pytest.fixture
-def host_app(tmp_path: Path) -> Path:
-    """A host application's Alembic set-up in a temp dir; returns its alembic.ini."""
-    (tmp_path / "migrations" / "versions").mkdir(parents=True)
-    (tmp_path / "migrations" / "env.py").write_text(HOST_ENV)
-    (tmp_path / "migrations" / "versions" / "h0001_orders.py").write_text(HOST_REVISION)
-    ini = tmp_path / "alembic.ini"
-    ini.write_text(textwrap.dedent(f"""\
-        [alembic]
-        script_location = %(here)s/migrations
-        path_separator = os
-        version_locations = %(here)s/migrations/versions{os.pathsep}{version_location()}
-        """))
-    return ini
-
 
 def test_host_app_upgrade_heads_creates_host_table_and_qstore_schema(fresh_db_url, host_app):
     alembic(fresh_db_url, "upgrade", "heads", ini=host_app, cwd=host_app.parent)
@@ -480,3 +384,72 @@ def test_host_app_can_upgrade_only_the_qstore_branch(fresh_db_url, host_app):
         insp = inspect(eng)
         assert insp.has_table("ready_entries", schema="qstore")
         assert not insp.has_table("host_orders", schema="public")
+
+
+# -- the head declaration and the migrations install the same thing ------------------------
+
+CATALOG = {
+    "relations": """
+        SELECT c.relname, c.relkind, coalesce(array_to_string(c.reloptions, ','), ''),
+               coalesce(pg_get_expr(c.relpartbound, c.oid), ''),
+               coalesce(pg_get_partkeydef(c.oid), '')
+        FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = :s AND c.relname <> 'qstore_alembic_version'
+          AND c.relname NOT LIKE 'qstore_alembic_version%'""",
+    "columns": """
+        SELECT c.relname, a.attname, replace(format_type(a.atttypid, a.atttypmod), :s, 'S'),
+               a.attnotnull, replace(coalesce(pg_get_expr(d.adbin, d.adrelid), ''), :s, 'S')
+        FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        WHERE n.nspname = :s AND a.attnum > 0 AND NOT a.attisdropped
+          AND c.relname NOT LIKE 'qstore_alembic_version%'""",
+    "indexes": """
+        SELECT replace(pg_get_indexdef(i.indexrelid), :s, 'S')
+        FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = :s AND c.relname <> 'qstore_alembic_version'""",
+    "constraints": """
+        SELECT c.relname, k.conname, replace(pg_get_constraintdef(k.oid), :s, 'S')
+        FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = :s AND c.relname <> 'qstore_alembic_version'""",
+    "functions": """
+        SELECT p.proname, pg_get_function_identity_arguments(p.oid),
+               replace(p.prosrc, :s, 'S'), array_to_string(p.proconfig, ',')
+        FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = :s""",
+    "views": """
+        SELECT viewname, replace(definition, :s, 'S') FROM pg_views WHERE schemaname = :s""",
+    "sequences": """
+        SELECT sequencename, data_type::text, start_value, min_value, increment_by, last_value
+        FROM pg_sequences WHERE schemaname = :s""",
+    "types": """
+        SELECT t.typname, array_to_string(array(SELECT e.enumlabel FROM pg_enum e
+                                                WHERE e.enumtypid = t.oid ORDER BY e.enumsortorder), ',')
+        FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
+        WHERE n.nspname = :s AND t.typtype = 'e'""",
+}
+
+
+def catalog(url: str, schema: str) -> dict[str, set[tuple[object, ...]]]:
+    """Every object of ``schema`` as the server describes it (schema names normalised)."""
+    with engine_on(url) as eng, eng.connect() as conn:
+        return {name: {tuple(r) for r in conn.execute(text(q), {"s": schema})}
+                for name, q in CATALOG.items()}
+
+
+@pytest.mark.parametrize("shape", [{}, {"queue_slot_count": 5, "claim_slot_count": 3,
+                                        "queue_stripe_count": 2, "lease_claim_receipts": False}])
+def test_create_all_and_the_migrations_install_identical_catalogs(fresh_db_url, shape):
+    from qstore import QueueStorageConfig
+    from qstore.storage import lifecycle
+
+    a, b = QueueStorageConfig(schema="via_alembic", **shape), QueueStorageConfig(schema="via_create_all", **shape)
+    x_args = [arg for k, v in shape.items() for arg in ("-x", f"{k}={v}")]
+    alembic(fresh_db_url, "-x", "schema=via_alembic", *x_args, "upgrade", "head")
+    with engine_on(fresh_db_url) as eng, eng.begin() as conn:
+        lifecycle.create_all(conn, b)
+    with engine_on(fresh_db_url) as eng:
+        assert QueueStorage.from_existing_schema("via_alembic", eng).config == a
+    left, right = catalog(fresh_db_url, "via_alembic"), catalog(fresh_db_url, "via_create_all")
+    for part in CATALOG:
+        assert left[part] == right[part], part

@@ -16,6 +16,7 @@ from qstore import QueueStorage
 from qstore.errors import UniqueConflictError, ValidationError
 from qstore.model import BusyCounts, PruneOutcome, RotateOutcome, SkipReason
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
+from qstore.storage.maintenance import slot_generation
 
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}
 Q = "rq"
@@ -42,9 +43,22 @@ def qualified(st: QueueStorage, name: str) -> str:
 
 
 def ring_gens(st: QueueStorage, engine: Engine) -> dict[int, int]:
-    slots = st.tables.queue_ring_slots
+    """Each queue slot's last generation (derived from the ring's: -1 never initialised),
+    or -1 for a sealed slot a prune emptied."""
+    ring = st.tables.queue_ring
     with engine.connect() as conn:
-        return dict(conn.execute(select(slots.c.slot, slots.c.generation)).all())
+        gen = conn.execute(select(ring.state.c.generation)).scalar_one()
+    out = {}
+    for k in range(ring.slot_count):
+        g = slot_generation(gen, k, ring.slot_count)
+        empty = all(rows_in(st, engine, t.name) == 0 for t in ring.children(k))
+        out[k] = -1 if g < 0 or (k != gen % ring.slot_count and empty) else g
+    return out
+
+
+def set_queue_generation(conn, st: QueueStorage, generation: int) -> None:
+    """Move the queue ring's cursor by hand (as a writer with a stale read would see it)."""
+    conn.execute(text(f"SELECT setval('{st.schema()}.queue_ring_generation', {generation}, true)"))
 
 
 def rows_in(st: QueueStorage, engine: Engine, name: str) -> int:
@@ -72,7 +86,7 @@ def test_fresh_queue_ring_is_idle_and_has_nothing_to_prune(small: QueueStorage, 
     assert small.rotate(engine) == RotateOutcome.skipped_idle(0, 0)
     assert small.prune_oldest(engine) == PruneOutcome.noop()
     with engine.connect() as conn:  # skipped_idle wrote nothing
-        st = small.tables.queue_ring_state
+        st = small.tables.queue_ring.state
         assert conn.execute(select(st.c.current_slot, st.c.generation)).one() == (0, 0)
 
 
@@ -123,7 +137,7 @@ def test_prune_skips_slot_with_open_claim(small: QueueStorage, engine: Engine) -
     assert rows_in(small, engine, "ready_entries_0") == 0
     assert rows_in(small, engine, "done_entries_0") == 0
     assert ring_gens(small, engine)[0] == -1
-    assert small.prune_oldest(engine) == PruneOutcome.noop()  # retired until rotation re-initialises it
+    assert small.prune_oldest(engine) == PruneOutcome.noop()  # emptied: nothing until reused
 
 
 def test_prune_skips_slot_with_active_lease(make_storage: Callable[..., QueueStorage], engine: Engine) -> None:
@@ -255,11 +269,10 @@ def test_late_writer_into_retired_slot_keeps_ring_live(small: QueueStorage, engi
         assert small.rotate(engine).kind == "rotated"
         assert small.prune_oldest(engine).kind == "pruned"
     assert ring_gens(small, engine) == {0: -1, 1: -1, 2: -1, 3: 3}
-    rs = small.tables.queue_ring_state
     with engine.begin() as conn:  # a writer that read the cursor while slot 0 was current
-        conn.execute(rs.update().values(current_slot=0, generation=0))
+        set_queue_generation(conn, small, 0)
         small.enqueue_params_batch(conn, jobs(1))
-        conn.execute(rs.update().values(current_slot=3, generation=3))
+        set_queue_generation(conn, small, 3)
     assert rows_in(small, engine, "ready_entries_0") == 1
     enqueue(small, engine)  # make the current slot non-idle
     out = small.rotate(engine)

@@ -52,10 +52,9 @@ def test_claim_ring_families_have_one_child_per_claim_slot(shaped, parent):
 
 def test_unpartitioned_tables_are_declared(shaped):
     expected = {
-        "deferred_jobs", "dlq_entries", "attempt_state",
-        "queue_ring_state", "queue_ring_slots", "lease_ring_state", "lease_ring_slots",
-        "claim_ring_state", "claim_ring_slots", "queue_lanes", "queue_enqueue_heads",
+        "deferred_jobs", "dlq_entries", "attempt_state", "queue_lanes", "queue_enqueue_heads",
         "queue_claim_heads", "queue_terminal_live_counts", "queue_terminal_rollups",
+        "queue_terminal_rollup_ledger", "counter_state",
         "queue_meta", "job_unique_claims", "queue_claimer_leases", "queue_claimer_state",
         "storage_config", "runtime_storage_backends", "storage_transition_state",
     }
@@ -93,9 +92,10 @@ def test_lease_children_carry_fillfactor_and_autovacuum_parameters(shaped):
     assert "autovacuum_vacuum_scale_factor = 0" in ddl
 
 
-def test_ring_state_table_carries_fillfactor(shaped):
-    ddl = _ddl(shaped.tables["shape_test.queue_ring_state"])
-    assert "fillfactor" in ddl
+def test_ring_cursors_are_generation_sequences_not_tables(shaped):
+    assert {f"shape_test.{r}_ring_generation" for r in ("queue", "lease", "claim")} <= {
+        f"{s.schema}.{s.name}" for s in shaped._sequences.values()}
+    assert not {"queue_ring_state", "queue_ring_slots", "lease_ring_slots"} & _tables(shaped)
 
 
 def test_storage_schema_bundle_exposes_ring_families_with_configured_counts():
@@ -104,13 +104,15 @@ def test_storage_schema_bundle_exposes_ring_families_with_configured_counts():
     assert sch.ready.child(2).name == "ready_entries_2"
     assert len(sch.leases.children) == 3
     assert len(sch.claims.children) == len(sch.closures.children) == 2
-    assert set(sch.rings) == {"queue", "lease", "claim"}
+    assert [(r.name, r.slot_count) for r in sch.rings] == [("queue", 5), ("lease", 3), ("claim", 2)]
+    assert [f.name for f in sch.claim_ring.families] == ["lease_claims", "lease_claim_closures"]
 
 
 def test_functions_and_view_are_declared_for_the_schema():
     sch = storage_schema(QueueStorageConfig(**SHAPE))
     assert {f.name for f in sch.functions} >= CORE_FUNCTIONS
-    assert {v.name for v in sch.views} == {"terminal_jobs"}
+    assert {v.name for v in sch.views} == {"terminal_jobs", "queue_ring_state", "lease_ring_state",
+                                           "claim_ring_state"}
     assert all(f.schema == "shape_test" for f in sch.functions)
 
 
@@ -192,17 +194,6 @@ def test_ring_state_is_seeded_at_slot_zero_generation_zero(make_storage, engine,
     assert [tuple(r) for r in state] == [(0, 0, getattr(s.config, count_field))]
 
 
-@pytest.mark.parametrize(("ring", "count_field"), [
-    ("queue", "queue_slot_count"), ("lease", "lease_slot_count"), ("claim", "claim_slot_count")])
-def test_ring_slots_are_seeded_slot_zero_live_others_unused(make_storage, engine, ring, count_field):
-    s = make_storage(queue_slot_count=6, lease_slot_count=3, claim_slot_count=4)
-    with engine.connect() as conn:
-        slots = conn.execute(text(
-            f"SELECT slot, generation FROM {s.schema()}.{ring}_ring_slots ORDER BY slot")).all()
-    n = getattr(s.config, count_field)
-    assert [tuple(r) for r in slots] == [(0, 0)] + [(k, -1) for k in range(1, n)]
-
-
 def test_fresh_install_records_its_config_and_marks_counters_trusted(make_storage, engine):
     s = make_storage(queue_slot_count=6)
     with engine.connect() as conn:
@@ -210,7 +201,7 @@ def test_fresh_install_records_its_config_and_marks_counters_trusted(make_storag
             f"SELECT schema_name, queue_slot_count, lease_slot_count, claim_slot_count, "
             f"queue_stripe_count, lease_claim_receipts FROM {s.schema()}.storage_config")).one()
         trusted = conn.execute(text(
-            f"SELECT terminal_counter_trusted_at FROM {s.schema()}.queue_ring_state")).scalar()
+            f"SELECT terminal_counter_trusted_at FROM {s.schema()}.counter_state")).scalar()
     assert tuple(row) == (s.schema(), 6, 8, 8, 1, True)
     assert trusted is not None
 

@@ -13,16 +13,36 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, MetaData, Sequence, Table, event, insert, text
+from sqlalchemy import (
+    Connection,
+    MetaData,
+    Sequence,
+    Table,
+    TableClause,
+    event,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+)
+from sqlalchemy.dialects.postgresql import REGCLASS
 
 from qstore.config import QueueStorageConfig
 from qstore.schema import control_plane, execution_plane, queue_plane
-from qstore.schema.functions import ServerFunction, ServerView, declare_functions, declare_views
+from qstore.schema.functions import (
+    ServerFunction,
+    ServerView,
+    declare_functions,
+    declare_views,
+    execute_ddl,
+)
 from qstore.schema.rings import RingFamily, is_partition_child
 from qstore.schema.types import job_state_enum
 
 __all__ = [
     "REVISIONS",
+    "Ring",
     "RingFamily",
     "StorageSchema",
     "build_metadata",
@@ -32,8 +52,28 @@ __all__ = [
 ]
 
 #: Revision ids in order; the declaration below is the shape of the last one (the head).
-REVISIONS = ("0001", "0002", "0003", "0004", "0005")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
 SEED_KEY = "qstore_seed"
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One ring: its cursor (a generation sequence read through the ``<ring>_ring_state``
+    view; the current slot is ``generation % slot_count``) and the partitioned families
+    whose slot children it rotates and reclaims together."""
+
+    name: str
+    generation: Sequence
+    state: TableClause
+    families: tuple[RingFamily, ...]
+
+    @property
+    def slot_count(self) -> int:
+        return len(self.families[0].children)
+
+    def children(self, slot: int) -> list[Table]:
+        """The slot's child of every family (what one prune truncates)."""
+        return [f.children[slot] for f in self.families]
 
 
 @dataclass(frozen=True)
@@ -53,17 +93,16 @@ class StorageSchema:
     deferred: Table
     dlq: Table
     attempt_state: Table
-    queue_ring_state: Table
-    queue_ring_slots: Table
-    lease_ring_state: Table
-    lease_ring_slots: Table
-    claim_ring_state: Table
-    claim_ring_slots: Table
+    queue_ring: Ring
+    lease_ring: Ring
+    claim_ring: Ring
     lanes: Table
     enqueue_heads: Table
     claim_heads: Table
     live_counts: Table
     rollups: Table
+    rollup_ledger: Table
+    counter_state: Table
     queue_meta: Table
     unique_claims: Table
     claimer_leases: Table
@@ -76,17 +115,9 @@ class StorageSchema:
     views: tuple[ServerView, ...]
 
     @property
-    def queue_ring(self) -> tuple[RingFamily, ...]:
-        """Families reclaimed together by a queue-ring prune."""
-        return (self.ready, self.tombstones, self.claim_ranges, self.done, self.deltas)
-
-    @property
-    def rings(self) -> dict[str, tuple[Table, Table, tuple[RingFamily, ...]]]:
-        return {
-            "queue": (self.queue_ring_state, self.queue_ring_slots, self.queue_ring),
-            "lease": (self.lease_ring_state, self.lease_ring_slots, (self.leases,)),
-            "claim": (self.claim_ring_state, self.claim_ring_slots, (self.claims, self.closures)),
-        }
+    def rings(self) -> tuple[Ring, Ring, Ring]:
+        """The queue, lease and claim rings, in that order."""
+        return (self.queue_ring, self.lease_ring, self.claim_ring)
 
 
 def _build(config: QueueStorageConfig) -> StorageSchema:
@@ -106,9 +137,12 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     claims = execution_plane.declare_lease_claims(md, config)
     closures = execution_plane.declare_lease_claim_closures(md, config)
     attempt_state = execution_plane.declare_attempt_state(md, config)
-    rings = {r: control_plane.declare_ring_control(md, config, r) for r in ("queue", "lease", "claim")}
+    cursors = {r: control_plane.declare_ring_cursor(md, config, r) for r in ("queue", "lease", "claim")}
+    families = {"queue": (ready, tombstones, claim_ranges, done, deltas), "lease": (leases,),
+                "claim": (claims, closures)}
+    rings = {r: Ring(r, cursors[r][0], cursors[r][1], families[r]) for r in families}
     lanes, enqueue_heads, claim_heads = control_plane.declare_lanes(md, config)
-    live_counts, rollups = control_plane.declare_counters(md, config)
+    live_counts, rollups, rollup_ledger, counter_state = control_plane.declare_counters(md, config)
     queue_meta = control_plane.declare_queue_meta(md, config)
     unique_claims = control_plane.declare_unique_claims(md, config)
     claimer_leases, claimer_state = control_plane.declare_claimers(md, config)
@@ -120,11 +154,10 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
         config=config, metadata=md, ready=ready, tombstones=tombstones,
         claim_ranges=claim_ranges, done=done, deltas=deltas, leases=leases, claims=claims,
         closures=closures, deferred=deferred, dlq=dlq, attempt_state=attempt_state,
-        queue_ring_state=rings["queue"][0], queue_ring_slots=rings["queue"][1],
-        lease_ring_state=rings["lease"][0], lease_ring_slots=rings["lease"][1],
-        claim_ring_state=rings["claim"][0], claim_ring_slots=rings["claim"][1],
+        queue_ring=rings["queue"], lease_ring=rings["lease"], claim_ring=rings["claim"],
         lanes=lanes, enqueue_heads=enqueue_heads, claim_heads=claim_heads,
-        live_counts=live_counts, rollups=rollups, queue_meta=queue_meta,
+        live_counts=live_counts, rollups=rollups, rollup_ledger=rollup_ledger,
+        counter_state=counter_state, queue_meta=queue_meta,
         unique_claims=unique_claims, claimer_leases=claimer_leases,
         claimer_state=claimer_state, storage_config=storage_config, backends=backends,
         transition=transition, job_id_seq=job_id_seq, functions=functions, views=views,
@@ -141,9 +174,9 @@ def _attach_ddl_events(sch: StorageSchema) -> None:
     def after_create(target: MetaData, connection: Connection, **_: Any) -> None:
         seed_rows(connection, sch)
         for fn in sch.functions:
-            connection.execute(text(fn.create_sql()))
+            execute_ddl(connection, fn.create_sql())
         for view in sch.views:
-            connection.execute(text(view.create_sql()))
+            execute_ddl(connection, view.create_sql())
 
     def before_drop(target: MetaData, connection: Connection, **_: Any) -> None:
         drop_runtime_objects(connection, sch)
@@ -153,21 +186,14 @@ def _attach_ddl_events(sch: StorageSchema) -> None:
 
 
 def seed_rows(connection: Connection, sch: StorageSchema) -> None:
-    """Insert ring cursors, slot rows, the recorded config and the transition singleton.
-
-    Fresh installs are marked counter-trusted (``done_entries`` is empty by construction).
-    """
+    """Put every ring at slot 0, generation 0, record the install's configuration, mark the
+    counters trusted (``done_entries`` is empty by construction) and insert the transition
+    singleton: the rows a fresh install starts with."""
     cfg = sch.config
-    counts = {"queue": cfg.queue_slot_count, "lease": cfg.lease_slot_count, "claim": cfg.claim_slot_count}
-    for ring, (state, slots, _families) in sch.rings.items():
-        values: dict[str, Any] = {"current_slot": 0, "generation": 0, "slot_count": counts[ring]}
-        if ring == "queue":
-            values["terminal_counter_trusted_at"] = text("clock_timestamp()")
-        connection.execute(insert(state).values(**values))
-        connection.execute(
-            insert(slots),
-            [{"slot": k, "generation": 0 if k == 0 else -1} for k in range(counts[ring])],
-        )
+    for ring in sch.rings:
+        connection.execute(select(func.setval(literal(_regclass(ring.generation), REGCLASS()), 0, True)))
+    connection.execute(insert(sch.counter_state).values(
+        terminal_counter_trusted_at=text("clock_timestamp()")))
     connection.execute(
         insert(sch.storage_config).values(
             schema_name=cfg.schema,
@@ -179,6 +205,10 @@ def seed_rows(connection: Connection, sch: StorageSchema) -> None:
         )
     )
     connection.execute(insert(sch.transition).values())
+
+
+def _regclass(seq: Sequence) -> str:
+    return f"{seq.schema}.{seq.name}"
 
 
 def drop_runtime_objects(connection: Connection, sch: StorageSchema) -> None:

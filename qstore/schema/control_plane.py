@@ -6,16 +6,24 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     CheckConstraint,
     Column,
+    DateTime,
     Index,
+    Integer,
     MetaData,
     PrimaryKeyConstraint,
+    Sequence,
     Table,
+    TableClause,
     UniqueConstraint,
+    column,
+    table,
     text,
 )
+from sqlalchemy.sql.expression import ColumnClause
 
 from qstore.config import QueueStorageConfig
 from qstore.schema.types import (
@@ -33,30 +41,23 @@ from qstore.schema.types import (
 )
 
 
-def declare_ring_control(md: MetaData, cfg: QueueStorageConfig, ring: str) -> tuple[Table, Table]:
-    """``<ring>_ring_state`` (singleton cursor) and ``<ring>_ring_slots`` (generation per slot)."""
-    cols: list[Column[Any]] = [
-        Column("singleton", Boolean, nullable=False, server_default=text("true")),
-        Column("current_slot", INT, nullable=False),
-        Column("generation", BIGINT, nullable=False),
-        Column("slot_count", INT, nullable=False),
-    ]
+def declare_ring_cursor(md: MetaData, cfg: QueueStorageConfig, ring: str) -> tuple[Sequence, TableClause]:
+    """The ring's cursor: a sequence holding its generation (the current slot is
+    ``generation % slot_count``) and the ``<ring>_ring_state`` view that reads it.
+
+    A rotation is a ``setval``: no row is updated, so rotating leaves no dead tuple behind,
+    whatever the MVCC horizon is doing. The view (created with the functions, see
+    :func:`qstore.schema.functions.declare_views`) is what every writer reads in the same
+    statement as its insert.
+    """
+    seq = Sequence(f"{ring}_ring_generation", schema=cfg.schema, metadata=md, start=0,
+                   minvalue=0, data_type=BigInteger)
+    cols: list[ColumnClause[Any]] = [
+        column("singleton", Boolean), column("current_slot", Integer),
+        column("generation", BigInteger), column("slot_count", Integer)]
     if ring == "queue":
-        cols.append(Column("terminal_counter_trusted_at", TS))
-    state = Table(
-        f"{ring}_ring_state", md, *cols,
-        PrimaryKeyConstraint("singleton", name=f"{ring}_ring_state_pkey"),
-        CheckConstraint("singleton", name=f"{ring}_ring_state_singleton"),
-        schema=cfg.schema, postgresql_with=warm(50),
-    )
-    slots = Table(
-        f"{ring}_ring_slots", md,
-        Column("slot", INT, nullable=False, autoincrement=False),
-        Column("generation", BIGINT, nullable=False),
-        PrimaryKeyConstraint("slot", name=f"{ring}_ring_slots_pkey"),
-        schema=cfg.schema, postgresql_with=warm(70),
-    )
-    return state, slots
+        cols.append(column("terminal_counter_trusted_at", DateTime(timezone=True)))
+    return seq, table(f"{ring}_ring_state", *cols, schema=cfg.schema)
 
 
 def declare_lanes(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Table, Table]:
@@ -97,7 +98,10 @@ def declare_lanes(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Table, 
     return lanes, enqueue_heads, claim_heads
 
 
-def declare_counters(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Table]:
+def declare_counters(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Table, Table, Table]:
+    """Terminal counters: live counts per retained slot (folded from the delta ledger),
+    permanent rollups of pruned slots, the append-only ledger prunes write their folds to
+    (folded into the rollups when no snapshot pins the horizon) and the trust marker."""
     live = Table(
         "queue_terminal_live_counts", md,
         Column("ready_slot", INT, nullable=False),
@@ -119,7 +123,25 @@ def declare_counters(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Tabl
         PrimaryKeyConstraint("queue", "priority", name="queue_terminal_rollups_pkey"),
         schema=cfg.schema,
     )
-    return live, rollups
+    ledger = Table(
+        "queue_terminal_rollup_ledger", md,
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("pruned_count", BIGINT, nullable=False),
+        Column("recorded_at", TS, nullable=False, server_default=NOW),
+        CheckConstraint("pruned_count <> 0", name="queue_terminal_rollup_ledger_nonzero"),
+        Index("queue_terminal_rollup_ledger_queue_idx", "queue", "priority"),
+        schema=cfg.schema,
+    )
+    state = Table(
+        "counter_state", md,
+        Column("singleton", Boolean, nullable=False, server_default=text("true")),
+        Column("terminal_counter_trusted_at", TS),
+        PrimaryKeyConstraint("singleton", name="counter_state_pkey"),
+        CheckConstraint("singleton", name="counter_state_singleton"),
+        schema=cfg.schema,
+    )
+    return live, rollups, ledger, state
 
 
 def declare_queue_meta(md: MetaData, cfg: QueueStorageConfig) -> Table:

@@ -8,6 +8,7 @@ Every operation takes a target first — an ``Engine`` (own transaction, committ
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -57,6 +58,8 @@ from qstore.storage.maintenance import MaintenanceOps
 from qstore.storage.transitions import Decision
 
 __all__ = ["QueueStorage"]
+
+log = logging.getLogger("qstore.storage")
 
 
 def select_now() -> Any:
@@ -165,9 +168,10 @@ class QueueStorage(MaintenanceOps):
 
     @translate_errors
     def install(self, engine: Target) -> None:
-        """``prepare_schema`` then ``activate_backend``."""
-        lifecycle.prepare_schema(engine, self._config)
-        lifecycle.activate_backend(engine, self._schema)
+        """``prepare_schema`` then ``activate_backend``, in one transaction."""
+        with transaction(engine) as conn:
+            lifecycle.prepare_schema(conn, self._config)
+            lifecycle.activate_backend(conn, self._schema)
 
     @translate_errors
     def reset(self, engine: Target, *, force: bool = False) -> None:
@@ -271,9 +275,17 @@ class QueueStorage(MaintenanceOps):
             return []
         jobs = self.claim_runtime_batch_with_aging(target, queue, max_batch, deadline_duration, aging_interval)
         if jobs:
-            with transaction(target) as conn:
-                if claimers.needs_refresh(conn, self._schema, queue, instance_id, lease, ttl, idle):
-                    claimers.mark_active(conn, self._schema, queue, instance_id, lease, ttl)
+            try:
+                with transaction(target) as conn:
+                    if claimers.needs_refresh(conn, self._schema, queue, instance_id, lease, ttl, idle):
+                        claimers.mark_active(conn, self._schema, queue, instance_id, lease, ttl)
+            except Exception:
+                # the claims are committed: losing them to a failed refresh would leave live
+                # attempts nobody works on; an unrefreshed slot only expires sooner
+                if owns_transaction(target):
+                    log.warning("qstore: claimer slot refresh failed after a claim", exc_info=True)
+                else:
+                    raise
         return jobs
 
     # -- complete -----------------------------------------------------------------------

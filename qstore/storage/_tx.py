@@ -24,7 +24,8 @@ from sqlalchemy.orm import Session
 
 from qstore.errors import ValidationError
 
-__all__ = ["Target", "owns_transaction", "single_statement", "transaction"]
+__all__ = ["OWNED", "Target", "owns_transaction", "reads_committed_state", "single_statement",
+           "transaction"]
 
 Target: TypeAlias = Engine | Connection | Session
 
@@ -34,7 +35,7 @@ def transaction(target: Target) -> Iterator[Connection]:
     """Yield a connection inside a transaction according to the contract above."""
     if isinstance(target, Engine):
         with target.begin() as conn:
-            yield conn
+            yield conn.execution_options(**{OWNED: True})
     elif isinstance(target, Connection):
         yield target
     elif isinstance(target, Session):
@@ -55,10 +56,21 @@ def single_statement(target: Target) -> Iterator[Connection]:
     """
     if isinstance(target, Engine):
         with target.connect() as conn:
-            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+            yield conn.execution_options(isolation_level="AUTOCOMMIT", **{OWNED: True})
     else:
         with transaction(target) as conn:
             yield conn
+
+
+#: Execution option marking a connection whose transaction the storage opened itself (every
+#: statement it reads is committed work or its own): process caches may keep what it reads.
+OWNED = "qstore_owned_transaction"
+
+
+def reads_committed_state(conn: Connection) -> bool:
+    """True when ``conn`` runs a transaction the storage opened itself, so what it reads is
+    not an uncommitted change of a caller that may still roll back."""
+    return bool(conn.get_execution_options().get(OWNED))
 
 
 def owns_transaction(target: Target) -> bool:

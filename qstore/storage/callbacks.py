@@ -50,7 +50,7 @@ RESULT_KEY = "_qstore_callback_result"
 @functools.lru_cache(maxsize=64)
 def _statements(sch: StorageSchema) -> dict[str, Any]:
     c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
-    r, lrs = sch.ready.parent, sch.lease_ring_state
+    r, lrs = sch.ready.parent, sch.lease_ring.state
     job, lease = bindparam("b_job", type_=BigInteger()), bindparam("b_lease", type_=BigInteger())
     now = func.clock_timestamp()
     closed = receipt_closed(cl, c)

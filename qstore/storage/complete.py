@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Connection, Integer, Text, column, select
 
+from qstore.errors import PartialCommitError
 from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobState
 from qstore.schema import StorageSchema
 from qstore.storage._tx import Target, owns_transaction, single_statement, transaction
@@ -108,18 +109,26 @@ def complete_runtime(conn: Connection, sch: StorageSchema, claimed: Sequence[Cla
 def complete_runtime_on(target: Target, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
     """:func:`complete_runtime` under the transaction contract of ``target``.
 
-    With an ``Engine`` the fast statement commits on its own (one round trip) and whatever
-    it did not finish takes the general path in a second transaction; each attempt still
-    completes at most once and only attempts that completed are returned. Connection and
-    Session targets run both parts in the caller's transaction.
+    Connection and Session targets run everything in the caller's transaction. With an
+    ``Engine``: when every attempt can take the fast path, its one statement commits on its
+    own (one round trip); any attempt it turns out not to finish (a receipt materialised by
+    a heartbeat or callback since the claim) then takes the general path in a second
+    transaction, and if that one fails the error is a
+    :class:`~qstore.errors.PartialCommitError` whose ``committed`` lists the attempts the
+    first transaction completed. When some attempts need the general path from the start,
+    both parts run in one transaction. Each attempt completes at most once; only attempts
+    that completed are returned.
     """
-    if not owns_transaction(target):
+    if not owns_transaction(target) or not all(_fast_candidate(j) for j in claimed):
         with transaction(target) as conn:
             return complete_runtime(conn, sch, claimed)
     with single_statement(target) as conn:
         done, rest = _complete_fast(conn, sch, claimed)
     if not rest:
         return done
-    with transaction(target) as conn:
-        done += complete_pairs(conn, sch, rest)
+    try:
+        with transaction(target) as conn:
+            done += complete_pairs(conn, sch, rest)
+    except Exception as err:
+        raise PartialCommitError(err, _in_input_order(done, claimed), rest) from err
     return _in_input_order(done, claimed)

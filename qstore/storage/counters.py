@@ -1,4 +1,4 @@
-"""Terminal counters (STORAGE.md §7.12): delta rollup, rebuild and the trust marker.
+"""Terminal counters: delta rollup, rebuild and the trust marker.
 
 The completion paths only ever *append* signed rows to ``queue_terminal_count_deltas``
 (partitioned like the queue ring); no counter row is updated per completion. Counter
@@ -6,20 +6,23 @@ invariant, per retained slot ``k``::
 
     Σ live_counts(k) + Σ deltas(k) = count(done_entries_k)
 
-and ``queue_terminal_rollups`` holds the counts of slots already pruned. Exact
-``queue_counts`` read ``rollups + live counts + deltas`` while the counters are trusted
-(``queue_ring_state.terminal_counter_trusted_at`` set), a ``done_entries`` scan otherwise.
+and ``queue_terminal_rollups`` + ``queue_terminal_rollup_ledger`` hold the counts of slots
+already pruned (a prune appends to the ledger; folding the ledger into the rollups is part
+of the rollup below). Exact ``queue_counts`` read ``rollups + ledger + live counts +
+deltas`` while the counters are trusted (``counter_state.terminal_counter_trusted_at``
+set), a ``done_entries`` scan otherwise.
 
 * :func:`rollup_terminal_count_deltas` folds the deltas of sealed, inactive slots into
-  ``queue_terminal_live_counts`` and truncates their delta children, keeping the invariant.
-  ``TRUNCATE`` is not MVCC-safe (a transaction whose snapshot predates it sees the child
-  empty while still seeing the old live counts), so the rollup stands down — touching
-  nothing — while any other client backend of this database holds a snapshot or an
-  idle-in-transaction xid. The check runs before the exclusive lock and again under it;
-  a snapshot taken between the last check and the commit could still observe a transient
-  under-count (the design accepts this window; it is one statement wide).
-  Seeing other sessions' ``backend_xmin`` requires superuser or ``pg_read_all_stats``; a
-  role without it cannot see them and would not stand down.
+  ``queue_terminal_live_counts`` and truncates their delta children, keeping the invariant,
+  then folds the prune ledger into the rollups. These are the only counter writes that
+  update rows, so the rollup stands down — touching nothing — while the MVCC horizon is
+  *pinned*: while another client backend of this database holds a snapshot older than
+  ``pinned_after`` (default 5 s). Ordinary short statements of busy workers do not stop it.
+  ``TRUNCATE`` is not MVCC-safe (a snapshot that predates it sees the child empty while
+  still seeing the old live counts), so a snapshot younger than ``pinned_after`` that reads
+  counts across a rollup's commit may observe a transient under-count; the bound keeps
+  that window short. Seeing other sessions' snapshots requires superuser or
+  ``pg_read_all_stats``; a role without it cannot see them and would not stand down.
 * :func:`rebuild_terminal_counters` recomputes the live counts from ``done_entries`` under
   exclusive locks (writers wait meanwhile: run it on a quiesced fleet) and marks the
   counters trusted.
@@ -29,12 +32,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import (
     Connection,
     SmallInteger,
-    and_,
+    bindparam,
+    delete,
     func,
     insert,
     literal,
@@ -43,15 +48,25 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import column as sa_column
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import table as sa_table
+from sqlalchemy.dialects.postgresql import INTERVAL
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from qstore.errors import ValidationError
+from qstore.errors import QueueStorageError, ValidationError
 from qstore.model import TerminalDeltaRollupOutcome
 from qstore.schema import StorageSchema
 from qstore.schema.types import COUNTER_BUCKETS
-from qstore.storage._tx import Target, transaction
-from qstore.storage.maintenance import BLOCKED, guarded, lock_exclusive, truncate_tables
+from qstore.storage._tx import Target, owns_transaction, transaction
+from qstore.storage.maintenance import (
+    BLOCKED,
+    generation,
+    guarded,
+    lock_exclusive,
+    lock_ring,
+    slot_generation,
+    truncate_tables,
+)
 from qstore.storage.statements import receipt_closed
 
 __all__ = [
@@ -69,44 +84,61 @@ _KEY = ("ready_slot", "queue", "priority", "enqueue_shard", "counter_bucket")
 _activity = sa_table(
     "pg_stat_activity",
     sa_column("pid"), sa_column("datname"), sa_column("backend_type"), sa_column("state"),
-    sa_column("backend_xmin"), sa_column("backend_xid"),
+    sa_column("backend_xmin"), sa_column("backend_xid"), sa_column("xact_start"),
+    sa_column("query_start"),
     schema="pg_catalog",
 )
+#: A snapshot held longer than this pins the horizon for the rollup (see the module doc).
+PINNED_AFTER = timedelta(seconds=5)
+
 _PINNED = select(
     select(literal(1)).select_from(_activity).where(
         _activity.c.datname == func.current_database(),
         _activity.c.pid != func.pg_backend_pid(),
         _activity.c.backend_type == "client backend",
-        or_(_activity.c.backend_xmin.isnot(None),
-            and_(_activity.c.state == "idle in transaction", _activity.c.backend_xid.isnot(None))),
+        or_(_activity.c.backend_xmin.isnot(None), _activity.c.backend_xid.isnot(None)),
+        # the oldest snapshot a backend can hold is its transaction's first
+        func.coalesce(_activity.c.xact_start, _activity.c.query_start)
+        < func.clock_timestamp() - bindparam("pinned_after", type_=INTERVAL()),
     ).exists()
 )
 
 
-def mvcc_horizon_pinned(conn: Connection) -> bool:
-    """True when another client backend of this database holds a snapshot
-    (``backend_xmin``) or sits idle in a transaction that owns an xid."""
-    return bool(conn.execute(_PINNED).scalar())
+def mvcc_horizon_pinned(conn: Connection, pinned_after: timedelta = PINNED_AFTER) -> bool:
+    """True when another client backend of this database has held a snapshot (or a
+    transaction id) since more than ``pinned_after`` ago."""
+    return bool(conn.execute(_PINNED, {"pinned_after": pinned_after}).scalar())
 
 
 @functools.lru_cache(maxsize=64)
 def _statements(sch: StorageSchema) -> dict[str, Any]:
-    rs = sch.queue_ring_state
-    d, live = sch.done.parent, sch.live_counts
+    cs = sch.counter_state
+    d, live, rollups, ledger = sch.done.parent, sch.live_counts, sch.rollups, sch.rollup_ledger
     bucket = (d.c.job_id % COUNTER_BUCKETS).cast(SmallInteger)
     group = (d.c.ready_slot, d.c.queue, d.c.priority, d.c.enqueue_shard, bucket)
+    moved = delete(ledger).returning(ledger.c.queue, ledger.c.priority,
+                                     ledger.c.pruned_count).cte("moved")
+    total = func.sum(moved.c.pruned_count)
+    fold = pg_insert(rollups).from_select(
+        ["queue", "priority", "pruned_completed_count"],
+        select(moved.c.queue, moved.c.priority, total).group_by(moved.c.queue, moved.c.priority)
+        .order_by(moved.c.queue, moved.c.priority),
+    )
+    fold = fold.on_conflict_do_update(
+        index_elements=[rollups.c.queue, rollups.c.priority],
+        set_={"pruned_completed_count": func.greatest(
+            0, rollups.c.pruned_completed_count + fold.excluded.pruned_completed_count)},
+    )
     return {
-        "state_lock": select(rs.c.current_slot, rs.c.generation).with_for_update(),
-        "state": select(rs.c.current_slot, rs.c.generation),
-        "slots": select(sch.queue_ring_slots.c.slot, sch.queue_ring_slots.c.generation)
-        .order_by(sch.queue_ring_slots.c.generation),
-        "trusted": select(rs.c.terminal_counter_trusted_at.isnot(None)),
+        "trusted": select(cs.c.terminal_counter_trusted_at.isnot(None)),
         "rebuild": insert(live).from_select(
             [*_KEY, "live_terminal_count"],
             select(*group, func.count()).group_by(*group).order_by(*group),
         ),
-        "mark_trusted": update(rs).values(terminal_counter_trusted_at=func.now()),
+        "mark_trusted": update(cs).values(terminal_counter_trusted_at=func.now()),
         "live_rows": select(func.count()).select_from(live),
+        "has_ledger": select(select(literal(1)).select_from(ledger).exists()),
+        "fold_ledger": fold,
     }
 
 
@@ -114,7 +146,6 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
 def _slot_statements(sch: StorageSchema, k: int) -> dict[str, Any]:
     dl, live = sch.deltas.children[k], sch.live_counts
     le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
-    slots = sch.queue_ring_slots
     closed = receipt_closed(cl, c)
     total = func.sum(dl.c.terminal_delta)
     grouped = (
@@ -137,7 +168,6 @@ def _slot_statements(sch: StorageSchema, k: int) -> dict[str, Any]:
     )
     return {
         "has_deltas": select(select(literal(1)).select_from(dl).exists()),
-        "slot_lock": select(slots.c.generation).where(slots.c.slot == k).with_for_update(),
         "active": select(or_(
             select(literal(1)).select_from(le).where(le.c.ready_slot == k).exists(),
             select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed).exists(),
@@ -157,19 +187,22 @@ class _SlotResult:
     grouped_keys: int = 0
 
 
-def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int) -> _SlotResult:
-    s, st = _statements(sch), _slot_statements(sch, k)
-    cur, _ = conn.execute(s["state_lock"]).one()
-    if cur == k:
+def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int,
+                 pinned_after: timedelta) -> _SlotResult:
+    st = _slot_statements(sch, k)
+    ring = sch.queue_ring
+    lock_ring(conn, sch, ring)
+    now = generation(conn, sch, ring)
+    if now % ring.slot_count == k:
         return _SlotResult("active")
-    if conn.execute(st["slot_lock"]).scalar() != gen:
-        return _SlotResult("gone")  # pruned or re-initialised since it was listed
-    if mvcc_horizon_pinned(conn):
+    if slot_generation(now, k, ring.slot_count) != gen:
+        return _SlotResult("gone")  # re-initialised since it was listed
+    if mvcc_horizon_pinned(conn, pinned_after):
         return _SlotResult("pinned")
 
     def body() -> _SlotResult:
         lock_exclusive(conn, [sch.deltas.children[k]])
-        if mvcc_horizon_pinned(conn):
+        if mvcc_horizon_pinned(conn, pinned_after):
             return _SlotResult("pinned")
         if conn.execute(st["active"]).scalar():
             return _SlotResult("active")  # deltas may still arrive for this slot
@@ -183,50 +216,81 @@ def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int) -> _Slo
     return _SlotResult("blocked") if result is BLOCKED else result  # type: ignore[return-value]
 
 
-def rollup_terminal_count_deltas(target: Target, sch: StorageSchema, max_slots: int) -> TerminalDeltaRollupOutcome:
-    """Fold the deltas of up to ``max_slots`` sealed slots into the live counters.
+def fold_rollup_ledger(conn: Connection, sch: StorageSchema) -> bool:
+    """Move the prune ledger's rows into ``queue_terminal_rollups`` (one statement; the sums
+    are unchanged). Returns whether there was anything to fold."""
+    s = _statements(sch)
+    if not conn.execute(s["has_ledger"]).scalar():
+        return False
+    conn.execute(s["fold_ledger"])
+    return True
 
-    Candidates: initialised slots (generation ≥ 0) other than the current one whose delta
-    child has rows, oldest generation first. Each slot is one transaction (with an Engine
-    target; a caller's Connection/Session runs them all in its transaction): ring state and
-    slot row ``FOR UPDATE``; stand down for the whole call if the MVCC horizon is pinned
-    (``skipped_mvcc_pinned``, nothing touched); ``lock_timeout`` 50 ms + ``ACCESS EXCLUSIVE``
-    on the delta child (``blocked_slots`` on timeout); skip a slot still referenced by a
-    lease or an open claim (``skipped_active_slots``); add the non-zero sums per
-    ``(ready_slot, queue, priority, enqueue_shard, counter_bucket)`` into the live counts
-    (floor 0) and truncate the delta child. ``max_slots == 0`` returns the default outcome.
+
+def rollup_terminal_count_deltas(target: Target, sch: StorageSchema, max_slots: int, *,
+                                 pinned_after: timedelta = PINNED_AFTER) -> TerminalDeltaRollupOutcome:
+    """Fold the deltas of up to ``max_slots`` sealed slots into the live counters, then the
+    prune ledger into the rollups.
+
+    Candidates: sealed slots (not current, initialised) whose delta child has rows, oldest
+    generation first. Each slot is one transaction (with an Engine target; a caller's
+    Connection/Session runs them all in its transaction): the queue-ring lock; stand down
+    for the whole call if the horizon is pinned (``skipped_mvcc_pinned``, nothing touched);
+    ``lock_timeout`` 50 ms + ``ACCESS EXCLUSIVE`` on the delta child (``blocked_slots`` on
+    timeout); skip a slot still referenced by a lease or an open claim
+    (``skipped_active_slots``); add the non-zero sums per ``(ready_slot, queue, priority,
+    enqueue_shard, counter_bucket)`` into the live counts (floor 0) and truncate the delta
+    child. ``max_slots == 0`` folds no slot (the ledger is still folded).
+
+    With an Engine, every slot commits on its own: if a later slot fails, the error is
+    swallowed and the outcome reports the slots already folded (their folds stand and the
+    counts are exact either way); an error before anything was folded is raised.
     """
     if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 0:
         raise ValidationError("max_slots", max_slots, "must be a non-negative integer")
-    if max_slots == 0:
-        return TerminalDeltaRollupOutcome()
-    s = _statements(sch)
-    n = len(sch.deltas.children)
+    if not isinstance(pinned_after, timedelta) or pinned_after < timedelta(0):
+        raise ValidationError("pinned_after", pinned_after, "must be a non-negative timedelta")
+    ring = sch.queue_ring
+    n = ring.slot_count
     with transaction(target) as conn:
-        cur, _ = conn.execute(s["state"]).one()
+        now = generation(conn, sch, ring)
+        cur = now % n
         candidates = [
-            (slot, gen) for slot, gen in conn.execute(s["slots"]).all()
-            if gen >= 0 and slot != cur and slot < n
+            (slot, slot_generation(now, slot, n)) for slot in ((cur + i) % n for i in range(1, n))
+            if slot_generation(now, slot, n) >= 0
             and conn.execute(_slot_statements(sch, slot)["has_deltas"]).scalar()
         ]
     rolled = delta_rows = keys = active = blocked = 0
     pinned = False
-    for slot, gen in candidates:
-        if rolled >= max_slots:
-            break
-        with transaction(target) as conn:
-            res = _rollup_slot(conn, sch, slot, gen)
-        if res.kind == "pinned":
-            pinned = True
-            break
-        if res.kind == "rolled":
-            rolled += 1
-            delta_rows += res.delta_rows
-            keys += res.grouped_keys
-        elif res.kind == "active":
-            active += 1
-        elif res.kind == "blocked":
-            blocked += 1
+    try:
+        for slot, gen in candidates:
+            if rolled >= max_slots:
+                break
+            with transaction(target) as conn:
+                res = _rollup_slot(conn, sch, slot, gen, pinned_after)
+            if res.kind == "pinned":
+                pinned = True
+                break
+            if res.kind == "rolled":
+                rolled += 1
+                delta_rows += res.delta_rows
+                keys += res.grouped_keys
+            elif res.kind == "active":
+                active += 1
+            elif res.kind == "blocked":
+                blocked += 1
+        if not pinned:
+            with transaction(target) as conn:
+                lock_ring(conn, sch, ring)
+                if mvcc_horizon_pinned(conn, pinned_after):
+                    pinned = True
+                else:
+                    fold_rollup_ledger(conn, sch)
+    except QueueStorageError:
+        if not rolled or not owns_transaction(target):
+            raise
+    except sa_exc.SQLAlchemyError:
+        if not rolled or not owns_transaction(target):
+            raise
     return TerminalDeltaRollupOutcome(
         rolled_slots=rolled, delta_rows=delta_rows, grouped_keys=keys,
         skipped_active_slots=active, blocked_slots=blocked, skipped_mvcc_pinned=pinned,
@@ -248,7 +312,7 @@ def rebuild_terminal_counters(target: Target, sch: StorageSchema) -> int:
     key = f"{REBUILD_LOCK_PREFIX}{sch.config.schema}"
     with transaction(target) as conn:
         conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
-        conn.execute(s["state_lock"]).one()
+        lock_ring(conn, sch, sch.queue_ring)
         lock_exclusive(conn, [sch.done.parent, sch.deltas.parent, sch.live_counts])
         truncate_tables(conn, [sch.live_counts, sch.deltas.parent])
         conn.execute(s["rebuild"])
@@ -258,7 +322,7 @@ def rebuild_terminal_counters(target: Target, sch: StorageSchema) -> int:
 
 
 def terminal_counter_trusted(target: Target, sch: StorageSchema) -> bool:
-    """True when ``queue_ring_state.terminal_counter_trusted_at`` is set (False if the row
+    """True when ``counter_state.terminal_counter_trusted_at`` is set (False if the row
     is missing)."""
     with transaction(target) as conn:
         return bool(conn.execute(_statements(sch)["trusted"]).scalar())

@@ -38,6 +38,7 @@ from sqlalchemy.util.concurrency import await_
 from qstore.schema import StorageSchema
 from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage import unique
+from qstore.storage._tx import reads_committed_state
 from qstore.storage.jobs import PreparedJob, shard_for_ordering_key
 from qstore.storage.statements import packed_array_param, schema_func, unnest_rows
 
@@ -65,7 +66,7 @@ ReadyRow = dict[str, Any]
 @functools.lru_cache(maxsize=64)
 def statements(sch: StorageSchema) -> dict[str, Any]:
     """Core statements of the enqueue path, built once per install."""
-    rs = sch.queue_ring_state
+    rs = sch.queue_ring.state
     u = unnest_rows("u", **ENQUEUE_COLUMNS)
     now = func.clock_timestamp()
     ready_sel = select(
@@ -123,10 +124,14 @@ class LaneRouter:
         missing = sorted(logicals - known.keys())
         if missing:
             found = {q: n for q, n in conn.execute(statements(sch)["shards"], {"logicals": missing})}
-            with self._lock:
-                for q in missing:
-                    known[q] = int(found.get(q, 1))
-                    self._shards[q] = (now, known[q])
+            for q in missing:
+                known[q] = int(found.get(q, 1))
+            # inside a caller's transaction the read may see its own uncommitted queue
+            # options, which a rollback would take back: use them, do not keep them
+            if reads_committed_state(conn):
+                with self._lock:
+                    for q in missing:
+                        self._shards[q] = (now, known[q])
         return known
 
     def next_rotor(self) -> int:

@@ -7,7 +7,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, select, tuple_
+from sqlalchemy import Connection, and_, func, literal_column, select, tuple_
 
 from qstore.schema import StorageSchema
 from qstore.storage.attempts import write_deltas
@@ -27,7 +27,11 @@ def _base(sch: StorageSchema) -> Any:
     cols = [d.c.ready_slot, d.c.ready_generation, d.c.job_id, d.c.kind, d.c.queue, d.c.state,
             d.c.priority, d.c.attempt, d.c.run_lease, d.c.lane_seq, d.c.enqueue_shard,
             d.c.attempted_at, d.c.finalized_at]
-    hyd = [func.coalesce(d.c[c], r.c[c]).label(c) for c in _HYDRATED]
+    # a JSON null payload (what an older release's general terminal path wrote) is absent
+    hyd = [func.coalesce(*((func.nullif(d.c[c], literal_column("'null'::jsonb")),
+                            func.nullif(r.c[c], literal_column("'null'::jsonb")))
+                           if c == "payload" else (d.c[c], r.c[c]))).label(c)
+           for c in _HYDRATED]
     return select(*cols, *hyd).select_from(d.outerjoin(r, join))
 
 

@@ -1,4 +1,4 @@
-"""Ring maintenance: rotate and prune the queue, lease and claim rings (STORAGE.md §5).
+"""Ring maintenance: rotate and prune the queue, lease and claim rings.
 
 Every function takes a target first (``Engine``: own transaction, committed; ``Connection``
 / ``Session``: the caller's transaction, never committed here — see
@@ -6,25 +6,29 @@ Every function takes a target first (``Engine``: own transaction, committed; ``C
 
 Guarantees
 ----------
-* **Rotate** (all rings) serialises on the ring-state row (``FOR UPDATE``). It moves the
-  ring only into a slot whose children hold no live row (else ``SkippedBusy`` with the
-  counts found), and not at all when nothing was written to the current slot since it was
-  (re)initialised (``SkippedIdle``: no UPDATE, no dead tuple). "Nothing written" is judged by
-  the physical size of the current slot's children (``pg_relation_size = 0``), so a lease
-  slot whose rows were all deleted still counts as written and rotates away, letting prune
-  reclaim its dead tuples by ``TRUNCATE``.
-* **Prune** follows the lock sequence of STORAGE.md §5.5: ring-state row ``FOR UPDATE`` →
-  slot row(s) ``FOR UPDATE`` → cheap gates *without* the exclusive lock (a busy slot never
-  queues an ``ACCESS EXCLUSIVE`` request in front of hot readers) → ``lock_timeout = 50ms`` +
-  ``LOCK … IN ACCESS EXCLUSIVE MODE`` on every child of the slot → gates re-checked under the
-  lock (each statement of a READ COMMITTED transaction sees every row committed while the
-  lock was awaited) → one ``TRUNCATE`` of all children. The whole locked section runs in a
-  SAVEPOINT: a lock timeout (SQLSTATE 55P03, or a deadlock 40P01) rolls the savepoint back
-  and is reported as ``PruneOutcome(kind="blocked")`` — never raised — and the caller's
-  transaction stays usable. The 50 ms timeout is restored to its previous value before the
-  savepoint is released, so it never leaks into a caller's transaction.
+* **Nothing upkeep does leaves a dead tuple per tick.** A ring's cursor is a sequence
+  holding its generation (current slot = ``generation % slot_count``): rotation is a
+  ``setval``; a slot's generation follows from the ring's; a pruned slot is recognised by
+  its empty children. Rotate, prune and the counter rollup of one ring serialise on a
+  transaction-scoped advisory lock of that ring, not on a row.
+* **Rotate** (all rings) moves the ring only into a slot whose children hold no live row
+  (else ``SkippedBusy`` with the counts found), and not at all when nothing was written to
+  the current slot since it was (re)initialised (``SkippedIdle``). "Nothing written" is
+  judged by the physical size of the current slot's children (``pg_relation_size = 0``),
+  so a lease slot whose rows were all deleted still counts as written and rotates away,
+  letting prune reclaim its dead tuples by ``TRUNCATE``.
+* **Prune** takes the ring lock, runs the cheap gates *without* the exclusive lock (a busy
+  slot never queues an ``ACCESS EXCLUSIVE`` request in front of hot readers), then
+  ``lock_timeout = 50ms`` + ``LOCK … IN ACCESS EXCLUSIVE MODE`` on every child of the slot,
+  re-checks what could have changed while the lock was awaited, and truncates all children
+  in one ``TRUNCATE``. The locked section runs in a SAVEPOINT: a lock timeout (SQLSTATE
+  55P03, or a deadlock 40P01) rolls the savepoint back and is reported as
+  ``PruneOutcome(kind="blocked")`` — never raised — and the caller's transaction stays
+  usable. The 50 ms timeout is restored before the savepoint is released, so it never
+  leaks into a caller's transaction.
 * **Queue-ring gates** count every physical row of the slot regardless of its generation
-  (trap T7) and use the committed claim-range chain as the claim truth (trap T3):
+  (a late writer's row is legal anywhere) and use the committed claim-range chain as the
+  claim truth:
 
   - G1 ``QUEUE_ACTIVE_LEASES``: leases (any lease slot) with ``ready_slot = k``;
   - G2 ``QUEUE_PENDING_READY``: ready rows of slot k neither tombstoned nor covered by a
@@ -32,52 +36,55 @@ Guarantees
   - G3 ``QUEUE_OPEN_CLAIMS``: claims (any claim slot) with ``ready_slot = k`` and no closure.
 
   A slot whose jobs were claimed and then completed, retried, rescued, cancelled or moved to
-  the DLQ therefore becomes prunable as soon as no attempt references it.
+  the DLQ therefore becomes prunable as soon as no attempt references it. Once the gates
+  pass, only a new ready row can make them fail again (a row found spent stays spent), so
+  under the exclusive lock the gates are re-run only if the slot's ready-row count moved:
+  the lock is held for a count, the fold and the ``TRUNCATE``.
 * **Queue-ring prune** folds ground truth before destroying it: ``count(done_k)`` by
-  ``(queue, priority)`` is added to ``queue_terminal_rollups`` and the slot's
-  ``queue_terminal_live_counts`` rows are deleted in the same transaction as the
-  ``TRUNCATE`` (the slot's unrolled deltas go with it), so exact ``terminal`` counts survive
-  pruning. The slot's generation is then set to -1 so prune moves on to the next sealed slot
-  until rotation re-initialises it.
-* **Unique keys (trap T6)**: unique claims owned by the jobs whose done rows are truncated
-  are released in the same transaction. *Window*: a job whose ``unique_states`` keeps its key
-  while completed/failed/cancelled owns it only as long as its terminal history is retained
-  — roughly ``queue_slot_count`` rotations after the slot it was enqueued in was sealed.
-  After that, an enqueue with the same key succeeds.
+  ``(queue, priority)`` is appended to ``queue_terminal_rollup_ledger`` (no row updated)
+  and the slot's ``queue_terminal_live_counts`` rows are deleted in the same transaction as
+  the ``TRUNCATE`` (the slot's unrolled deltas go with it), so exact ``terminal`` counts
+  survive pruning.
+* **Unique keys**: unique claims owned by the jobs whose done rows are truncated are
+  released in the same transaction (only when that job still owns the key). *Window*: a
+  job whose ``unique_states`` keeps its key while completed/failed/cancelled owns it only as
+  long as its terminal history is retained — roughly ``queue_slot_count`` rotations after
+  the slot it was enqueued in was sealed. After that, an enqueue with the same key succeeds.
 * **Late writers**: a writer that read the queue-ring cursor before a rotation can still
   insert into a slot that was sealed — even one that was just pruned (the COPY enqueue path
   reads the cursor one statement early). Such a row keeps the slot non-empty, so rotation
-  into it reports ``SkippedBusy``; prune therefore also targets the *incoming* slot when its
-  generation is -1 but it holds data, and the generation-agnostic gates keep the late row
-  alive until it is spent. The lease and claim rings derive their prune target from the
-  state row, which already re-targets such a slot.
+  into it reports ``SkippedBusy``, prune targets it again (it is no longer empty), and the
+  generation-agnostic gates keep the late row alive until it is spent.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import (
+    BigInteger,
     Connection,
     Engine,
     Select,
     Table,
     and_,
+    bindparam,
     cast,
     delete,
     false,
     func,
+    insert,
     literal,
     select,
     text,
-    update,
 )
+from sqlalchemy import Sequence as SaSequence
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import REGCLASS
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from qstore.errors import ValidationError, translate_errors
 from qstore.model import (
@@ -87,7 +94,7 @@ from qstore.model import (
     SkipReason,
     TerminalDeltaRollupOutcome,
 )
-from qstore.schema import RingFamily, StorageSchema
+from qstore.schema import Ring, StorageSchema
 from qstore.storage._tx import Target, transaction
 from qstore.storage.statements import receipt_closed
 
@@ -189,7 +196,7 @@ def truncate_tables(conn: Connection, tables: Sequence[Table]) -> None:
     conn.execute(text(f"TRUNCATE {_qualified(conn, tables)}"))
 
 
-def _regclass(t: Table) -> Any:
+def _regclass(t: Table | SaSequence) -> Any:
     prep = _PG.identifier_preparer
     assert t.schema is not None, t  # every storage table is schema-qualified
     return cast(literal(f"{prep.quote_schema(t.schema)}.{prep.quote(t.name)}"), REGCLASS)
@@ -200,20 +207,52 @@ def _bounded_count(rows: Select[Any], cap: int = BUSY_COUNT_CAP) -> Select[Any]:
 
 
 # -- statements ------------------------------------------------------------------------------
-def _children(families: Sequence[RingFamily], slot: int) -> list[Table]:
-    return [f.children[slot] for f in families]
+_RINGS = {"queue": 0, "lease": 1, "claim": 2}
+
+
+def ring_of(sch: StorageSchema, name: str) -> Ring:
+    return sch.rings[_RINGS[name]]
+
+
+def lock_ring(conn: Connection, sch: StorageSchema, ring: Ring) -> None:
+    """Serialise rotate, prune and counter rollup of one ring: a transaction-scoped
+    advisory lock (no row is locked or updated, so holding it leaves nothing behind)."""
+    key = f"qstore.ring:{sch.config.schema}:{ring.name}"
+    conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
+
+
+@functools.lru_cache(maxsize=64)
+def _cursor_statements(sch: StorageSchema, ring_name: str) -> dict[str, Any]:
+    ring = ring_of(sch, ring_name)
+    return {
+        "generation": select(ring.state.c.generation),
+        "advance": select(func.setval(_regclass(ring.generation), bindparam("gen", type_=BigInteger()),
+                                      True)),
+    }
+
+
+def generation(conn: Connection, sch: StorageSchema, ring: Ring) -> int:
+    """The ring's current generation (its current slot is ``generation % slot_count``)."""
+    return int(conn.execute(_cursor_statements(sch, ring.name)["generation"]).scalar_one())
+
+
+def slot_generation(gen: int, slot: int, slot_count: int) -> int:
+    """The generation ``slot`` last had when the ring is at ``gen`` (negative: never
+    initialised). Rotation moves one slot and one generation at a time from (0, 0), so
+    slot k was last current at the greatest generation <= ``gen`` congruent to k."""
+    return gen - (gen - slot) % slot_count
 
 
 @functools.lru_cache(maxsize=4096)
-def _slot_probe(sch: StorageSchema, ring: str, slot: int) -> dict[str, Any]:
+def _slot_probe(sch: StorageSchema, ring_name: str, slot: int) -> dict[str, Any]:
     """Per-(ring, slot) emptiness probes: physical sizes and bounded live-row counts."""
-    families = sch.rings[ring][2]
-    kids = _children(families, slot)
+    ring = ring_of(sch, ring_name)
+    kids = ring.children(slot)
     return {
         "sizes": select(*(func.pg_relation_size(_regclass(c)) for c in kids)),
         "counts": select(*(
             _bounded_count(select(literal(1)).select_from(c)).scalar_subquery().label(f.name)
-            for f, c in zip(families, kids, strict=True)
+            for f, c in zip(ring.families, kids, strict=True)
         )),
     }
 
@@ -221,10 +260,10 @@ def _slot_probe(sch: StorageSchema, ring: str, slot: int) -> dict[str, Any]:
 @functools.lru_cache(maxsize=4096)
 def _queue_gates(sch: StorageSchema, k: int) -> dict[str, Any]:
     """Gates G1-G3 and the fold/release statements of queue slot ``k``."""
-    r, t, crk, d, _dl = _children(sch.queue_ring, k)
+    r, t, crk, d, _dl = sch.queue_ring.children(k)
     crp = sch.claim_ranges.parent
     le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
-    u, rollups, live = sch.unique_claims, sch.rollups, sch.live_counts
+    u, ledger, live = sch.unique_claims, sch.rollup_ledger, sch.live_counts
 
     def same_lane(x: Any) -> Any:
         return and_(x.c.queue == r.c.queue, x.c.priority == r.c.priority,
@@ -244,15 +283,12 @@ def _queue_gates(sch: StorageSchema, k: int) -> dict[str, Any]:
     # does not cover, so the common case costs one probe per row.
     pending = select(literal(1)).select_from(r).where(~tombstoned, ~covered(crk), ~covered(crp))
 
-    fold = pg_insert(rollups).from_select(
-        ["queue", "priority", "pruned_completed_count"],
-        select(d.c.queue, d.c.priority, func.count()).group_by(d.c.queue, d.c.priority)
-        .order_by(d.c.queue, d.c.priority),
-    )
-    fold = fold.on_conflict_do_update(
-        index_elements=[rollups.c.queue, rollups.c.priority],
-        set_={"pruned_completed_count": func.greatest(
-            0, rollups.c.pruned_completed_count + fold.excluded.pruned_completed_count)},
+    # Ground truth of the slot's terminal history, appended to the ledger (no row updated).
+    count = func.count()
+    fold = insert(ledger).from_select(
+        ["queue", "priority", "pruned_count"],
+        select(d.c.queue, d.c.priority, count).group_by(d.c.queue, d.c.priority)
+        .having(count > 0).order_by(d.c.queue, d.c.priority),
     )
     key = func.coalesce(d.c.unique_key, r.c.unique_key)
     owners = (
@@ -267,87 +303,73 @@ def _queue_gates(sch: StorageSchema, k: int) -> dict[str, Any]:
         "active_leases": _bounded_count(select(literal(1)).select_from(le).where(le.c.ready_slot == k)),
         "pending_ready": _bounded_count(pending),
         "open_claims": _bounded_count(select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed)),
+        "ready_rows": select(func.count()).select_from(r),
         "fold": fold,
         "release_unique": delete(u).where(u.c.unique_key == owners.c.unique_key,
                                           u.c.job_id == owners.c.job_id),
         "drop_live": delete(live).where(live.c.ready_slot == k),
-        "retire_slot": update(sch.queue_ring_slots).where(sch.queue_ring_slots.c.slot == k)
-        .values(generation=-1),
     }
 
 
 @functools.lru_cache(maxsize=4096)
-def _derived_gate(sch: StorageSchema, ring: str, k: int) -> Select[Any]:
+def _derived_gate(sch: StorageSchema, ring_name: str, k: int) -> Select[Any]:
     """Lease ring: live leases in slot ``k``; claim ring: claims of slot ``k`` without a
     closure in the same slot."""
-    if ring == "lease":
+    if ring_name == "lease":
         return _bounded_count(select(literal(1)).select_from(sch.leases.children[k]))
     c, cl = sch.claims.children[k], sch.closures.children[k]
     closed = receipt_closed(cl, c)
     return _bounded_count(select(literal(1)).select_from(c).where(~closed))
 
 
-def _state_for_update(sch: StorageSchema, ring: str) -> Select[Any]:
-    state = sch.rings[ring][0]
-    return select(state.c.current_slot, state.c.generation).with_for_update()
-
-
-def _pristine(conn: Connection, sch: StorageSchema, ring: str, slot: int) -> bool:
+def _pristine(conn: Connection, sch: StorageSchema, ring: Ring, slot: int) -> bool:
     """True when nothing was ever written to ``slot``'s children since they were created or
     last truncated (every heap is zero bytes; rolled-back writes count as written)."""
-    return not any(conn.execute(_slot_probe(sch, ring, slot)["sizes"]).one())
+    return not any(conn.execute(_slot_probe(sch, ring.name, slot)["sizes"]).one())
 
 
-def _busy(conn: Connection, sch: StorageSchema, ring: str, slot: int) -> BusyCounts:
-    row = conn.execute(_slot_probe(sch, ring, slot)["counts"]).one()._mapping
+def _busy(conn: Connection, sch: StorageSchema, ring: Ring, slot: int) -> BusyCounts:
+    row = conn.execute(_slot_probe(sch, ring.name, slot)["counts"]).one()._mapping
     return BusyCounts(**{_BUSY_FIELD[name]: int(n) for name, n in row.items()})
 
 
-def _slot_count(sch: StorageSchema, ring: str) -> int:
-    return len(sch.rings[ring][2][0].children)
-
-
 # -- rotate ----------------------------------------------------------------------------------
-def _rotate(target: Target, sch: StorageSchema, ring: str) -> RotateOutcome:
-    state, slots, _families = sch.rings[ring]
-    n = _slot_count(sch, ring)
+def _rotate(target: Target, sch: StorageSchema, ring: Ring) -> RotateOutcome:
+    n = ring.slot_count
     with transaction(target) as conn:
-        cur, gen = conn.execute(_state_for_update(sch, ring)).one()
+        lock_ring(conn, sch, ring)
+        gen = generation(conn, sch, ring)
+        cur = gen % n
         if _pristine(conn, sch, ring, cur):
             return RotateOutcome.skipped_idle(cur, gen)
         nxt = (cur + 1) % n
         busy = _busy(conn, sch, ring, nxt)
         if busy.total():
             return RotateOutcome.skipped_busy(nxt, busy)
-        moved = conn.execute(
-            update(state).where(state.c.current_slot == cur, state.c.generation == gen)
-            .values(current_slot=nxt, generation=gen + 1)
-        ).rowcount
-        if moved != 1:  # compare-and-swap lost (cannot happen under FOR UPDATE; defensive)
-            return RotateOutcome.skipped_busy(nxt, busy)
-        if ring == "queue":
-            conn.execute(update(slots).where(slots.c.slot == nxt).values(generation=gen + 1))
+        # A sequence move: no row is updated, so a rotation leaves no dead tuple. It is not
+        # undone by a rollback of the surrounding transaction, which is harmless: the
+        # incoming slot was just found empty under the ring lock.
+        conn.execute(_cursor_statements(sch, ring.name)["advance"], {"gen": gen + 1})
         return RotateOutcome.rotated(nxt, gen + 1)
 
 
 def rotate(target: Target, sch: StorageSchema) -> RotateOutcome:
     """Queue ring: move to ``(current+1) % N`` with ``generation+1`` if every child of the
-    incoming slot (ready, tombstones, claim ranges, done, deltas) is empty; record the new
-    generation in ``queue_ring_slots``. ``SkippedBusy`` (with counts, saturating at
-    :data:`BUSY_COUNT_CAP`) otherwise; ``SkippedIdle`` when the current slot was never
-    written."""
-    return _rotate(target, sch, "queue")
+    incoming slot (ready, tombstones, claim ranges, done, deltas) is empty. ``SkippedBusy``
+    (with counts, saturating at :data:`BUSY_COUNT_CAP`) otherwise; ``SkippedIdle`` when the
+    current slot was never written."""
+    return _rotate(target, sch, sch.queue_ring)
 
 
 def rotate_leases(target: Target, sch: StorageSchema) -> RotateOutcome:
-    """Lease ring rotation (compare-and-swap on ``(current_slot, generation)``); the
-    incoming lease child must hold no live lease (dead tuples are fine)."""
-    return _rotate(target, sch, "lease")
+    """Lease ring rotation; the incoming lease child must hold no live lease (dead tuples
+    are fine)."""
+    return _rotate(target, sch, sch.lease_ring)
 
 
 def rotate_claims(target: Target, sch: StorageSchema) -> RotateOutcome:
-    """Claim ring rotation (compare-and-swap); incoming claim and closure children empty."""
-    return _rotate(target, sch, "claim")
+    """Claim ring rotation; incoming claim and closure children empty."""
+    return _rotate(target, sch, sch.claim_ring)
 
 
 # -- prune: queue ring -----------------------------------------------------------------------
@@ -366,39 +388,40 @@ def _prune_queue_slot(conn: Connection, sch: StorageSchema, k: int) -> PruneOutc
     early = _queue_gate_failure(conn, st, k)
     if early is not None:
         return early
-    lock_exclusive(conn, _children(sch.queue_ring, k))
-    late = _queue_gate_failure(conn, st, k)
-    if late is not None:
-        return late
+    ready_rows = int(conn.execute(st["ready_rows"]).scalar_one())
+    lock_exclusive(conn, sch.queue_ring.children(k))
+    # Under the lock, every row committed while it was awaited is visible. Once the gates
+    # pass they can only fail again through a ready row that arrived since (a late writer
+    # that read the ring cursor before a rotation): ready rows are never deleted, so an
+    # unchanged count proves the early gates still hold and keeps the lock short.
+    if int(conn.execute(st["ready_rows"]).scalar_one()) != ready_rows:
+        late = _queue_gate_failure(conn, st, k)
+        if late is not None:
+            return late
     conn.execute(st["fold"])
     conn.execute(st["release_unique"])
     conn.execute(st["drop_live"])
-    truncate_tables(conn, _children(sch.queue_ring, k))
-    conn.execute(st["retire_slot"])
+    truncate_tables(conn, sch.queue_ring.children(k))
     return PruneOutcome.pruned(k)
 
 
 def prune_oldest(target: Target, sch: StorageSchema) -> PruneOutcome:
-    """Prune the oldest sealed queue slot (lowest non-negative generation ≠ current; the
-    incoming slot first if a late writer left data in it). ``Noop`` when no slot is sealed;
-    ``SkippedActive`` with the first failing gate (G1 → G2 → G3) and its count; ``Blocked``
-    when the exclusive lock was not granted within 50 ms; else ``Pruned`` after folding the
-    slot's terminal counts, releasing its jobs' unique keys and truncating its children."""
-    slots = sch.queue_ring_slots
-    n = _slot_count(sch, "queue")
+    """Prune the oldest sealed queue slot that holds anything (slots are taken oldest
+    generation first; a slot already pruned and not written since is passed over).
+    ``Noop`` when no sealed slot holds rows; ``SkippedActive`` with the first failing gate
+    (G1 → G2 → G3) and its count; ``Blocked`` when the exclusive lock was not granted
+    within 50 ms; else ``Pruned`` after appending the slot's terminal counts to the rollup
+    ledger, releasing its jobs' unique keys and truncating its children."""
+    ring = sch.queue_ring
+    n = ring.slot_count
     with transaction(target) as conn:
-        cur, _gen = conn.execute(_state_for_update(sch, "queue")).one()
-        gens = dict(conn.execute(
-            select(slots.c.slot, slots.c.generation).order_by(slots.c.slot).with_for_update()
-        ).all())
-        nxt = (cur + 1) % n
-        if nxt != cur and gens.get(nxt, -1) < 0 and not _pristine(conn, sch, "queue", nxt):
-            k = nxt  # a late writer's rows block rotation into this retired slot
-        else:
-            sealed = sorted((g, s) for s, g in gens.items() if g >= 0 and s != cur and s < n)
-            if not sealed:
-                return PruneOutcome.noop()
-            k = sealed[0][1]
+        lock_ring(conn, sch, ring)
+        gen = generation(conn, sch, ring)
+        cur = gen % n
+        k = next((slot for slot in ((cur + i) % n for i in range(1, n))
+                  if not _pristine(conn, sch, ring, slot)), None)
+        if k is None:
+            return PruneOutcome.noop()
         result = guarded(conn, lambda: _prune_queue_slot(conn, sch, k))
         return PruneOutcome.blocked(k) if isinstance(result, _Blocked) else result
 
@@ -409,46 +432,42 @@ _ACTIVE = {"lease": SkipReason.LEASE_ACTIVE, "claim": SkipReason.CLAIM_OPEN}
 
 
 def oldest_initialised_slot(current: int, generation: int, slot_count: int) -> int | None:
-    """STORAGE.md §5.3: the oldest initialised slot derived from the state row, or None
-    when only the current slot was ever initialised."""
+    """The oldest initialised slot of a ring at ``(current, generation)``, or None when
+    only the current slot was ever initialised."""
     initialised = min(generation + 1, slot_count)
     if slot_count <= 1 or initialised <= 1:
         return None
     return (current - (initialised - 1)) % slot_count
 
 
-def _prune_derived_slot(conn: Connection, sch: StorageSchema, ring: str, k: int) -> PruneOutcome:
-    state, _slots, families = sch.rings[ring]
-    gate = _derived_gate(sch, ring, k)
+def _prune_derived_slot(conn: Connection, sch: StorageSchema, ring: Ring, k: int) -> PruneOutcome:
+    gate = _derived_gate(sch, ring.name, k)
     n = int(conn.execute(gate).scalar_one())
     if n:
-        return PruneOutcome.skipped_active(k, _ACTIVE[ring], n)
+        return PruneOutcome.skipped_active(k, _ACTIVE[ring.name], n)
     if _pristine(conn, sch, ring, k):
         return PruneOutcome.noop()  # already truncated, nothing written since
-    lock_exclusive(conn, _children(families, k))
-    if conn.execute(select(state.c.current_slot)).scalar_one() == k:
-        return PruneOutcome.skipped_active(k, _CURRENT[ring], 0)
+    lock_exclusive(conn, ring.children(k))
     n = int(conn.execute(gate).scalar_one())
     if n:
-        return PruneOutcome.skipped_active(k, _ACTIVE[ring], n)
-    truncate_tables(conn, _children(families, k))
+        return PruneOutcome.skipped_active(k, _ACTIVE[ring.name], n)
+    truncate_tables(conn, ring.children(k))
     return PruneOutcome.pruned(k)
 
 
-def _prune_derived(target: Target, sch: StorageSchema, ring: str) -> PruneOutcome:
-    _state, slots, _families = sch.rings[ring]
-    n = _slot_count(sch, ring)
+def _prune_derived(target: Target, sch: StorageSchema, ring: Ring) -> PruneOutcome:
+    n = ring.slot_count
     with transaction(target) as conn:
-        cur, gen = conn.execute(_state_for_update(sch, ring)).one()
+        lock_ring(conn, sch, ring)
+        gen = generation(conn, sch, ring)
+        cur = gen % n
         k = oldest_initialised_slot(cur, gen, n)
         if k is None:
             # Only the current slot was ever initialised: nothing to do if it is pristine,
             # otherwise its rows/dead tuples can only be reclaimed after a rotation.
             if _pristine(conn, sch, ring, cur):
                 return PruneOutcome.noop()
-            return PruneOutcome.skipped_active(cur, _CURRENT[ring], 0)
-        if conn.execute(select(slots.c.slot).where(slots.c.slot == k).with_for_update()).first() is None:
-            return PruneOutcome.noop()
+            return PruneOutcome.skipped_active(cur, _CURRENT[ring.name], 0)
         result = guarded(conn, lambda: _prune_derived_slot(conn, sch, ring, k))
         return PruneOutcome.blocked(k) if isinstance(result, _Blocked) else result
 
@@ -458,14 +477,14 @@ def prune_oldest_leases(target: Target, sch: StorageSchema) -> PruneOutcome:
     and holds no lease (``LEASE_ACTIVE``, count). ``Noop`` when nothing needs reclaiming
     (never rotated and pristine, or the oldest slot is already truncated); ``Blocked`` on a
     lock timeout."""
-    return _prune_derived(target, sch, "lease")
+    return _prune_derived(target, sch, sch.lease_ring)
 
 
 def prune_oldest_claims(target: Target, sch: StorageSchema) -> PruneOutcome:
     """Truncate the oldest initialised claim slot (claims + closures, one statement) if it
     is not current (``CLAIM_CURRENT``) and every claim in it has a closure in the same slot
     (``CLAIM_OPEN``, count of open claims)."""
-    return _prune_derived(target, sch, "claim")
+    return _prune_derived(target, sch, sch.claim_ring)
 
 
 # -- vacuum ----------------------------------------------------------------------------------
@@ -527,12 +546,16 @@ class MaintenanceOps:
         return prune_oldest_claims(target, self._schema)
 
     @translate_errors
-    def rollup_terminal_count_deltas(self, target: Target, max_slots: int) -> TerminalDeltaRollupOutcome:
+    def rollup_terminal_count_deltas(self, target: Target, max_slots: int, *,
+                                     pinned_after: timedelta | None = None) -> TerminalDeltaRollupOutcome:
         """Fold pending deltas of up to ``max_slots`` sealed, inactive slots into the live
-        counters; see :func:`qstore.storage.counters.rollup_terminal_count_deltas`."""
+        counters (standing down while a snapshot older than ``pinned_after``, default 5 s,
+        pins the horizon); see :func:`qstore.storage.counters.rollup_terminal_count_deltas`."""
         from qstore.storage import counters
 
-        return counters.rollup_terminal_count_deltas(target, self._schema, max_slots)
+        return counters.rollup_terminal_count_deltas(
+            target, self._schema, max_slots,
+            pinned_after=counters.PINNED_AFTER if pinned_after is None else pinned_after)
 
     @translate_errors
     def rebuild_terminal_counters(self, target: Target) -> int:

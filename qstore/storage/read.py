@@ -40,6 +40,15 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
     closed = receipt_closed(cl, c)
     leased = attempt_leased(le, c)
     h = sch.claim_heads
+
+    def total(col: Any) -> Any:
+        return func.coalesce(select(func.sum(col)).where(col.table.c.queue.in_(queues))
+                             .scalar_subquery(), 0)
+
+    # pruned history: permanent rollups plus the ledger prunes append to until it is folded
+    pruned = total(sch.rollups.c.pruned_completed_count) + total(sch.rollup_ledger.c.pruned_count)
+    live = total(sch.live_counts.c.live_terminal_count)
+    deltas = total(sch.deltas.parent.c.terminal_delta)
     last = lambda seq: func.coalesce(func.pg_sequence_last_value(seq), 0)  # noqa: E731
     return {
         "ready": select(r).where(r.c.job_id == job),
@@ -58,20 +67,14 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
             select(func.count()).select_from(le).where(le.c.queue.in_(queues), le.c.state == "running").scalar_subquery()
             + select(func.count()).select_from(c).where(c.c.queue.in_(queues), ~closed, ~leased).scalar_subquery()
         ),
-        "terminal_count": select(
-            func.coalesce(select(func.sum(sch.rollups.c.pruned_completed_count)).where(sch.rollups.c.queue.in_(queues)).scalar_subquery(), 0)
-            + func.coalesce(select(func.sum(sch.live_counts.c.live_terminal_count)).where(sch.live_counts.c.queue.in_(queues)).scalar_subquery(), 0)
-            + func.coalesce(select(func.sum(sch.deltas.parent.c.terminal_delta)).where(sch.deltas.parent.c.queue.in_(queues)).scalar_subquery(), 0)
-        ),
-        "terminal_scan": select(
-            func.coalesce(select(func.sum(sch.rollups.c.pruned_completed_count)).where(sch.rollups.c.queue.in_(queues)).scalar_subquery(), 0)
-            + select(func.count()).select_from(sch.done.parent).where(sch.done.parent.c.queue.in_(queues)).scalar_subquery()
-        ),
-        "trusted": select(sch.queue_ring_state.c.terminal_counter_trusted_at.isnot(None)),
+        "terminal_count": select(pruned + live + deltas),
+        "terminal_scan": select(pruned + select(func.count()).select_from(sch.done.parent)
+                                .where(sch.done.parent.c.queue.in_(queues)).scalar_subquery()),
+        "trusted": select(sch.counter_state.c.terminal_counter_trusted_at.isnot(None)),
         "fast_available": select(func.coalesce(func.sum(func.greatest(last(h.c.enqueue_seq) - last(h.c.claim_seq), 0)), 0))
         .where(h.c.queue.in_(queues)),
         "fast_running": select(func.count()).select_from(le).where(le.c.queue.in_(queues), le.c.state == "running"),
-        "fast_terminal": select(func.coalesce(func.sum(sch.rollups.c.pruned_completed_count), 0)).where(sch.rollups.c.queue.in_(queues)),
+        "fast_terminal": select(pruned),
     }
 
 
@@ -149,7 +152,8 @@ def _queues(sch: StorageSchema, queue: str) -> list[str]:
 def queue_counts(conn: Connection, sch: StorageSchema, queue: str) -> QueueCounts:
     """Exact counts over all stripes of ``queue``: available = untombstoned ready rows not
     covered by a claim range; running = running leases + receipt-only open claims;
-    terminal = pruned rollups + live counters and deltas (trusted) or a done-row scan."""
+    terminal = pruned history (rollups and the prune ledger) + live counters and deltas
+    (trusted) or a done-row scan."""
     s = _statements(sch)
     arg = {"queues": _queues(sch, queue)}
     trusted = bool(conn.execute(s["trusted"]).scalar())

@@ -80,7 +80,8 @@ def _rescue_pairs(conn: Connection, sch: StorageSchema, router: LaneRouter, pair
         else:
             d = Decision("terminal", JobState.FAILED, error=error, terminal_error=True)
         items.append((b, d, t.old_state))
-    return apply(conn, sch, router, items, ready_payloads={t.job_id: t.payload for t in taken})
+    return apply(conn, sch, router, items, ready_payloads={t.job_id: t.payload for t in taken},
+                 unique_conflicts="fail")
 
 
 def rescue(conn: Connection, sch: StorageSchema, router: LaneRouter, kind: str,
@@ -108,11 +109,19 @@ def rescue(conn: Connection, sch: StorageSchema, router: LaneRouter, kind: str,
 
 def promote_due(conn: Connection, sch: StorageSchema, router: LaneRouter, state: JobState, batch_size: int) -> int:
     """Move up to ``batch_size`` due deferred rows of ``state`` (scheduled or retryable) of
-    unpaused queues into the ready ring (attempt and run_lease kept); NOTIFY on commit."""
+    unpaused queues into the ready ring (attempt and run_lease kept); NOTIFY on commit.
+    Returns how many became available.
+
+    A job whose unique key another job took meanwhile (its ``unique_states`` released the
+    key while it waited) does not become available: it ends ``failed`` with an error entry
+    naming the key's owner, and the rest of the batch is promoted (two due jobs of one
+    batch wanting the same key: the first in promotion order wins)."""
     if state not in (JobState.SCHEDULED, JobState.RETRYABLE) or batch_size <= 0:
         return 0
-    rows = conn.execute(_statements(sch)["take_due"], {"state": state.value, "limit": batch_size}).all()
-    if not rows:
+    taken = conn.execute(_statements(sch)["take_due"], {"state": state.value, "limit": batch_size}).all()
+    if not taken:
         return 0
-    apply(conn, sch, router, [(Body.from_snapshot(r), Decision("ready"), state) for r in rows])
-    return len(rows)
+    rows = sorted(taken, key=lambda r: (r.run_at, r.priority, r.job_id))  # RETURNING keeps no order
+    out = apply(conn, sch, router, [(Body.from_snapshot(r), Decision("ready"), state) for r in rows],
+                unique_conflicts="fail")
+    return sum(1 for r in out if r.state == JobState.AVAILABLE)

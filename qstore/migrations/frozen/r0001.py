@@ -826,3 +826,28 @@ def claim_and_complete(s: str) -> tuple[str, str]:
     revision, for the downgrade of a later revision that replaced them."""
     functions = _functions(s)
     return functions[3], functions[4]
+
+
+def function_statements(s: str) -> list[str]:
+    """This revision's ``CREATE OR REPLACE FUNCTION`` statements, in creation order
+    (``backoff_duration``, ``ensure_lane``, ``reserve_lanes``, ``claim_ready``,
+    ``complete_receipts``), for later revisions and the head declaration to reuse."""
+    return _functions(s)
+
+
+def view_statements(s: str) -> list[str]:
+    """This revision's ``CREATE OR REPLACE VIEW`` statements (``terminal_jobs``)."""
+    return _views(s)
+
+
+def ring_table_statements(s: str) -> dict[str, str]:
+    """The ``CREATE TABLE`` statements of the ring cursor tables (``<ring>_ring_state`` and
+    ``<ring>_ring_slots``) by table name, for a later revision's downgrade to recreate."""
+    out = {}
+    for statement in _tables(s):
+        for ring in ("queue", "lease", "claim"):
+            for kind in ("state", "slots"):
+                name = f"{ring}_ring_{kind}"
+                if statement.startswith(f"CREATE TABLE {s}.{name} ("):
+                    out[name] = statement
+    return out

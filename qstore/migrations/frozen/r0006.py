@@ -1,0 +1,382 @@
+"""Frozen DDL of revision 0006: upkeep without dead tuples, and claims that never raise
+because upkeep holds a lock.
+
+* Ring cursors move from UPDATEd singleton rows into one sequence per ring holding the
+  generation (the current slot is ``generation % slot_count``): a rotation is a ``setval``,
+  which leaves no dead tuple behind even while another transaction pins the MVCC horizon.
+  ``<ring>_ring_state`` becomes a view with the same columns over that sequence, so readers
+  (including a previous release's workers during a rolling deploy) keep working; the
+  ``<ring>_ring_slots`` tables go (a slot's generation follows from the ring's, and a pruned
+  slot is one whose children are empty).
+* The counters' trust marker moves to ``counter_state``; a queue-ring prune appends the
+  terminal count it folds to ``queue_terminal_rollup_ledger`` instead of updating
+  ``queue_terminal_rollups`` (the counter rollup folds the ledger later, when no snapshot
+  pins the horizon).
+* ``claim_ready``: a lock it cannot get within its ``lock_timeout`` (a prune holding a ring
+  child) ends the call with what it claimed so far instead of raising; and the lane's claim
+  cursor hint is only moved by the first claim of a transaction, so a rolled-back
+  transaction that claimed twice cannot leave the hint past its own uncommitted claims.
+* ``terminal_jobs`` reads a JSON ``null`` payload (as an older release's general terminal
+  path wrote it) as "the ready row's payload".
+
+Never edited after landing (see :mod:`qstore.migrations.frozen.r0001`).
+"""
+
+from __future__ import annotations
+
+from qstore.migrations.frozen import r0001, r0004
+from qstore.migrations.frozen.r0001 import Shape
+from qstore.migrations.frozen.r0004 import (
+    CLAIM_COLUMNS,
+    CLAIM_WAIT,
+    _create,
+    _dispatch,
+    _position_probe,
+    _range_probe,
+    _segment_claim,
+    child_name,
+)
+
+RINGS = ("queue", "lease", "claim")
+
+#: Transaction-local setting a claim sets once it has written a claim range: later claims in
+#: the same transaction may see their own uncommitted ranges, so they leave the hint alone.
+CLAIMED_IN_XACT = "qstore.claimed_in_xact"
+
+
+def _slots(shape: Shape, ring: str) -> int:
+    return {"queue": shape.queue_slot_count, "lease": shape.lease_slot_count,
+            "claim": shape.claim_slot_count}[ring]
+
+
+def ring_state_view(shape: Shape, ring: str) -> str:
+    """``CREATE VIEW <s>.<ring>_ring_state``: the ring's cursor, read from its sequence."""
+    s, n = shape.schema, _slots(shape, ring)
+    trusted = ",\n       c.terminal_counter_trusted_at" if ring == "queue" else ""
+    counter = f"\nLEFT JOIN {s}.counter_state c ON true" if ring == "queue" else ""
+    return f"""CREATE VIEW {s}.{ring}_ring_state AS
+SELECT true AS singleton,
+       (g.generation % {n})::integer AS current_slot,
+       g.generation,
+       {n} AS slot_count{trusted}
+FROM (SELECT coalesce(pg_sequence_last_value('{s}.{ring}_ring_generation'::regclass), 0)
+             AS generation) g{counter}"""
+
+
+def terminal_jobs_view(s: str) -> str:
+    """``terminal_jobs`` reading a JSON ``null`` done-row payload as absent."""
+    return f"""CREATE OR REPLACE VIEW {s}.terminal_jobs AS SELECT d.job_id, d.kind, d.queue, d.state, d.priority, d.attempt, d.run_lease,
+       coalesce(d.args, r.args, '{{}}'::jsonb) AS args,
+       coalesce(d.max_attempts, r.max_attempts, 25::smallint) AS max_attempts,
+       coalesce(d.run_at, r.run_at, d.finalized_at) AS run_at,
+       coalesce(d.created_at, r.created_at, d.finalized_at) AS created_at,
+       d.attempted_at, d.finalized_at,
+       coalesce(d.unique_key, r.unique_key) AS unique_key,
+       coalesce(d.unique_states, r.unique_states) AS unique_states,
+       coalesce(nullif(d.payload, 'null'::jsonb), nullif(r.payload, 'null'::jsonb), '{{}}'::jsonb) AS payload,
+       d.ready_slot, d.ready_generation, d.lane_seq, d.enqueue_shard
+FROM {s}.done_entries d
+LEFT JOIN {s}.ready_entries r
+  ON r.ready_slot = d.ready_slot AND r.ready_generation = d.ready_generation
+ AND r.queue = d.queue AND r.priority = d.priority
+ AND r.enqueue_shard = d.enqueue_shard AND r.lane_seq = d.lane_seq"""
+
+
+def _lock_tombstones(s: str, k: int) -> str:
+    return f"LOCK TABLE {s}.{child_name('ready_tombstones', k)} IN ACCESS SHARE MODE;"
+
+
+def claim_ready(shape: Shape) -> str:
+    """One round trip: pick lanes by effective priority (SKIP LOCKED on the claim head),
+    follow the committed claim-range chain from the cursor hint, consume up to p_max
+    positions of one ready segment, record the range and write receipts (or leases).
+
+    Every statement that reads a queue-ring child runs where a ``lock_not_available`` (the
+    function's ``lock_timeout`` passing while a prune holds that child) is caught: the
+    call then returns what it has claimed so far. The segment's children are all locked
+    (shared) inside that guard before the claim writes anything, so the writing statement
+    cannot wait on a prune. Those guards only read, so they cost no transaction id.
+    """
+    s, slots = shape.schema, shape.queue_slot_count
+    return _create(
+        s,
+        "claim_ready(p_queue text, p_max integer, p_deadline_ms bigint, p_aging_ms bigint, "
+        "p_receipts boolean)",
+        f"""RETURNS TABLE({CLAIM_COLUMNS}) LANGUAGE plpgsql VOLATILE
+SET jit = off SET plan_cache_mode = force_generic_plan SET lock_timeout = '{CLAIM_WAIT}' AS $$
+DECLARE
+  v_logical text := regexp_replace(p_queue, '#[0-9]+$', '');
+  v_now timestamptz := clock_timestamp();
+  v_remaining integer := p_max;
+  v_prios smallint[];
+  v_shards smallint[];
+  v_claim_seqs regclass[];
+  v_enq_seqs regclass[];
+  v_i integer := 0;
+  v_lane_priority smallint;
+  v_lane_shard smallint;
+  v_claim_seq regclass;
+  v_enq_seq regclass;
+  v_busy integer := 0;
+  v_locked_any boolean := false;
+  v_waited boolean := false;
+  v_blocked boolean := false;
+  v_may_move_hint boolean := current_setting('{CLAIMED_IN_XACT}', true) IS DISTINCT FROM 'on';
+  v_hint bigint;
+  v_pos bigint;
+  v_next bigint;
+  v_seg_slot integer;
+  v_seg_gen bigint;
+  v_seg_first bigint;
+  v_limit bigint;
+  v_rows bigint;
+  v_first_pass boolean;
+  v_found boolean;
+  v_guess integer;
+  v_lane record;
+BEGIN
+  IF p_max <= 0 THEN RETURN; END IF;
+  IF EXISTS (SELECT 1 FROM {s}.queue_meta m WHERE m.queue = v_logical AND m.paused) THEN
+    RETURN;
+  END IF;
+  IF p_aging_ms > 0 THEN
+    BEGIN
+      SELECT array_agg(o.priority ORDER BY o.n), array_agg(o.enqueue_shard ORDER BY o.n),
+             array_agg(o.claim_seq ORDER BY o.n), array_agg(o.enqueue_seq ORDER BY o.n)
+        INTO v_prios, v_shards, v_claim_seqs, v_enq_seqs
+      FROM (
+        SELECT h.priority, h.enqueue_shard, h.claim_seq, h.enqueue_seq,
+               row_number() OVER (ORDER BY
+                 CASE WHEN head.run_at IS NULL THEN NULL
+                      ELSE greatest(1, h.priority - floor(
+                        extract(epoch FROM (v_now - head.run_at)) * 1000 / p_aging_ms)::integer)
+                 END NULLS LAST,
+                 head.run_at NULLS LAST, h.priority, random()) AS n
+        FROM {s}.queue_claim_heads h
+        CROSS JOIN LATERAL (
+          SELECT coalesce(pg_sequence_last_value(h.claim_seq), 0) + 1 AS claim_next,
+                 coalesce(pg_sequence_last_value(h.enqueue_seq), 0) + 1 AS enqueue_next) cur
+        LEFT JOIN LATERAL (
+          -- the head candidate's age, needed only to order lanes by aged priority
+          SELECT r.run_at FROM {s}.ready_entries r
+          WHERE r.queue = h.queue AND r.priority = h.priority
+            AND r.enqueue_shard = h.enqueue_shard AND r.lane_seq >= cur.claim_next
+            AND NOT EXISTS (
+              SELECT 1 FROM {s}.ready_tombstones t
+              WHERE t.ready_slot = r.ready_slot AND t.queue = r.queue
+                AND t.priority = r.priority AND t.enqueue_shard = r.enqueue_shard
+                AND t.lane_seq = r.lane_seq)
+          ORDER BY r.lane_seq LIMIT 1) head ON true
+        WHERE h.queue = p_queue AND cur.enqueue_next > cur.claim_next) o;
+    EXCEPTION WHEN lock_not_available THEN
+      RETURN;  -- a prune holds a ring child the ordering needs: nothing claimed, no error
+    END;
+  ELSE
+    -- without aging the order needs no look at the ready rows: lane priority, then shards
+    -- in random order so concurrent claimers fan out
+    SELECT array_agg(o.priority ORDER BY o.n), array_agg(o.enqueue_shard ORDER BY o.n),
+           array_agg(o.claim_seq ORDER BY o.n), array_agg(o.enqueue_seq ORDER BY o.n)
+      INTO v_prios, v_shards, v_claim_seqs, v_enq_seqs
+    FROM (
+      SELECT h.priority, h.enqueue_shard, h.claim_seq, h.enqueue_seq,
+             row_number() OVER (ORDER BY h.priority, random()) AS n
+      FROM {s}.queue_claim_heads h
+      WHERE h.queue = p_queue
+        AND coalesce(pg_sequence_last_value(h.enqueue_seq), 0)
+            > coalesce(pg_sequence_last_value(h.claim_seq), 0)) o;
+  END IF;
+  LOOP
+    EXIT WHEN v_remaining <= 0 OR v_waited OR v_blocked;
+    v_i := v_i + 1;
+    IF v_i <= coalesce(array_length(v_prios, 1), 0) THEN
+      v_lane_priority := v_prios[v_i];
+      v_lane_shard := v_shards[v_i];
+      v_claim_seq := v_claim_seqs[v_i];
+      v_enq_seq := v_enq_seqs[v_i];
+      PERFORM 1 FROM {s}.queue_claim_heads h
+        WHERE h.queue = p_queue AND h.priority = v_lane_priority
+          AND h.enqueue_shard = v_lane_shard
+        FOR UPDATE SKIP LOCKED;
+      IF NOT FOUND THEN
+        IF v_busy = 0 THEN v_busy := v_i; END IF;
+        CONTINUE;
+      END IF;
+      v_locked_any := true;
+    ELSE
+      -- Every lane with work was being claimed by someone else. Rather than return empty
+      -- (and have the caller poll), queue on the first busy lane's head for a bounded time
+      -- (the function's lock_timeout), but only while holding no other head: a waiter owns
+      -- no lane, so waiters cannot form a cycle among themselves.
+      EXIT WHEN v_busy = 0 OR v_locked_any OR v_remaining < p_max;
+      v_lane_priority := v_prios[v_busy];
+      v_lane_shard := v_shards[v_busy];
+      v_claim_seq := v_claim_seqs[v_busy];
+      v_enq_seq := v_enq_seqs[v_busy];
+      v_waited := true;
+      BEGIN
+        PERFORM 1 FROM {s}.queue_claim_heads h
+          WHERE h.queue = p_queue AND h.priority = v_lane_priority
+            AND h.enqueue_shard = v_lane_shard
+          FOR UPDATE;
+      EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+        EXIT;
+      END;
+      EXIT WHEN NOT FOUND;  -- the head went away while we waited
+    END IF;
+    -- the probes below name the lane through a record, as the per-slot statements expect
+    SELECT v_lane_priority AS lane_priority, v_lane_shard AS shard INTO v_lane;
+    -- Under the head lock every later statement sees all committed claims of this lane.
+    -- Repeat within the lane while the batch is not full (tombstoned or aborted positions
+    -- do not count); later passes see this call's own ranges, so the hint is only moved on
+    -- the first pass, over committed evidence alone (and only by the first claim of a
+    -- transaction: a later one could see its own transaction's uncommitted ranges).
+    v_first_pass := true;
+    v_guess := (SELECT q.current_slot FROM {s}.queue_ring_state q);
+    LOOP
+    EXIT WHEN v_remaining <= 0;
+    v_hint := coalesce(pg_sequence_last_value(v_claim_seq), 0) + 1;
+    v_pos := v_hint;
+    BEGIN
+      LOOP
+        -- Follow the committed chain of claim ranges. A range starts at a ready row's
+        -- position and lives in that row's slot, so each hop is one probe for the position
+        -- plus one range probe, each in a single child. The position is looked up first in
+        -- the child the chain was last seen in (the ring's current slot to begin with):
+        -- positions are unique per lane, so a row at v_pos is the first one at or after it;
+        -- only a miss scans every child. Positions before the first committed row are
+        -- spent: aborted reservations (a producer holds the lane reservation lock until it
+        -- commits, so a later row implies earlier ones ended) or history a prune truncated
+        -- together with its claim ranges.
+        v_found := false;
+        {_dispatch("v_guess", slots, lambda k: _position_probe(s, k))}
+        IF NOT v_found THEN
+          SELECT r.ready_slot, r.ready_generation, r.lane_seq
+            INTO v_seg_slot, v_seg_gen, v_seg_first
+            FROM {s}.ready_entries r
+            WHERE r.queue = p_queue AND r.priority = v_lane.lane_priority
+              AND r.enqueue_shard = v_lane.shard AND r.lane_seq >= v_pos
+            ORDER BY r.lane_seq LIMIT 1;
+          v_found := FOUND;
+        END IF;
+        EXIT WHEN NOT v_found;
+        v_guess := v_seg_slot;
+        v_next := NULL;
+        {_dispatch("v_seg_slot", slots, lambda k: _range_probe(s, k))}
+        IF v_next IS NULL THEN
+          v_pos := v_seg_first;
+          EXIT;
+        END IF;
+        v_pos := v_next + 1;
+      END LOOP;
+      IF v_found THEN
+        -- the segment's ready and range children are locked by the probes above; take the
+        -- tombstone child too, so the claim below never waits on a prune
+        {_dispatch("v_seg_slot", slots, lambda k: _lock_tombstones(s, k))}
+      END IF;
+    EXCEPTION WHEN lock_not_available THEN
+      v_blocked := true;
+    END;
+    EXIT WHEN v_blocked;
+    IF NOT v_found THEN
+      -- Nothing committed ahead (the next reservation may still be in flight).
+      IF v_first_pass AND v_may_move_hint AND v_pos > v_hint THEN
+        PERFORM setval(v_claim_seq, v_pos - 1);
+      END IF;
+      EXIT;
+    END IF;
+    IF v_first_pass AND v_may_move_hint AND v_pos > v_hint THEN
+      PERFORM setval(v_claim_seq, v_pos - 1);
+    END IF;
+    v_first_pass := false;
+    v_limit := least(v_remaining, coalesce(pg_sequence_last_value(v_enq_seq), 0) - v_pos + 1);
+    EXIT WHEN v_limit <= 0;
+    v_rows := 0;
+    PERFORM set_config('{CLAIMED_IN_XACT}', 'on', true);
+    {_dispatch("v_seg_slot", slots, lambda k: _segment_claim(s, k))}
+    v_remaining := v_remaining - v_rows::integer;
+    END LOOP;
+  END LOOP;
+END
+$$""",
+    )
+
+
+def upgrade(shape: Shape) -> list[str]:
+    s = shape.schema
+    out = [f"CREATE SEQUENCE {s}.{ring}_ring_generation AS bigint MINVALUE 0 START 0"
+           for ring in RINGS]
+    out += [f"SELECT setval('{s}.{ring}_ring_generation', generation, true) "
+            f"FROM {s}.{ring}_ring_state" for ring in RINGS]
+    out += [
+        f"""CREATE TABLE {s}.counter_state (
+    singleton BOOLEAN DEFAULT true NOT NULL,
+    terminal_counter_trusted_at TIMESTAMP WITH TIME ZONE,
+    CONSTRAINT counter_state_pkey PRIMARY KEY (singleton),
+    CONSTRAINT counter_state_singleton CHECK (singleton)
+)""",
+        f"INSERT INTO {s}.counter_state (terminal_counter_trusted_at) "
+        f"SELECT terminal_counter_trusted_at FROM {s}.queue_ring_state",
+        f"""CREATE TABLE {s}.queue_terminal_rollup_ledger (
+    queue TEXT NOT NULL,
+    priority SMALLINT NOT NULL,
+    pruned_count BIGINT NOT NULL,
+    recorded_at TIMESTAMP WITH TIME ZONE DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT queue_terminal_rollup_ledger_nonzero CHECK (pruned_count <> 0)
+)""",
+        f"CREATE INDEX queue_terminal_rollup_ledger_queue_idx ON "
+        f"{s}.queue_terminal_rollup_ledger (queue, priority)",
+    ]
+    for ring in RINGS:
+        out += [f"DROP TABLE {s}.{ring}_ring_slots", f"DROP TABLE {s}.{ring}_ring_state",
+                ring_state_view(shape, ring)]
+    out += [claim_ready(shape), terminal_jobs_view(s)]
+    return out
+
+
+def _slot_generations(shape: Shape) -> str:
+    """``INSERT … queue_ring_slots`` as revision 0005 kept it: each slot's last generation
+    (from the ring's), -1 for a slot never initialised or already pruned (empty children)."""
+    s, n = shape.schema, shape.queue_slot_count
+    families = ("ready_entries", "ready_tombstones", "ready_claim_ranges", "done_entries",
+                "queue_terminal_count_deltas")
+    pristine = " + ".join(f"pg_relation_size(('{s}.{f}_' || k)::regclass)" for f in families)
+    return f"""INSERT INTO {s}.queue_ring_slots (slot, generation)
+SELECT k, CASE WHEN gen < 0 OR (k <> g.generation % {n} AND ({pristine}) = 0) THEN -1 ELSE gen END
+FROM (SELECT coalesce(pg_sequence_last_value('{s}.queue_ring_generation'::regclass), 0) AS generation) g
+CROSS JOIN LATERAL (SELECT k, g.generation - ((g.generation - k) % {n} + {n}) % {n} AS gen
+                    FROM generate_series(0, {n - 1}) k) slots"""
+
+
+def downgrade(shape: Shape) -> list[str]:
+    """Back to revision 0005's tables, carrying the ring cursors, slot generations, trust
+    marker and the unfolded ledger over (a downgrade loses no count)."""
+    s = shape.schema
+    tables = r0001.ring_table_statements(s)
+    out = [
+        f"""INSERT INTO {s}.queue_terminal_rollups AS t (queue, priority, pruned_completed_count)
+SELECT queue, priority, sum(pruned_count) FROM {s}.queue_terminal_rollup_ledger
+GROUP BY queue, priority ORDER BY queue, priority
+ON CONFLICT (queue, priority) DO UPDATE
+SET pruned_completed_count = greatest(0, t.pruned_completed_count + excluded.pruned_completed_count)""",
+        r0004.claim_ready(shape),
+        r0001.view_statements(s)[0],
+    ]
+    for ring in RINGS:
+        n = _slots(shape, ring)
+        out += [f"DROP VIEW {s}.{ring}_ring_state", tables[f"{ring}_ring_state"],
+                tables[f"{ring}_ring_slots"]]
+        trusted_col = ", terminal_counter_trusted_at" if ring == "queue" else ""
+        trusted_val = ", (SELECT c.terminal_counter_trusted_at FROM " \
+                      f"{s}.counter_state c)" if ring == "queue" else ""
+        out.append(
+            f"INSERT INTO {s}.{ring}_ring_state (current_slot, generation, slot_count{trusted_col}) "
+            f"SELECT (g % {n})::integer, g, {n}{trusted_val} FROM (SELECT coalesce("
+            f"pg_sequence_last_value('{s}.{ring}_ring_generation'::regclass), 0) AS g) x")
+        if ring == "queue":
+            out.append(_slot_generations(shape))
+        else:
+            rows = ", ".join(f"({k}, {0 if k == 0 else -1})" for k in range(n))
+            out.append(f"INSERT INTO {s}.{ring}_ring_slots (slot, generation) VALUES {rows}")
+    out += [f"DROP SEQUENCE {s}.{ring}_ring_generation" for ring in RINGS]
+    out += [f"DROP TABLE {s}.queue_terminal_rollup_ledger", f"DROP TABLE {s}.counter_state"]
+    return out

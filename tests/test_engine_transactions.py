@@ -1,0 +1,85 @@
+"""Engine calls that commit in more than one transaction never report failure for work they
+committed: the error carries it (completion), or the call returns it (claims across
+stripes, claims through a claimer slot)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from jobtools import params
+from sqlalchemy import text
+
+from qstore import DatabaseError, PartialCommitError
+from qstore.model import JobState
+from qstore.storage.jobs import UniqueOpts
+
+
+@pytest.fixture
+def refuse_attempt_state_deletes(engine, st):
+    """Make the general completion path fail: it deletes the attempt's ``attempt_state``
+    row, the fast path never does."""
+    s = st.schema()
+    with engine.begin() as c:
+        c.execute(text(f'CREATE FUNCTION "{s}".refuse() RETURNS trigger LANGUAGE plpgsql AS '
+                       "$$ BEGIN RAISE EXCEPTION 'refused by test'; END $$"))
+        c.execute(text(f'CREATE TRIGGER refuse BEFORE DELETE ON "{s}".attempt_state '
+                       f'FOR EACH ROW EXECUTE FUNCTION "{s}".refuse()'))
+    yield
+    with engine.begin() as c:
+        c.execute(text(f'DROP TRIGGER refuse ON "{s}".attempt_state'))
+        c.execute(text(f'DROP FUNCTION "{s}".refuse()'))
+
+
+def test_engine_completion_that_fails_after_its_fast_part_committed_says_what_committed(
+        engine, st, refuse_attempt_state_deletes):
+    st.enqueue_params_batch(engine, [params(args={"n": i}) for i in range(2)])
+    plain, beating = st.claim_runtime_batch(engine, "q", 2)
+    assert st.heartbeat_batch(engine, [(beating.job.id, beating.job.run_lease)]) == 1
+    with pytest.raises(PartialCommitError) as err:
+        st.complete_runtime_batch(engine, [plain, beating])
+    assert err.value.committed == [(plain.job.id, plain.job.run_lease)]
+    assert err.value.pending == [(beating.job.id, beating.job.run_lease)]
+    assert st.load_job(engine, plain.job.id).state == JobState.COMPLETED
+    assert st.load_job(engine, beating.job.id).state == JobState.RUNNING
+
+
+def test_engine_completion_pending_after_a_partial_commit_completes_on_retry(engine, st):
+    st.enqueue_params_batch(engine, [params(args={"n": i}) for i in range(2)])
+    plain, beating = st.claim_runtime_batch(engine, "q", 2)
+    st.heartbeat_batch(engine, [(beating.job.id, beating.job.run_lease)])
+    assert st.complete_runtime_batch(engine, [plain, beating]) == [
+        (plain.job.id, plain.job.run_lease), (beating.job.id, beating.job.run_lease)]
+
+
+def test_engine_completion_needing_the_general_path_from_the_start_is_one_transaction(
+        engine, st, refuse_attempt_state_deletes):
+    # holds its key while running, not once completed: completing it must release the key,
+    # which only the general path does, so this call is not a fast candidate
+    keyed = UniqueOpts(states=0b0000_0110)
+    st.enqueue_params_batch(engine, [params(args={"n": 1}), params(args={"n": 2}, unique=keyed)])
+    plain, unique = st.claim_runtime_batch(engine, "q", 2)
+    st.heartbeat_batch(engine, [(unique.job.id, unique.job.run_lease)])
+    with pytest.raises(DatabaseError) as err:
+        st.complete_runtime_batch(engine, [plain, unique])
+    assert not isinstance(err.value, PartialCommitError)
+    assert st.load_job(engine, plain.job.id).state == JobState.RUNNING  # rolled back together
+
+
+def test_engine_claim_through_a_claimer_slot_returns_its_jobs_when_the_slot_refresh_fails(engine, st):
+    s = st.schema()
+    with engine.begin() as c:
+        c.execute(text(f'CREATE FUNCTION "{s}".refuse_refresh() RETURNS trigger LANGUAGE plpgsql AS '
+                       "$$ BEGIN RAISE EXCEPTION 'refused by test'; END $$"))
+        c.execute(text(f'CREATE TRIGGER refuse_refresh BEFORE UPDATE ON "{s}".queue_claimer_leases '
+                       f'FOR EACH ROW EXECUTE FUNCTION "{s}".refuse_refresh()'))
+    try:
+        st.enqueue_params_batch(engine, [params(args={"n": i}) for i in range(3)])
+        jobs = st.claim_runtime_batch_with_aging_for_instance(
+            engine, "q", 3, None, None, uuid.uuid4(), 4, 60, 0.000_001)
+        assert len(jobs) == 3
+        assert {st.load_job(engine, j.job.id).state for j in jobs} == {JobState.RUNNING}
+    finally:
+        with engine.begin() as c:
+            c.execute(text(f'DROP TRIGGER refuse_refresh ON "{s}".queue_claimer_leases'))
+            c.execute(text(f'DROP FUNCTION "{s}".refuse_refresh()'))

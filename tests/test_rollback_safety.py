@@ -1,0 +1,157 @@
+"""Everything a call moves inside a caller's transaction survives that transaction rolling
+back: sequences (the claim cursor hint, lane positions, job ids) and process caches (the
+enqueue-shard cache) never hold a value only the rolled-back transaction could see.
+
+Sequences do not roll back, so a claim moves its lane's cursor hint only over committed
+claims; caches are filled only from reads the storage itself committed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+import pytest
+from jobtools import params
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import Session
+
+from qstore import QueueStorage
+from qstore.aio import AsyncQueueStorage
+from qstore.model import JobState
+
+Scope = Callable[[Engine], AbstractContextManager[object]]
+
+
+@contextmanager
+def connection_rolled_back(engine: Engine) -> Iterator[Connection]:
+    with engine.connect() as conn, conn.begin() as tx:
+        yield conn
+        tx.rollback()
+
+
+@contextmanager
+def session_rolled_back(engine: Engine) -> Iterator[Session]:
+    with Session(engine) as session:
+        yield session
+        session.rollback()
+
+
+@contextmanager
+def savepoint_rolled_back(engine: Engine) -> Iterator[Connection]:
+    with engine.connect() as conn, conn.begin() as outer:
+        sp = conn.begin_nested()
+        yield conn
+        sp.rollback()
+        outer.commit()
+
+
+SCOPES: dict[str, Scope] = {"connection": connection_rolled_back, "session": session_rolled_back,
+                            "savepoint": savepoint_rolled_back}
+
+
+def claimed_ids(jobs: list) -> list[int]:
+    return sorted(j.job.id for j in jobs)
+
+
+@pytest.fixture(params=["receipts", "leases", "striped"])
+def shaped(request, make_storage) -> QueueStorage:
+    if request.param == "leases":
+        return make_storage(lease_claim_receipts=False)
+    if request.param == "striped":
+        return make_storage(queue_stripe_count=2)
+    return make_storage()
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_two_claims_in_a_rolled_back_transaction_strand_no_job(engine, shaped, scope):
+    shaped.enqueue_params_batch(engine, [params(args={"n": i}) for i in (1, 2, 3)])
+    with SCOPES[scope](engine) as target:
+        first = shaped.claim_runtime_batch(target, "q", 1)
+        second = shaped.claim_runtime_batch(target, "q", 1)
+        assert len(first) == len(second) == 1
+    again = shaped.claim_runtime_batch(engine, "q", 10)
+    assert len(again) == 3
+    assert shaped.queue_counts(engine, "q").available == 0
+
+
+def test_claims_rolled_back_twice_in_a_row_strand_no_job(engine, st):
+    st.enqueue_params_batch(engine, [params(args={"n": i}) for i in range(4)])
+    for _ in range(2):
+        with connection_rolled_back(engine) as conn:
+            for _ in range(3):
+                st.claim_runtime_batch(conn, "q", 1)
+    assert len(st.claim_runtime_batch(engine, "q", 10)) == 4
+
+
+def test_a_claim_after_a_rolled_back_savepoint_moves_the_hint_over_committed_claims_only(engine, st):
+    st.enqueue_params_batch(engine, [params(args={"n": i}) for i in range(4)])
+    kept = st.claim_runtime_batch(engine, "q", 1)  # committed
+    with engine.connect() as conn, conn.begin() as tx:
+        sp = conn.begin_nested()
+        st.claim_runtime_batch(conn, "q", 1)
+        sp.rollback()
+        inner = st.claim_runtime_batch(conn, "q", 1)
+        st.claim_runtime_batch(conn, "q", 1)
+        tx.rollback()
+    rest = st.claim_runtime_batch(engine, "q", 10)
+    assert len(kept) == 1 and len(inner) == 1
+    assert claimed_ids(rest) == sorted({2, 3, 4})
+
+
+def test_async_connection_rolled_back_after_two_claims_strands_no_job(db_url, engine, st):
+    st.enqueue_params_batch(engine, [params(args={"n": i}) for i in (1, 2)])
+    ast = AsyncQueueStorage(st)
+
+    async def main() -> None:
+        aengine = create_async_engine(db_url)
+        try:
+            async with aengine.connect() as conn:
+                trans = await conn.begin()
+                await ast.claim_runtime_batch(conn, "q", 1)
+                await ast.claim_runtime_batch(conn, "q", 1)
+                await trans.rollback()
+        finally:
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert len(st.claim_runtime_batch(engine, "q", 10)) == 2
+
+
+def test_enqueue_shard_count_read_in_a_rolled_back_transaction_is_not_cached(engine, st):
+    with connection_rolled_back(engine) as conn:
+        st.set_queue_options(conn, "q", enqueue_shards=4)
+        st.enqueue_params_batch(conn, [params(args={"n": 0})])
+    st.enqueue_params_batch(engine, [params(args={"n": i}) for i in range(1, 9)])
+    with engine.connect() as c:
+        shards = c.execute(text(
+            f'SELECT DISTINCT enqueue_shard FROM "{st.schema()}".ready_entries')).scalars().all()
+    assert shards == [0]
+
+
+def test_enqueue_rolled_back_twice_then_committed_leaves_every_job_claimable(engine, st):
+    for _ in range(2):
+        with connection_rolled_back(engine) as conn:
+            st.enqueue_params_batch(conn, [params(args={"n": i}, queue="fresh") for i in range(3)])
+    st.enqueue_params_batch(engine, [params(args={"n": i}, queue="fresh") for i in range(3)])
+    assert len(st.claim_runtime_batch(engine, "fresh", 10)) == 3
+
+
+def test_claimer_slot_taken_in_a_rolled_back_transaction_stays_free(engine, st):
+    import uuid
+
+    me, other = uuid.uuid4(), uuid.uuid4()
+    with connection_rolled_back(engine) as conn:
+        assert st.acquire_queue_claimer(conn, "q", me, 1, 60, 60) is not None
+    assert st.acquire_queue_claimer(engine, "q", other, 1, 60, 60) is not None
+
+
+def test_rotation_inside_a_rolled_back_transaction_leaves_a_usable_ring(engine, st):
+    st.enqueue_params_batch(engine, [params(args={"n": 1})])
+    with connection_rolled_back(engine) as conn:
+        assert st.rotate(conn).kind == "rotated"
+    st.enqueue_params_batch(engine, [params(args={"n": 2})])
+    jobs = st.claim_runtime_batch(engine, "q", 10)
+    assert len(st.complete_runtime_batch(engine, jobs)) == 2
+    assert {st.load_job(engine, j.job.id).state for j in jobs} == {JobState.COMPLETED}

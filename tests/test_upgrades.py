@@ -1,0 +1,290 @@
+"""Deploys on live data.
+
+* Every revision upgrades to head keeping jobs in every state (written by the previous
+  release at that revision, receipts on and off), and the upgraded jobs can then be worked
+  to the end by this release.
+* A worker of the previous release keeps working against the new head (a rolling deploy:
+  the new release migrates while old workers still run).
+* Downgrading to every revision and back loses no row.
+* Concurrent ``alembic upgrade`` runs (two pods deploying at once) serialise: both succeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, func, inspect, pool, select, text
+
+from qstore import QueueStorage, QueueStorageConfig
+from qstore.migrate import current_revision, downgrade, upgrade
+from qstore.model import JobState, RetryFromDlqOpts
+from qstore.schema import REVISIONS
+
+HERE = Path(__file__).resolve().parent
+PREVIOUS_WHEEL = HERE / "data" / "previous_release" / "qstore-0.1.0-1b55e32.whl"
+WORKER = HERE / "previous_release_worker.py"
+#: the revisions the previous release shipped (it can write data at any of them)
+PREVIOUS_REVISIONS = ("0001", "0002", "0003", "0004", "0005")
+MODES = ("receipts", "leases")
+Q = "upgrade"
+SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}
+
+
+def config(name: str, mode: str) -> QueueStorageConfig:
+    return QueueStorageConfig(schema=name, lease_claim_receipts=mode == "receipts", **SMALL)
+
+
+@pytest.fixture(scope="module")
+def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The previous release's package, unpacked for a subprocess's ``PYTHONPATH``."""
+    target = tmp_path_factory.mktemp("previous_release")
+    with zipfile.ZipFile(PREVIOUS_WHEEL) as wheel:
+        wheel.extractall(target)
+    return target
+
+
+def run_previous(release: Path, *args: str) -> Any:
+    env = {**os.environ, "PYTHONPATH": str(release)}
+    proc = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def migrate_to(engine: Engine, cfg: QueueStorageConfig, revision: str) -> None:
+    with engine.begin() as conn:
+        current = current_revision(conn, cfg)
+        if current is not None and revision != "heads" and REVISIONS.index(revision) < REVISIONS.index(current):
+            downgrade(conn, cfg, revision)
+        else:
+            upgrade(conn, cfg, revision)
+
+
+@pytest.fixture(scope="module")
+def module_engine(pg_server: Any) -> Iterator[tuple[str, Engine]]:
+    """A database of this module's own (created here, dropped at the end)."""
+    from conftest import _janitor, sqlalchemy_url  # the session's server helpers
+
+    name = f"qstore_upgrades_{os.getpid()}"
+    with _janitor(pg_server, name):
+        url = sqlalchemy_url(pg_server, name)
+        eng = create_engine(url, pool_size=5, max_overflow=5)
+        yield url, eng
+        eng.dispose()
+
+
+@pytest.fixture(scope="module")
+def upgraded(module_engine: tuple[str, Engine], previous_release: Path) -> dict[tuple[str, str], Any]:
+    """Per (start revision, mode): a schema migrated to that revision, filled with jobs in
+    every state by the previous release, then upgraded to head by this release."""
+    url, engine = module_engine
+    cases = {(rev, mode): config(f"up_{rev}_{mode}", mode) for rev in PREVIOUS_REVISIONS for mode in MODES}
+    for (rev, _mode), cfg in cases.items():
+        migrate_to(engine, cfg, rev)
+    spec = [{"url": url, "schema": cfg.schema, "general": rev < "0003"} for (rev, _), cfg in cases.items()]
+    manifests = run_previous(previous_release, "states", json.dumps(spec))
+    for cfg in cases.values():
+        migrate_to(engine, cfg, "heads")
+    return {key: (cfg, manifest) for (key, cfg), manifest in zip(cases.items(), manifests, strict=True)}
+
+
+CASES = [(rev, mode) for rev in PREVIOUS_REVISIONS for mode in MODES]
+
+
+@pytest.mark.parametrize(("rev", "mode"), CASES)
+def test_jobs_written_at_a_revision_keep_state_and_body_through_the_upgrade(upgraded, module_engine, rev, mode):
+    _url, engine = module_engine
+    cfg, manifest = upgraded[(rev, mode)]
+    st = QueueStorage(cfg)
+    with engine.connect() as conn:
+        assert current_revision(conn, cfg) == REVISIONS[-1]
+    expected = {"running": "running", "heartbeated": "running", "leased": "running",
+                "waiting": "waiting_external", "retryable": "retryable", "completed": "completed",
+                "completed_by_id": "completed", "failed": "failed", "cancelled": "cancelled",
+                "dlq": "failed", "scheduled": "scheduled", "unique": "available",
+                "available": "available"}
+    assert {n: m["state"] for n, m in manifest.items()} == expected  # as the old release saw them
+    for name, m in manifest.items():
+        row = st.load_job(engine, m["id"])
+        assert row is not None, name
+        assert (row.state.value, row.args, row.metadata.get("name"), row.tags) == (
+            expected[name], {"name": name}, name, ["t"]), name
+
+
+@pytest.mark.parametrize(("rev", "mode"), CASES)
+def test_jobs_upgraded_from_a_revision_can_be_worked_to_the_end(upgraded, module_engine, rev, mode):
+    _url, engine = module_engine
+    cfg, manifest = upgraded[(rev, mode)]
+    st = QueueStorage(cfg)
+    ids = {name: m["id"] for name, m in manifest.items()}
+    live = [(m["id"], m["run_lease"]) for n, m in manifest.items() if n in ("running", "heartbeated", "leased")]
+    assert sorted(st.complete_job_batch_by_id(engine, live)) == sorted(live)
+    import uuid
+
+    st.complete_external(engine, uuid.UUID(manifest["waiting"]["callback_id"]))
+    assert st.retry_job(engine, ids["failed"]) is not None
+    assert st.retry_from_dlq(engine, ids["dlq"], RetryFromDlqOpts()) is not None
+    with engine.begin() as conn:  # make the deferred jobs due now
+        conn.execute(text(f'UPDATE "{cfg.schema}".deferred_jobs SET run_at = clock_timestamp()'))
+    assert st.promote_due(engine, JobState.RETRYABLE, 10) == 1
+    assert st.promote_due(engine, JobState.SCHEDULED, 10) == 1
+    claimed = st.claim_runtime_batch(engine, Q, 100)
+    assert sorted(j.job.args["name"] for j in claimed) == [
+        "available", "dlq", "failed", "retryable", "scheduled", "unique"]
+    assert len(st.complete_runtime_batch(engine, claimed)) == 6
+    final = {n: st.load_job(engine, i).state for n, i in ids.items()}  # type: ignore[union-attr]
+    assert set(final.values()) == {JobState.COMPLETED, JobState.CANCELLED}
+    for _ in range(6):  # ring upkeep works on the upgraded install
+        st.rotate(engine), st.prune_oldest(engine)
+        st.rotate_claims(engine), st.prune_oldest_claims(engine)
+        st.rotate_leases(engine), st.prune_oldest_leases(engine)
+    st.rollup_terminal_count_deltas(engine, 4)
+    counts = st.queue_counts(engine, Q)
+    # 13 jobs end terminal; the failed and DLQ'd ones were taken out of history and re-run
+    assert (counts.available, counts.running, counts.terminal) == (0, 0, 13)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_previous_release_worker_keeps_working_after_the_upgrade(module_engine, previous_release, mode):
+    url, engine = module_engine
+    cfg = config(f"rolling_{mode}", mode)
+    migrate_to(engine, cfg, "0005")
+    migrate_to(engine, cfg, "heads")  # the new release migrated; the old workers go on
+    out = run_previous(previous_release, "work", url, cfg.schema)
+    assert len(out["claimed"]) == 4
+    assert len(out["fast"]) == 2 and len(out["by_id"]) == 1
+    assert (out["beats"], out["retried"]) == (1, "retryable")
+    st = QueueStorage(cfg)
+    for job_id in out["claimed"][:3]:
+        row = st.load_job(engine, job_id)
+        assert row.state == JobState.COMPLETED and row.metadata == {"by": "old"}  # type: ignore[union-attr]
+    counts = st.queue_counts(engine, "old_worker")
+    assert (counts.available, counts.running, counts.terminal) == (0, 0, 3)
+
+
+def test_terminal_history_reads_a_json_null_payload_as_the_ready_rows(engine, st):
+    """An older release's general terminal path wrote JSON ``null`` payloads; reads take
+    them for "no payload of its own" and show the job's metadata and tags."""
+    from jobtools import params
+
+    st.enqueue_params_batch(engine, [params(args={"n": 1}, metadata={"m": 1}, tags=["t"])])
+    (c,) = st.claim_runtime_batch(engine, "q", 1)
+    st.complete_job_batch_by_id(engine, [(c.job.id, c.job.run_lease)])
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE \"{st.schema()}\".done_entries SET payload = 'null'::jsonb"))
+    row = st.load_job(engine, c.job.id)
+    assert (row.metadata, row.tags) == ({"m": 1}, ["t"])  # type: ignore[union-attr]
+
+
+def test_upgrade_0005_repairs_terminal_rows_that_hid_their_metadata(module_engine, previous_release):
+    url, engine = module_engine
+    cfg = config("repair_0005", "receipts")
+    migrate_to(engine, cfg, "0004")
+    manifest = run_previous(previous_release, "states", json.dumps(
+        [{"url": url, "schema": cfg.schema, "general": False}]))[0]
+    with engine.begin() as conn:  # what the general terminal path wrote before the fix
+        conn.execute(text(f"UPDATE \"{cfg.schema}\".done_entries SET payload = 'null'::jsonb "
+                          "WHERE args IS NULL"))
+    migrate_to(engine, cfg, "0005")
+    with engine.connect() as conn:
+        nulls = conn.execute(text(f"SELECT count(*) FROM \"{cfg.schema}\".done_entries "
+                                  "WHERE payload = 'null'::jsonb")).scalar_one()
+    assert nulls == 0
+    migrate_to(engine, cfg, "heads")
+    row = QueueStorage(cfg).load_job(engine, manifest["completed_by_id"]["id"])
+    assert row.metadata == {"name": "completed_by_id"}  # type: ignore[union-attr]
+
+
+# -- downgrade ----------------------------------------------------------------------------------
+
+def table_rows(engine: Engine, schema: str) -> dict[str, int]:
+    with engine.connect() as conn:
+        names = inspect(conn).get_table_names(schema=schema)
+        return {n: conn.execute(text(f'SELECT count(*) FROM "{schema}"."{n}"')).scalar_one()
+                for n in names if not n[-1].isdigit() and n != "qstore_alembic_version"}
+
+
+def test_downgrade_to_every_revision_and_back_loses_no_row(module_engine):
+    _url, engine = module_engine
+    cfg = config("down_and_up", "receipts")
+    migrate_to(engine, cfg, "heads")
+    st = QueueStorage(cfg)
+    from jobtools import params
+
+    st.enqueue_params_batch(engine, [params(args={"n": i}, queue=Q) for i in range(8)])
+    jobs = st.claim_runtime_batch(engine, Q, 6)
+    st.complete_runtime_batch(engine, jobs[:3])
+    st.fail_terminal(engine, jobs[3].job.id, jobs[3].job.run_lease, "boom")
+    st.retry_after(engine, jobs[4].job.id, jobs[4].job.run_lease, 3600)
+    st.heartbeat_batch(engine, [(jobs[5].job.id, jobs[5].job.run_lease)])
+    for _ in range(2):
+        st.rotate(engine)
+    st.prune_oldest(engine)
+    before_rows = table_rows(engine, cfg.schema)
+    before_states = {j.job.id: st.load_job(engine, j.job.id) for j in jobs}
+    before_counts = st.queue_counts(engine, Q)
+    with engine.connect() as conn:
+        gen_before = conn.execute(select(st.tables.queue_ring.state.c.generation)).scalar_one()
+    for rev in reversed(REVISIONS[:-1]):
+        migrate_to(engine, cfg, rev)
+        now = table_rows(engine, cfg.schema)
+        for table, n in before_rows.items():
+            if table in now and "rollup" not in table:  # the ledger folds into the rollups
+                assert now[table] == n, (rev, table)
+    migrate_to(engine, cfg, "heads")
+    after_rows = table_rows(engine, cfg.schema)
+    # the prune ledger was folded into the rollups on the way down: same sums, other rows
+    assert {t: n for t, n in after_rows.items() if "rollup" not in t} == {
+        t: n for t, n in before_rows.items() if "rollup" not in t}
+    assert {j.job.id: st.load_job(engine, j.job.id) for j in jobs} == before_states
+    assert st.queue_counts(engine, Q) == before_counts
+    with engine.connect() as conn:
+        assert conn.execute(select(st.tables.queue_ring.state.c.generation)).scalar_one() == gen_before
+        assert conn.execute(select(func.count()).select_from(st.tables.rollup_ledger)).scalar_one() == 0
+    assert len(st.complete_runtime_batch(engine, st.claim_runtime_batch(engine, Q, 10))) == 2
+
+
+# -- concurrent upgrades ------------------------------------------------------------------------
+
+def alembic_cli(url: str, *args: str, ini: Path | None = None, cwd: Path | None = None) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "QSTORE_DATABASE_URL"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "alembic", "-c", str(ini or HERE.parent / "alembic.ini"),
+         "-x", f"url={url}", *args], env=env, cwd=cwd, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_two_concurrent_standalone_upgrades_of_an_empty_database_both_succeed(fresh_db_url):
+    runs = [alembic_cli(fresh_db_url, "upgrade", "head") for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], outs
+    eng = create_engine(fresh_db_url, poolclass=pool.NullPool)
+    try:
+        with eng.connect() as conn:
+            versions = conn.execute(text("SELECT version_num FROM qstore.qstore_alembic_version")).scalars().all()
+        assert versions == [REVISIONS[-1]]
+        assert QueueStorage.from_existing_schema("qstore", eng).config == QueueStorageConfig()
+    finally:
+        eng.dispose()
+
+
+def test_two_concurrent_host_application_upgrades_both_succeed(fresh_db_url, host_app):
+    runs = [alembic_cli(fresh_db_url, "upgrade", "heads", ini=host_app, cwd=host_app.parent)
+            for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], outs
+    eng = create_engine(fresh_db_url, poolclass=pool.NullPool)
+    try:
+        with eng.connect() as conn:
+            versions = set(conn.execute(text("SELECT version_num FROM public.alembic_version")).scalars())
+        assert versions == {"h0001", REVISIONS[-1]}
+    finally:
+        eng.dispose()

@@ -113,3 +113,27 @@ def test_steady_mode_wakes_workers_by_notify_and_picks_up_every_job_exactly_once
     targets = data["summary"]["targets"]
     assert targets["clean_pickup_p95_ms"]["result"] == "SKIP"
     assert targets["pinned_pickup_p95_ms"]["result"] in {"PASS", "FAIL"}
+
+
+def test_steady_bench_counts_what_the_maintainer_leaves_dead_under_the_pinned_horizon(
+        fresh_db_url, tmp_path):
+    # rotate the queue ring ten times a second and vacuum five times a second: rotations
+    # while pinned leave dead ring-state rows that no VACUUM may remove before the census
+    data = bench_json(tmp_path, "bench_steady.py", "--url", fresh_db_url, "--rate", "100",
+                      "--workers", "2", "--clean-seconds", "1", "--pinned-seconds", "2",
+                      "--recovery-seconds", "1", "--sample", "0.5", "--vacuum-interval", "0.2",
+                      "--schedule", "queue_ring_every=0.1", "--plot", str(tmp_path / "s.png"))
+    assert data["errors"] == {"qstore": [], "classic": []}
+    assert data["upkeep"]["kind"] == "maintainer"
+    ran = data["qstore_maintenance"]
+    assert ran["queue_ring:runs"] > 0 and ran.get("queue_ring:rotate:rotated", 0) > 0
+    assert not [k for k in ran if k.endswith(":errors")]
+    census = data["dead_tuple_census"]
+    end = census["end_of_pinned"]["steady_qstore"]
+    assert end["total"] == sum(t["dead"] for t in end["tables"].values())
+    upkeep = data["verdict"]["upkeep_dead_end_of_pinned"]
+    assert (upkeep["value"], upkeep["result"] in {"PASS", "FAIL"}) == (end["total"], True)
+    assert upkeep["pinned_seconds"] >= 2
+    if not census["source"].startswith("pgstattuple"):
+        pytest.skip("exact dead-tuple counts need pgstattuple on the server")
+    assert end["tables"]["queue_ring_state"]["dead"] >= 10

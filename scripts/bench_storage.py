@@ -34,8 +34,9 @@ batch in one call (qstore ``complete_runtime_batch(engine, jobs)``, classic its 
 Claim or completion errors are counted and reported, not fatal; every job must still be
 drained exactly once.
 
-``steady`` — pickup latency under a paced producer. Per phase and system: one producer
-thread enqueues single jobs at ``--rate`` jobs/s for ``--duration`` seconds (after
+``steady`` — pickup latency under a paced producer. Per phase and system: ``--producers``
+threads sharing one schedule enqueue single jobs (each its own transaction from the Engine)
+at ``--rate`` jobs/s for ``--duration`` seconds (after
 ``--steady-warmup`` seconds whose jobs are not measured); ``--workers`` threads sleep until
 woken by LISTEN/NOTIFY (one dedicated LISTEN session per pool; each notification wakes one
 waiting worker; ``--poll-interval`` is the polling fallback), claim ``--batch``, record the
@@ -464,6 +465,7 @@ def run_steady(engine: Engine, system: Any, phase: str, args: argparse.Namespace
             seq_of=system.seq_of,
             waker=waker,
             poll_interval=args.poll_interval,
+            producers=args.producers,
         )
         with engine.connect() as conn, conn.begin():
             leftover = len(system.claim(conn, args.batch))
@@ -839,6 +841,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steady-warmup", type=float, default=2.0,
                    help="steady: seconds of producing before the measured window")
     p.add_argument("--workers", type=int, default=4, help="steady: worker threads per system")
+    p.add_argument("--producers", type=int, default=4,
+                   help="steady: producer threads sharing the schedule (a single-job enqueue "
+                        "commits in one to a few ms here, so one thread alone cannot offer "
+                        "500/s)")
     p.add_argument("--poll-interval", type=float, default=1.0,
                    help="steady: a waiting worker claims anyway after this many seconds "
                         "without a notification (polling fallback)")
@@ -866,8 +872,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--set expects NAME=VALUE, got {item!r}")
     if any(x not in PHASES for x in a.phases):
         p.error(f"--phases must be a subset of {','.join(PHASES)}")
-    if min(a.jobs, a.threads, a.batch, a.enqueue_chunk, a.rounds, a.workers) < 1:
-        p.error("--jobs, --threads, --batch, --enqueue-chunk, --rounds and --workers must be >= 1")
+    if min(a.jobs, a.threads, a.batch, a.enqueue_chunk, a.rounds, a.workers, a.producers) < 1:
+        p.error("--jobs, --threads, --batch, --enqueue-chunk, --rounds, --workers and "
+                "--producers must be >= 1")
     if min(a.enqueue_seconds, a.rate, a.duration, a.poll_interval) <= 0 or a.steady_warmup < 0:
         p.error("--enqueue-seconds, --rate, --duration and --poll-interval must be > 0, "
                 "--steady-warmup >= 0")
@@ -887,7 +894,8 @@ def describe(args: argparse.Namespace, info: dict[str, Any], exact: bool,
                 f"qstore_shards={args.qstore_shards} rounds={args.rounds}")
     else:
         what = (f"mode=steady rate={args.rate:g}/s duration={args.duration:g}s "
-                f"warmup={args.steady_warmup:g}s workers={args.workers} batch={args.batch} "
+                f"warmup={args.steady_warmup:g}s producers={args.producers} "
+                f"workers={args.workers} batch={args.batch} "
                 f"poll_interval={args.poll_interval:g}s qstore_shards={args.qstore_shards} "
                 f"rounds={args.rounds}")
     return (f"{what} cpus={info['cpus']} "
@@ -926,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
         print("warning: COPY needs the psycopg 3 driver (postgresql+psycopg://)", file=sys.stderr)
     ensure_database(args.url)
     settings = dict(item.split("=", 1) for item in args.settings)
-    engine = make_engine(args.url, max(args.threads, args.workers + 2), settings)
+    engine = make_engine(args.url, max(args.threads, args.workers + args.producers + 2), settings)
     exact = ensure_pgstattuple(engine)
     info = server_info(engine)
     print(describe(args, info, exact, settings))

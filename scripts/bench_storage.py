@@ -44,7 +44,8 @@ handler start per job and complete the batch. qstore notifies
 ``config.notify_channel(queue)`` on every enqueue commit; the classic queue gets a
 statement-level ``AFTER INSERT`` trigger that does ``pg_notify`` (its enqueue stays one
 statement). Pickup latency = handler start - the clock read right after the enqueue call
-returned (one process, one clock). The producer must hold the offered rate.
+returned (one process, one clock). The producer must hold the offered rate. qstore's
+Maintainer runs meanwhile only with ``--maintainer``.
 
 Examples::
 
@@ -425,7 +426,7 @@ def run_natural(engine: Engine, system: Any, phase: str, jobs: Sequence[Job],
     n = len(jobs)
     res: dict[str, Any] = {"mode": "natural", "system": system.name, "phase": phase, "jobs": n}
 
-    system.fresh(engine)
+    system.fresh(engine, notify=args.classic_notify)
     checkpoint(engine)
     with pinned(engine, phase == "pinned"):
         res["single_enqueue"] = timed_single_enqueue(
@@ -450,6 +451,7 @@ def run_steady(engine: Engine, system: Any, phase: str, args: argparse.Namespace
     system.fresh(engine, notify=True)
     checkpoint(engine)
     with Waker(engine, system.notify_channel, args.workers) as waker, \
+            upkeep(engine, system, args.maintainer), \
             pinned(engine, phase == "pinned") as pin:
         if pin is not None:
             res["pinned_xid"] = pin.xid
@@ -484,6 +486,19 @@ def run_steady(engine: Engine, system: Any, phase: str, args: argparse.Namespace
     res["dead_total"] = sum(f["dead"] for f in dead.values())
     res["problems"] = problems
     return res
+
+
+@contextlib.contextmanager
+def upkeep(engine: Engine, system: Any, run: bool) -> Iterator[None]:
+    """qstore's Maintainer (default schedule) running for the block when ``run``; nothing for
+    the classic queue (the server's autovacuum is its upkeep)."""
+    if not run or not isinstance(system, QstoreSystem):
+        yield
+        return
+    from qstore.maintainer import Maintainer
+
+    with Maintainer(system.storage, engine):
+        yield
 
 
 def steady_figures(p: PickupResult) -> dict[str, Any]:
@@ -848,6 +863,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poll-interval", type=float, default=1.0,
                    help="steady: a waiting worker claims anyway after this many seconds "
                         "without a notification (polling fallback)")
+    p.add_argument("--maintainer", action="store_true",
+                   help="steady: run qstore's Maintainer (default schedule) during each qstore "
+                        "measurement, as a deployment does")
+    p.add_argument("--classic-notify", action="store_true",
+                   help="natural: give the classic queue its NOTIFY-on-insert trigger for the "
+                        "single-job enqueue too (qstore always notifies)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
                    help="session setting for every benchmark connection, e.g. --set jit=off "
                         "(repeatable; applies to both systems)")
@@ -891,11 +912,12 @@ def describe(args: argparse.Namespace, info: dict[str, Any], exact: bool,
     elif args.mode == "natural":
         what = (f"mode=natural jobs={args.jobs} threads={args.threads} batch={args.batch} "
                 f"enqueue_seconds={args.enqueue_seconds} warmup={args.warmup} "
+                f"classic_notify={args.classic_notify} "
                 f"qstore_shards={args.qstore_shards} rounds={args.rounds}")
     else:
         what = (f"mode=steady rate={args.rate:g}/s duration={args.duration:g}s "
                 f"warmup={args.steady_warmup:g}s producers={args.producers} "
-                f"workers={args.workers} batch={args.batch} "
+                f"workers={args.workers} batch={args.batch} maintainer={args.maintainer} "
                 f"poll_interval={args.poll_interval:g}s qstore_shards={args.qstore_shards} "
                 f"rounds={args.rounds}")
     return (f"{what} cpus={info['cpus']} "

@@ -201,6 +201,15 @@ def maintainer_summary(m: Maintainer) -> dict[str, int]:
     return out
 
 
+def count_errors(errors: list[str]) -> dict[str, int]:
+    """How often each error occurred, keyed by the first line of its message."""
+    out: dict[str, int] = {}
+    for e in errors:
+        key = e.splitlines()[0] if e else e
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
 def maintainer_errors(m: Maintainer | None) -> list[str]:
     if m is None:
         return []
@@ -426,8 +435,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             s.stop_upkeep()
         for t in threads:
             t.join(timeout=10)
+    upkeep_errors = maintainer_errors(qstore.maintainer)
     errors = {s.name: counters[s.name].errors[:20] for s in systems}
-    errors[qstore.name] += maintainer_errors(qstore.maintainer)[:20]
+    errors[qstore.name] += upkeep_errors[:20]
+    error_counts = {s.name: count_errors(counters[s.name].errors) for s in systems}
+    error_counts[qstore.name].update(count_errors(upkeep_errors))
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("url", "plot", "json")},
         "machine": info,
@@ -438,7 +450,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "phases": {"clean": clean_s, "pinned": pinned_s, "recovery": recovery_s},
         "dead_tuple_census": {"source": census_source(exact), **censuses},
         "samples": samples,
-        "errors": errors,
+        "errors": errors,  # the first 20 of each system's (and its upkeep's)
+        "error_counts": error_counts,  # all of them, by the message's first line
         "vacuum_errors": vac_errors[:20],
         "qstore_maintenance": qstore.maintenance,
     }
@@ -476,8 +489,8 @@ def take_sample(engine: Engine, systems: list[System], counters: dict[str, Count
     return row
 
 
-def soak_verdict(samples: list[dict[str, Any]], rate: float, end_of_pinned: dict[str, Any] | None,
-            qstore_schema: str) -> dict[str, Any]:
+def soak_verdict(samples: list[dict[str, Any]], rate: float,
+                 end_of_pinned: dict[str, Any] | None, qstore_schema: str) -> dict[str, Any]:
     """The issue-5 targets from the samples, and the upkeep target from the census taken at
     the end of the pinned phase (SKIP when the run stopped before it)."""
     def phase(p: str) -> list[dict[str, Any]]:
@@ -651,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{up['result']}  dead tuples in the whole qstore schema at the end of the pinned phase: "
           f"{up['value'] if up['value'] is not None else 'n/a'} (target {up['target']})"
           + (f"  [{up['note']}]" if up.get("note") else ""))
-    print("errors:", json.dumps(result["errors"], indent=1))
+    print("errors (by first line, all of them):", json.dumps(result["error_counts"], indent=1))
     return 0
 
 

@@ -538,6 +538,11 @@ def fmt(x: float | None, spec: str = ",.0f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def times(x: float | None) -> str:
+    """A ratio as ``0.85x`` (``n/a`` when not measured)."""
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
 def medians(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     """Per (system, phase): the median of every figure over the rounds."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -754,8 +759,8 @@ def print_natural(results: list[dict[str, Any]], summary: dict[str, Any]) -> Non
          for k, m in summary["medians"].items()]))
     print("\nRatios (qstore / classic):")
     for phase, rr in summary["ratios"].items():
-        print(f"  {phase:<6}  single-job enqueue {fmt(rr['single_enqueue'], '.2f')}x   "
-              f"natural drain {fmt(rr['drain'], '.2f')}x")
+        print(f"  {phase:<6}  single-job enqueue {times(rr['single_enqueue'])}   "
+              f"natural drain {times(rr['drain'])}")
     print_errors(results)
     print_targets(summary["targets"], "natural loop")
 

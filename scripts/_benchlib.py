@@ -1,31 +1,46 @@
 """Helpers shared by the storage benchmarks: database setup, the xmin pin, the threaded
-drain loop and dead-tuple accounting. Nothing here knows about a particular queue."""
+drain loop, the single-job enqueue loop, the paced producer with LISTEN/NOTIFY-woken
+workers, latency percentiles, dead-tuple accounting and target verdicts. Nothing here knows
+about a particular queue."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import os
 import platform
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
+from psycopg import sql
 from sqlalchemy import Connection, Engine, create_engine, make_url, text
 
 __all__ = [
     "DrainResult",
+    "PickupResult",
+    "Waker",
     "XminPin",
     "dead_tuples",
     "drain",
     "ensure_database",
     "ensure_pgstattuple",
     "format_table",
+    "latency_summary",
     "make_engine",
+    "median",
+    "paced_pickup",
+    "percentile",
+    "pinned",
     "server_info",
     "timed_enqueue",
+    "timed_single_enqueue",
+    "verdict",
     "wal_position",
     "wal_since",
 ]
@@ -162,6 +177,16 @@ class XminPin:
             self._conn = None
 
 
+@contextlib.contextmanager
+def pinned(engine: Engine, pin: bool) -> Iterator[XminPin | None]:
+    """An :class:`XminPin` held for the block when ``pin`` is true, else nothing (``None``)."""
+    if not pin:
+        yield None
+        return
+    with XminPin(engine) as holder:
+        yield holder
+
+
 # -- the drain --------------------------------------------------------------------------
 @dataclass
 class DrainResult:
@@ -173,6 +198,8 @@ class DrainResult:
     empty_claims: int = 0
     early_exits: int = 0
     per_thread: list[int] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)  # "claim: Type: message" -> count
+    handled: int = 0  # calls of the job handler
 
     @property
     def jobs_per_s(self) -> float:
@@ -194,6 +221,8 @@ def drain(
     recheck_pause: float = 0.01,
     idle_exit: float = 1.0,
     own_transactions: bool = False,
+    handle: Callable[[Any], object] | None = None,
+    tolerate_errors: bool = False,
 ) -> DrainResult:
     """``threads`` workers, each on its own pooled connection, loop claim + complete (one
     transaction each). A worker stops once its claims have come back empty (at least twice,
@@ -203,18 +232,33 @@ def drain(
 
     ``own_transactions``: instead of wrapping each call in ``BEGIN ... COMMIT`` on the
     worker's connection, pass the ``Engine`` to ``claim``/``complete`` and let each system
-    run the call as its own transaction (each adapter's Engine mode)."""
+    run the call as its own transaction (each adapter's Engine mode).
+
+    ``handle``: called once per claimed job, in claim order, between the claim and the
+    completion of its batch (a worker's job handler; its time is part of the drain).
+
+    ``tolerate_errors``: an exception raised by a claim or a completion is counted in
+    ``DrainResult.errors`` (by call, type and message) and the worker goes on after
+    ``recheck_pause``; jobs of a batch whose completion raised are not counted as drained.
+    Without it the first exception stops the drain and is raised."""
     start = threading.Barrier(threads + 1)
     lock = threading.Lock()
     errors: list[BaseException] = []
+    tolerated: dict[str, int] = {}
+
+    def note(call: str, exc: Exception) -> None:
+        key = f"{call}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        with lock:
+            tolerated[key] = tolerated.get(key, 0) + 1
+        time.sleep(recheck_pause)
     all_ids: list[int] = []
     last_done: list[float] = []
-    stats = {"calls": 0, "empty": 0, "early_exits": 0, "completed": 0}
+    stats = {"calls": 0, "empty": 0, "early_exits": 0, "completed": 0, "handled": 0}
     per_thread: list[int] = [0] * threads
 
     def worker(idx: int) -> None:
         ids: list[int] = []
-        calls = empty = 0
+        calls = empty = handled = 0
         last = 0.0
         try:
             # own_transactions: no connection per worker; each call checks one out itself
@@ -225,12 +269,19 @@ def drain(
                 while True:
                     if expected is not None and stats["completed"] >= expected:
                         break
-                    if own_transactions:
-                        got = claim(engine)  # type: ignore[arg-type]
-                    else:
-                        assert conn is not None
-                        with conn.begin():
-                            got = claim(conn)
+                    try:
+                        if own_transactions:
+                            got = claim(engine)  # type: ignore[arg-type]
+                        else:
+                            assert conn is not None
+                            with conn.begin():
+                                got = claim(conn)
+                    except Exception as exc:
+                        if not tolerate_errors:
+                            raise
+                        calls += 1
+                        note("claim", exc)
+                        continue
                     calls += 1
                     if not got:
                         empty += 1
@@ -246,12 +297,22 @@ def drain(
                         time.sleep(recheck_pause)
                         continue
                     empties = 0
-                    if own_transactions:
-                        done = complete(engine, got)  # type: ignore[arg-type]
-                    else:
-                        assert conn is not None
-                        with conn.begin():
-                            done = complete(conn, got)
+                    if handle is not None:
+                        for job in got:
+                            handle(job)
+                            handled += 1
+                    try:
+                        if own_transactions:
+                            done = complete(engine, got)  # type: ignore[arg-type]
+                        else:
+                            assert conn is not None
+                            with conn.begin():
+                                done = complete(conn, got)
+                    except Exception as exc:
+                        if not tolerate_errors:
+                            raise
+                        note("complete", exc)
+                        continue
                     if done != len(got):
                         raise RuntimeError(
                             f"completion reported {done} of {len(got)} claimed jobs"
@@ -274,6 +335,7 @@ def drain(
                 all_ids.extend(ids)
                 stats["calls"] += calls
                 stats["empty"] += empty
+                stats["handled"] += handled
                 per_thread[idx] = len(ids)
                 if last:
                     last_done.append(last)
@@ -299,6 +361,8 @@ def drain(
         empty_claims=stats["empty"],
         early_exits=stats["early_exits"],
         per_thread=per_thread,
+        errors=tolerated,
+        handled=stats["handled"],
     )
 
 
@@ -308,10 +372,11 @@ def family_of(relname: str) -> str:
     return _SLOT_SUFFIX.sub("", relname)
 
 
-def dead_tuples(engine: Engine, schema: str, exact: bool) -> dict[str, dict[str, int]]:
-    """Dead tuples per table family of ``schema``: ``dead`` (``pgstattuple`` when ``exact``,
-    else the statistics counter), ``n_dead_tup`` (statistics), ``live`` and ``bytes``
-    (heap + indexes + toast)."""
+def dead_tuples(engine: Engine, schema: str, exact: bool,
+                fold: bool = True) -> dict[str, dict[str, int]]:
+    """Dead tuples per table family of ``schema`` (per table when ``fold`` is false):
+    ``dead`` (``pgstattuple`` when ``exact``, else the statistics counter), ``n_dead_tup``
+    (statistics), ``live`` and ``bytes`` (heap + indexes + toast)."""
     rows_sql = text(
         """
         SELECT c.relname,
@@ -337,7 +402,8 @@ def dead_tuples(engine: Engine, schema: str, exact: bool) -> dict[str, dict[str,
                     {"oid": oid},
                 ).one()
             fam = out.setdefault(
-                family_of(relname), {"dead": 0, "n_dead_tup": 0, "live": 0, "bytes": 0,
+                family_of(relname) if fold else relname,
+                {"dead": 0, "n_dead_tup": 0, "live": 0, "bytes": 0,
                                      "relations": 0},
             )
             fam["dead"] += int(dead if dead is not None else n_dead)
@@ -347,6 +413,330 @@ def dead_tuples(engine: Engine, schema: str, exact: bool) -> dict[str, dict[str,
             fam["relations"] += 1
         conn.rollback()
     return out
+
+
+# -- single-job enqueue -----------------------------------------------------------------
+def timed_single_enqueue(enqueue_one: Callable[[int], object], seconds: float,
+                         warmup_calls: int = 50) -> dict[str, Any]:
+    """Call ``enqueue_one(i)`` (one job, its own transaction) back to back from this thread
+    for ``seconds``, after ``warmup_calls`` untimed calls (numbered from -warmup_calls, so
+    timed jobs are 0, 1, ...). Returns jobs, seconds, jobs/s and the per-call latency."""
+    for i in range(-warmup_calls, 0):
+        enqueue_one(i)
+    calls: list[float] = []
+    n = 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    now = t0
+    while now < end:
+        enqueue_one(n)
+        after = time.perf_counter()
+        calls.append(after - now)
+        now = after
+        n += 1
+    elapsed = now - t0
+    return {"jobs": n, "seconds": elapsed, "jobs_per_s": n / elapsed if elapsed > 0 else 0.0,
+            "call_ms": latency_summary(calls)}
+
+
+# -- percentiles and verdicts -------------------------------------------------------------
+def median(values: Sequence[float]) -> float | None:
+    vals = sorted(values)
+    if not vals:
+        return None
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile ``q`` (0-100] of already sorted values; None when empty."""
+    if not sorted_values:
+        return None
+    rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def latency_summary(seconds: Sequence[float]) -> dict[str, Any]:
+    """Count and p50/p95/p99/max/mean of durations given in seconds, in milliseconds."""
+    vals = sorted(seconds)
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else x * 1000.0
+
+    return {
+        "n": len(vals),
+        "p50_ms": ms(percentile(vals, 50)),
+        "p95_ms": ms(percentile(vals, 95)),
+        "p99_ms": ms(percentile(vals, 99)),
+        "max_ms": ms(vals[-1] if vals else None),
+        "mean_ms": ms(sum(vals) / len(vals) if vals else None),
+    }
+
+
+def verdict(value: float | None, op: str, target: float, note: str | None = None) -> dict[str, Any]:
+    """``{"value", "target", "result"}`` with result PASS/FAIL (``op`` is ``>=`` or ``<=``),
+    or SKIP when nothing was measured; ``note`` qualifies the figure."""
+    out: dict[str, Any] = {"value": value, "target": f"{op} {target}"}
+    if value is None:
+        out["result"] = "SKIP"
+    else:
+        ok = value >= target if op == ">=" else value <= target
+        out["result"] = "PASS" if ok else "FAIL"
+    if note:
+        out["note"] = note
+    return out
+
+
+# -- LISTEN/NOTIFY wake-ups and the paced producer -----------------------------------------
+class Waker:
+    """A dedicated LISTEN session on one channel (its own psycopg connection in autocommit,
+    outside the engine's pool) and a thread reading its notifications.
+
+    Every notification is a wake-up token: it releases one thread blocked in :meth:`wait`,
+    or the next thread to call it. At most ``cap`` tokens are kept (one per worker is enough:
+    a woken worker claims a whole batch), so a burst does not cause a train of empty claims.
+    """
+
+    def __init__(self, engine: Engine, channel: str, cap: int) -> None:
+        cargs, cparams = engine.dialect.create_connect_args(engine.url)
+        cparams.pop("context", None)
+        self.channel = channel
+        self._conn = psycopg.connect(*cargs, **cparams, autocommit=True)
+        self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        self._cap = max(1, cap)
+        self._tokens = 0
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.received = 0
+        self._thread = threading.Thread(target=self._run, name=f"waker:{channel}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for _ in self._conn.notifies(timeout=0.2):
+                with self._cond:
+                    self.received += 1
+                    self._tokens = min(self._tokens + 1, self._cap)
+                    self._cond.notify()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a notification's token is available (True; the token is used up) or
+        ``timeout`` seconds passed (False)."""
+        with self._cond:
+            if self._cond.wait_for(lambda: self._tokens > 0, timeout):
+                self._tokens -= 1
+                return True
+            return False
+
+    def wake_all(self, n: int) -> None:
+        """Release up to ``n`` waiting threads (used to stop them)."""
+        with self._cond:
+            self._tokens = max(self._tokens, n)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._conn.close()
+
+    def __enter__(self) -> Waker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class PickupResult:
+    offered_rate: float
+    window_seconds: float  # the measured part of the schedule (after the warm-up)
+    enqueued: int  # jobs whose enqueue committed after the warm-up: the measured jobs
+    enqueued_total: int  # including the warm-up
+    producer_seconds: float  # end of the warm-up -> the last enqueue returned (>= window)
+    lag_seconds: list[float] = field(repr=False)  # how late each measured enqueue started
+    latencies: list[float] = field(repr=False)  # commit -> handler start, measured jobs
+    enqueue_seconds: list[float] = field(repr=False)  # duration of each measured enqueue call
+    claim_seconds: list[float] = field(repr=False)  # duration of each claim that got jobs
+    handled: int = 0  # distinct jobs whose handler ran (warm-up included)
+    duplicates: int = 0  # handler runs beyond the first for a job
+    missing: int = 0  # enqueued, never handled
+    completed: int = 0  # jobs the completions reported done
+    claim_calls: int = 0
+    empty_claims: int = 0
+    wakes_notify: int = 0  # waits ended by a notification
+    wakes_poll: int = 0  # waits that timed out (the polling fallback)
+    poll_claims_with_jobs: int = 0  # claims after a timed-out wait that found jobs
+    notifications: int = 0
+    negative_latencies: int = 0  # handler started before the producer saw its commit return
+    errors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def achieved_rate(self) -> float:
+        return self.enqueued / self.producer_seconds if self.producer_seconds > 0 else 0.0
+
+
+def paced_pickup(
+    *,
+    rate: float,
+    seconds: float,
+    warmup: float,
+    workers: int,
+    batch: int,
+    enqueue_one: Callable[[int], object],
+    claim: Callable[[], Sequence[Any]],
+    complete: Callable[[Sequence[Any]], int],
+    seq_of: Callable[[Any], int],
+    waker: Waker,
+    poll_interval: float,
+    producers: int = 1,
+    settle_timeout: float = 30.0,
+) -> PickupResult:
+    """``producers`` threads share one schedule: job ``i`` is enqueued (``enqueue_one(i)``,
+    one job, its own transaction) by the next free producer at ``t0 + i / rate``, for
+    ``warmup + seconds``; they never run ahead of the schedule, catch up when late, and stop
+    at the schedule's end whatever they managed (several producers only keep enqueues whose
+    commits take longer than ``1 / rate`` on schedule). The commit time of job ``i`` is the
+    clock read right after ``enqueue_one`` returned.
+
+    ``workers`` threads each loop: ``claim()``; on jobs, record the handler start
+    (``time.perf_counter``, the producer's clock) of each job (``seq_of(job)``), complete the
+    batch with one ``complete`` call and claim again at once if the batch was full; on a
+    short or empty batch wait on ``waker`` (a notification, or ``poll_interval`` seconds).
+    Once the producers are done the workers run until every enqueued job was handled (or
+    ``settle_timeout``). Pickup latency = handler start - commit, for the jobs that
+    committed after the warm-up; the achieved rate is their number over the time from the
+    warm-up's end to the last commit (at least ``seconds``). Errors of any call are counted (call, type, message) and the loop goes on."""
+    lock = threading.Lock()
+    commit_at: dict[int, float] = {}
+    timing: dict[int, tuple[float, float]] = {}  # job -> (due, enqueue call began)
+    started: dict[int, float] = {}
+    errors: dict[str, int] = {}
+    claim_secs: list[float] = []
+    st = {"calls": 0, "empty": 0, "wn": 0, "wp": 0, "poll_hits": 0, "completed": 0, "dups": 0}
+    stop = threading.Event()
+    total = warmup + seconds
+
+    def note(call: str, exc: Exception) -> None:
+        key = f"{call}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        with lock:
+            errors[key] = errors.get(key, 0) + 1
+
+    t0 = time.perf_counter() + 0.05
+
+    schedule = itertools.count()
+
+    def producer() -> None:
+        end = t0 + total
+        while True:
+            with lock:
+                i = next(schedule)
+            due = t0 + i / rate
+            if i / rate >= total or time.perf_counter() >= end:
+                break
+            now = time.perf_counter()
+            if due > now:
+                time.sleep(due - now)
+            began = time.perf_counter()
+            try:
+                enqueue_one(i)
+            except Exception as exc:
+                note("enqueue", exc)
+                continue
+            done = time.perf_counter()
+            with lock:
+                commit_at[i] = done
+                timing[i] = (due, began)
+
+    def worker() -> None:
+        polled = False
+        while not stop.is_set():
+            began = time.perf_counter()
+            try:
+                got = claim()
+            except Exception as exc:
+                note("claim", exc)
+                got = []
+            took = time.perf_counter() - began
+            with lock:
+                st["calls"] += 1
+                if not got:
+                    st["empty"] += 1
+                elif polled:
+                    st["poll_hits"] += 1
+            if got:
+                claim_secs.append(took)
+                for job in got:  # the handler: a no-op that notes when it started
+                    at = time.perf_counter()
+                    seq = seq_of(job)
+                    with lock:
+                        if seq in started:
+                            st["dups"] += 1
+                        else:
+                            started[seq] = at
+                try:
+                    done = complete(got)
+                except Exception as exc:
+                    note("complete", exc)
+                    done = 0
+                with lock:
+                    st["completed"] += done
+                if len(got) >= batch:
+                    polled = False
+                    continue
+            if stop.is_set():
+                break
+            woke = waker.wait(poll_interval)
+            polled = not woke
+            with lock:
+                st["wn" if woke else "wp"] += 1
+
+    pool = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
+    for t in pool:
+        t.start()
+    prods = [threading.Thread(target=producer, daemon=True) for _ in range(producers)]
+    for t in prods:
+        t.start()
+    for t in prods:
+        t.join()
+    settle_until = time.perf_counter() + settle_timeout
+    while time.perf_counter() < settle_until:
+        with lock:
+            if all(i in started for i in commit_at):
+                break
+        time.sleep(0.05)
+    stop.set()
+    waker.wake_all(workers)
+    for t in pool:
+        t.join(timeout=30)
+
+    # the measured jobs: committed after the warm-up (a late producer's backlog included)
+    window = t0 + warmup
+    measured = [i for i, at in commit_at.items() if at >= window]
+    lat = [started[i] - commit_at[i] for i in measured if i in started]
+    last_return = max((commit_at[i] for i in measured), default=window)
+    return PickupResult(
+        offered_rate=rate,
+        window_seconds=seconds,
+        enqueued=len(measured),
+        enqueued_total=len(commit_at),
+        producer_seconds=max(last_return - window, seconds),
+        lag_seconds=[timing[i][1] - timing[i][0] for i in measured],
+        latencies=lat,
+        enqueue_seconds=[commit_at[i] - timing[i][1] for i in measured],
+        claim_seconds=claim_secs,
+        handled=len(started),
+        duplicates=st["dups"],
+        missing=sum(1 for i in commit_at if i not in started),
+        completed=st["completed"],
+        claim_calls=st["calls"],
+        empty_claims=st["empty"],
+        wakes_notify=st["wn"],
+        wakes_poll=st["wp"],
+        poll_claims_with_jobs=st["poll_hits"],
+        notifications=waker.received,
+        negative_latencies=sum(1 for x in lat if x < 0),
+        errors=errors,
+    )
 
 
 # -- output -----------------------------------------------------------------------------

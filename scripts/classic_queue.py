@@ -12,11 +12,16 @@ Every claim and every completion leaves one dead heap tuple per job (the ``UPDAT
 HOT: it changes a column of the partial index predicate), which is what the comparison is
 about. Functions take a SQLAlchemy ``Connection`` and never commit: the caller owns the
 transaction.
+
+For LISTEN-based workers, ``create(conn, notify_channel=...)`` also installs a statement-level
+``AFTER INSERT`` trigger that sends one ``NOTIFY`` per enqueue statement (delivered at commit),
+so an enqueue stays one statement.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +53,7 @@ from sqlalchemy.schema import CreateSchema, DropSchema
 __all__ = ["ClassicJob", "ClassicQueue"]
 
 DEFAULT_SCHEMA = "bench_classic"
+_CHANNEL = re.compile(r"[A-Za-z0-9_:.]{1,63}")
 
 
 @dataclass(frozen=True)
@@ -96,9 +102,27 @@ class ClassicQueue:
         self._insert = self._build_insert()
 
     # -- install ----------------------------------------------------------------------
-    def create(self, conn: Connection) -> None:
+    def create(self, conn: Connection, notify_channel: str | None = None) -> None:
+        """Create the schema and the table; with ``notify_channel``, every INSERT or COPY
+        statement into ``jobs`` also sends one NOTIFY on that channel (at commit)."""
         conn.execute(CreateSchema(self.schema, if_not_exists=True))
         self.metadata.create_all(conn)
+        if notify_channel is not None:
+            self._create_notify_trigger(conn, notify_channel)
+
+    def _create_notify_trigger(self, conn: Connection, channel: str) -> None:
+        if not _CHANNEL.fullmatch(channel):
+            raise ValueError(f"notify channel {channel!r} must match {_CHANNEL.pattern}")
+        prep = conn.dialect.identifier_preparer
+        fn = f"{prep.quote_schema(self.schema)}.jobs_notify"
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS $$ "
+            f"BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$"
+        )
+        conn.exec_driver_sql(
+            f"CREATE TRIGGER jobs_notify AFTER INSERT ON {prep.format_table(self.jobs)} "
+            f"FOR EACH STATEMENT EXECUTE FUNCTION {fn}()"
+        )
 
     def drop(self, conn: Connection) -> None:
         conn.execute(DropSchema(self.schema, cascade=True, if_exists=True))

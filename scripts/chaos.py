@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -148,7 +149,8 @@ class ChaosOptions:
     workers: int = 4
     maintainers: int = 2
     chaos_seconds: float = 60.0
-    drain_seconds: float = 180.0
+    drain_seconds: float = 1800.0  # absolute cap of the clean drain
+    drain_stall_seconds: float = 90.0  # the drain also ends when no job ended for this long
     enqueue_fraction: float = 0.5  # enqueueing is spread over this share of the chaos window
     seed: int = 1
     batch: int = 16
@@ -407,6 +409,7 @@ class Worker:
         self.stop = False
         self._last_beat_call = 0.0
         self._injected = False
+        self._claimed_at = 0.0
 
     # -- plumbing --------------------------------------------------------------------------
     def api(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -424,9 +427,10 @@ class Worker:
             self.log.error("harness", op, exc)
             raise Abort from exc
 
-    def transact(self, op: str, body: Callable[[Connection], bool]) -> bool:
+    def transact(self, op: str, body: Callable[[Connection], bool]) -> str:
         """Run ``body`` in one transaction; commit when it returns True, else roll back.
-        Returns whether a commit succeeded."""
+        Returns ``committed``, ``rolled_back`` (``body`` chose to) or ``failed`` (an error,
+        logged: nothing was written)."""
         try:
             with self.engine.connect() as conn:
                 tx = conn.begin()
@@ -435,24 +439,24 @@ class Worker:
                 except Abort:
                     with contextlib.suppress(Exception):
                         tx.rollback()
-                    return False
+                    return "failed"
                 except Exception as exc:
                     self.log.error("harness", op, exc)
                     with contextlib.suppress(Exception):
                         tx.rollback()
-                    return False
-                if not keep:
-                    tx.rollback()
-                    return False
+                    return "failed"
                 try:
+                    if not keep:
+                        tx.rollback()
+                        return "rolled_back"
                     tx.commit()
                 except Exception as exc:
-                    self.log.error("commit", op, exc)
-                    return False
-                return True
+                    self.log.error("commit" if keep else "rollback", op, exc)
+                    return "failed" if keep else "rolled_back"
+                return "committed"
         except Exception as exc:
             self.log.error("connect", op, exc)
-            return False
+            return "failed"
 
     def outcome_row(self, j: ClaimedRuntimeJob, outcome: str) -> dict[str, Any]:
         args = j.job.args
@@ -493,6 +497,7 @@ class Worker:
 
     def claim(self, queue: str) -> list[ClaimedRuntimeJob]:
         self.stats["claim_calls"] += 1
+        self._claimed_at = time.monotonic()  # the attempts' staleness clock starts at the claim
         try:
             got: list[ClaimedRuntimeJob] = self.api(
                 "claim", self.storage.claim_runtime_batch, self.engine, queue, self.batch)
@@ -511,7 +516,7 @@ class Worker:
                 "ids": [j.job.id for j in jobs], "seqs": [int(j.job.args["s"]) for j in jobs]}).all())
             return True
 
-        if not self.transact("lookup", body):
+        if self.transact("lookup", body) != "committed":
             self.stats["lookup_failed"] += len(jobs)
             return None
         for r in rows:
@@ -537,8 +542,8 @@ class Worker:
             elif cls == "snooze_complete":
                 self.step(j, "snooze")
             elif cls == "heartbeat_complete":
-                now = time.monotonic()
-                self.held[j.job.id] = Held(j, now + self.hold, now)
+                self.held[j.job.id] = Held(j, time.monotonic() + self.hold, self._claimed_at)
+                self._last_beat_call = 0.0  # beat it now
             elif cls in ("exhaust", "exhaust_dlq"):
                 self.fail_retryable(j)
             elif cls == "fail_terminal":
@@ -554,13 +559,15 @@ class Worker:
             self.complete(completions)
 
     # -- outcomes ------------------------------------------------------------------------------
-    def complete(self, jobs: list[ClaimedRuntimeJob], op: str = "complete") -> None:
+    def complete(self, jobs: list[ClaimedRuntimeJob], op: str = "complete") -> set[tuple[int, int]] | None:
+        """Complete ``jobs`` and write their outcome rows in one transaction. Returns the
+        attempts that completed (the others were stale), or None when the transaction
+        failed (nothing was written)."""
         pairs = {(j.job.id, j.job.run_lease) for j in jobs}
-        done: list[tuple[int, int]] = []
+        finished: set[tuple[int, int]] = set()
 
         def body(conn: Connection) -> bool:
-            done.extend(self.api(op, self.storage.complete_runtime_batch, conn, jobs))
-            finished = set(done)
+            finished.update(self.api(op, self.storage.complete_runtime_batch, conn, jobs))
             if finished - pairs:
                 self.log.write("unexpected_result", op=op, extra=sorted(finished - pairs))
             rows = [self.outcome_row(j, "completed") for j in jobs if (j.job.id, j.job.run_lease) in finished]
@@ -568,13 +575,13 @@ class Worker:
                 self.sql(op, conn, INSERT_OUTCOME, rows)
             return bool(rows)
 
-        if self.transact(op, body):
-            self.stats[f"ok:{op}"] += len(done)
-            self.stats[f"stale:{op}"] += len(jobs) - len(done)
-            if "double_complete" in self.faults and not self._injected and done:
-                self.inject_double(next(j for j in jobs if (j.job.id, j.job.run_lease) == done[0]))
-        elif not done:
-            self.stats[f"stale:{op}"] += len(jobs)
+        if self.transact(op, body) == "failed":
+            return None
+        self.stats[f"ok:{op}"] += len(finished)
+        self.stats[f"stale:{op}"] += len(jobs) - len(finished)
+        if "double_complete" in self.faults and not self._injected and finished:
+            self.inject_double(next(j for j in jobs if (j.job.id, j.job.run_lease) in finished))
+        return finished
 
     def inject_double(self, j: ClaimedRuntimeJob) -> None:
         """Planted fault: act as if completing ``j`` a second time had succeeded."""
@@ -606,7 +613,7 @@ class Worker:
             self.sql(op, conn, INSERT_OUTCOME, [self.outcome_row(j, outcome)])
             return True
 
-        if self.transact(op, body):
+        if self.transact(op, body) == "committed":
             self.stats[f"ok:{op}"] += 1
 
     def fail_retryable(self, j: ClaimedRuntimeJob) -> None:
@@ -630,7 +637,7 @@ class Worker:
                 self.sql("fail_retryable", conn, INSERT_STEP, [self.step_row(j, "fail_retryable")])
             return True
 
-        if self.transact("fail_retryable", body):
+        if self.transact("fail_retryable", body) == "committed":
             self.stats["ok:fail_retryable"] += 1
 
     def step(self, j: ClaimedRuntimeJob, step: str) -> None:
@@ -660,7 +667,7 @@ class Worker:
             self.sql(step, conn, INSERT_STEP, [self.step_row(j, step)])
             return True
 
-        if self.transact(step, body):
+        if self.transact(step, body) == "committed":
             self.stats[f"ok:{step}"] += 1
 
     def tend_held(self) -> None:
@@ -686,14 +693,14 @@ class Worker:
         if not due:
             return
         for h in due:
-            del self.held[h.job.job.id]
-        for h in due:
             h.max_gap = max(h.max_gap, time.monotonic() - h.last_beat)
-        before = self.stats["ok:complete_held"]
-        self.complete([h.job for h in due], op="complete_held")
-        if self.stats["ok:complete_held"] - before < len(due):
-            # some held attempt was stale: legitimate only if it went unbeaten too long
-            for h in due:
+        finished = self.complete([h.job for h in due], op="complete_held")
+        if finished is None:
+            return  # the transaction failed: keep them held (and beating), try again next tick
+        for h in due:
+            del self.held[h.job.job.id]
+            if (h.job.job.id, h.job.job.run_lease) not in finished:
+                # stale: legitimate only if the attempt went without a heartbeat too long
                 self.log.write("held_not_completed", job_id=h.job.job.id, max_gap=round(h.max_gap, 3),
                                staleness=self.staleness)
 
@@ -780,9 +787,20 @@ def record_report(r: TaskReport, log: EventLog, stats: MaintStats) -> None:
               message=r.error.splitlines()[0][:300])
 
 
-def maintainer_main(url: str, name: str, events: Path, cfg: dict[str, Any]) -> int:
-    import logging
+@contextlib.contextmanager
+def quiet_logger(name: str) -> Iterator[None]:
+    """Silence logger ``name`` for the block (its level is restored afterwards)."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
+
+def maintainer_main(url: str, name: str, events: Path, cfg: dict[str, Any]) -> int:
+    # task failures are recorded from the maintainer's reports; its warnings would only repeat them
     logging.getLogger("qstore.maintainer").setLevel(logging.CRITICAL)
     log = EventLog(events, name)
     stopped = False
@@ -1120,10 +1138,17 @@ class Controller:
                 f'SELECT state::text, count(*) FROM "{SCHEMA}"."{d.name}" GROUP BY 1')).all())
         return out
 
+    def ended_jobs(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(text(
+                f'SELECT (SELECT count(*) FROM chaos_outcomes) + (SELECT count(*) FROM "{SCHEMA}".'
+                f'"{self.storage.tables.dlq.name}")')).scalar_one())
+
     def drain(self) -> tuple[bool, dict[str, Any]]:
         """Workers and maintainers run without chaos until two readings a second apart find
-        nothing available, running or deferred, or the deadline passes. Returns (drained,
-        last counts)."""
+        nothing available, running or deferred; or until no job has ended for
+        ``drain_stall_seconds``, or ``drain_seconds`` have passed. Returns (drained, last
+        counts)."""
         while len(self.alive("maintainer")) < max(1, self.opts.maintainers):
             self.spawn("maintainer")
         while len(self.alive("worker")) < self.opts.workers:
@@ -1131,15 +1156,19 @@ class Controller:
         start = time.monotonic()
         deadline = start + self.opts.drain_seconds
         last_progress = start
+        ended, ended_at = -1, start
         counts: dict[str, Any] = {}
         quiet_readings = 0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and time.monotonic() - ended_at < self.opts.drain_stall_seconds:
             try:
                 counts = self.live_counts()
+                now_ended = self.ended_jobs()
             except QueueStorageError as exc:
                 self.log.error("api", "queue_counts", exc)
                 time.sleep(0.5)
                 continue
+            if now_ended != ended:
+                ended, ended_at = now_ended, time.monotonic()
             empty = not counts["deferred"] and all(
                 counts[q]["available"] == 0 and counts[q]["running"] == 0 for q in QUEUES)
             quiet_readings = quiet_readings + 1 if empty else 0
@@ -1344,10 +1373,13 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
         not rescued_fresh, {"rescued_while_heartbeating": rescued_fresh[:20], "held_stale_total": len(held)}
         if rescued_fresh else ({"held_stale_after_heartbeat_gap": len(held)} if held else None))
 
-    # one more maintenance pass on a quiet database: counts must not move
+    # two more maintenance passes on a quiet database: they raise nothing, counts do not move
     m = Maintainer(s, eng, schedule_for(ctl.opts))
-    final_reports = [r for _ in range(2) for r in m.run_all()]
+    with quiet_logger("qstore.maintainer"):  # failures are reported below, not logged
+        final_reports = [r for _ in range(2) for r in m.run_all()]
     counts_after = {q: asdict(s.queue_counts(eng, q)) for q in QUEUES}
+    final_errors = [f"{r.task}: {r.error}" for r in final_reports if r.error]
+    checks["final_maintenance_raised_nothing"] = check(not final_errors, final_errors or None)
     checks["counts_stable_across_final_maintenance"] = check(
         counts_after == counts_before, None if counts_after == counts_before else {
             "before": counts_before, "after": counts_after})
@@ -1379,8 +1411,7 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
             k: None if v is None else round(float(v), 3)
             for k, v in zip(("p50", "p95", "max"), latency[1:], strict=True)}},
         "queue_counts": counts_before,
-        "final_maintenance": {"errors": [r.error for r in final_reports if r.error],
-                              "rollup": [asdict(x) for x in rollup if x is not None]},
+        "final_maintenance": {"rollup": [asdict(x) for x in rollup if x is not None]},
         "errors": errs,
     }
 
@@ -1533,6 +1564,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="length of the chaos window (enqueueing takes its first half)")
     p.add_argument("--drain-seconds", type=float, default=d.drain_seconds,
                    help="deadline of the clean drain after the chaos")
+    p.add_argument("--drain-stall-seconds", type=float, default=d.drain_stall_seconds,
+                   help="the drain also gives up when no job ended for this long")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--batch", type=int, default=d.batch, help="claim batch size")
     p.add_argument("--stripes", type=int, default=d.stripes)
@@ -1570,7 +1603,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return entry(a.url, a.name, a.events, cfg)
     opts = ChaosOptions(
         url=a.url, jobs=a.jobs, workers=a.workers, maintainers=a.maintainers,
-        chaos_seconds=a.chaos_seconds, drain_seconds=a.drain_seconds, seed=a.seed, batch=a.batch,
+        chaos_seconds=a.chaos_seconds, drain_seconds=a.drain_seconds,
+        drain_stall_seconds=a.drain_stall_seconds, seed=a.seed, batch=a.batch,
         stripes=a.stripes, hold=a.hold, heartbeat_staleness=a.heartbeat_staleness,
         worker_kill_every=a.worker_kill_every, maintainer_kill_every=a.maintainer_kill_every,
         terminate_every=a.terminate_every, pin_seconds=a.pin_seconds, pins=a.pins,

@@ -57,14 +57,17 @@ KNOWN_FAULTS: dict[str, Callable[[dict[str, Any]], bool]] = {
 ERROR_CHECKS = ("workers_saw_no_errors_but_killed_sessions", "maintainers_saw_no_errors_but_killed_sessions")
 
 
-def assert_every_check_passes(summary: dict[str, Any]) -> None:
+def known_faults_only(summary: dict[str, Any]) -> str | None:
+    """Assert that every check passed, or that the only failures are error checks whose
+    errors all match :data:`KNOWN_FAULTS`; in that case return those faults' description."""
     failed = failed_checks(summary)
     if failed and set(failed) <= set(ERROR_CHECKS):
         groups = [g for name in failed for g in failed[name]]
-        known = {fault for g in groups for fault, match in KNOWN_FAULTS.items() if match(g)}
         if all(any(match(g) for match in KNOWN_FAULTS.values()) for g in groups):
-            pytest.xfail("known fault(s): " + "; ".join(sorted(known)))
+            return "known fault(s): " + "; ".join(sorted(
+                {fault for g in groups for fault, match in KNOWN_FAULTS.items() if match(g)}))
     assert failed == {}, summary["findings"]
+    return None
 
 
 def test_every_job_ends_exactly_once_with_its_planned_outcome_under_chaos(fresh_db_url):
@@ -72,6 +75,7 @@ def test_every_job_ends_exactly_once_with_its_planned_outcome_under_chaos(fresh_
         fresh_db_url, jobs=400, workers=3, maintainers=2, chaos_seconds=15, drain_seconds=25,
         enqueue_fraction=0.7, pin_seconds=4, pins=2, unique_conflicts=0, seed=11)
 
+    known = known_faults_only(summary)
     # the run cannot pass vacuously: the chaos happened and every outcome was exercised
     kills = summary["kills"]
     assert kills["worker_sigkill"] >= 3 and kills["maintainer_sigkill"] >= 2, kills
@@ -80,7 +84,8 @@ def test_every_job_ends_exactly_once_with_its_planned_outcome_under_chaos(fresh_
     assert set(summary["outcomes"]) == {"completed", "failed", "cancelled", "dlq"}
     assert sum(summary["outcomes"].values()) == 400
     assert summary["retained_history_checked"] > 0
-    assert_every_check_passes(summary)
+    if known:
+        pytest.xfail(known)
 
 
 def test_promotion_of_a_job_whose_key_another_job_took_raises_nothing(fresh_db_url):
@@ -90,8 +95,10 @@ def test_promotion_of_a_job_whose_key_another_job_took_raises_nothing(fresh_db_u
         fresh_db_url, jobs=30, workers=1, maintainers=1, chaos=False, chaos_seconds=1,
         drain_seconds=15, unique_conflicts=4, classes=("complete", "uconflict_a"))
 
+    known = known_faults_only(summary)
     assert summary["outcomes"] == {"completed": 30 + 4}  # 26 plain jobs, 4 pairs
-    assert_every_check_passes(summary)
+    if known:
+        pytest.xfail(known)
 
 
 def test_checks_catch_a_lost_job_and_a_job_completed_twice(fresh_db_url):

@@ -33,7 +33,7 @@ terminated: 57P01, class 08, a connection SQLAlchemy invalidated) or as a findin
 Usage (the database must not exist yet, or be empty; it is dropped afterwards if this run
 created it)::
 
-    python scripts/chaos.py --jobs 20000 --workers 4 --chaos-seconds 90 --json chaos.json
+    python scripts/chaos.py --jobs 20000 --workers 4 --chaos-seconds 120 --json chaos.json
 
 Exit status 0 when every check passed, 1 otherwise. ``--inject`` plants a fault (a job
 removed from the ready ring, a terminal outcome recorded twice, a job delivered twice) to show
@@ -92,10 +92,9 @@ LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 #: SQLSTATEs meaning "this session was ended from outside" (pg_terminate_backend, shutdown)
 KILLED_STATES = frozenset({"57P01", "57P02", "57P03"})
 KILLED_TEXT = re.compile(
-    r"terminating connection|server closed the connection|connection is closed|"
+    r"terminating connection|server closed the connection|the connection is closed|"
     r"consuming input failed|connection to server .* failed|the connection is lost|"
-    r"connection already closed|Can't reconnect until invalid|SSL connection has been closed",
-    re.IGNORECASE,
+    r"Can't reconnect until invalid transaction is rolled back|SSL connection has been closed",
 )
 CONTENTION_STATES = frozenset({"55P03", "40P01", "40001"})
 
@@ -204,11 +203,8 @@ def connection_killed(exc: BaseException) -> bool:
         chain.append(exc.original)
     if exc.__cause__ is not None:
         chain.append(exc.__cause__)
-    for e in chain:
-        if isinstance(e, sa_exc.DBAPIError) and e.connection_invalidated:
-            return True
-        if isinstance(e, sa_exc.PendingRollbackError | sa_exc.ResourceClosedError):
-            return True
+    if any(isinstance(e, sa_exc.DBAPIError) and e.connection_invalidated for e in chain):
+        return True
     return state is None and bool(KILLED_TEXT.search(str(exc)))
 
 
@@ -1481,6 +1477,10 @@ def findings_of(summary: dict[str, Any]) -> list[str]:
 def run(opts: ChaosOptions, json_out: Path | None = None) -> dict[str, Any]:
     """One chaos run; returns (and optionally writes) the JSON summary."""
     faults_of(opts.inject)
+    if opts.jobs < 1 or opts.workers < 1 or opts.maintainers < 1 or opts.batch < 1:
+        raise SystemExit("--jobs, --workers, --maintainers and --batch must be at least 1")
+    if not 0 <= opts.unique_conflicts * 2 <= opts.jobs:
+        raise SystemExit(f"--unique-conflicts {opts.unique_conflicts}: at most half of --jobs")
     url = opts.url or f"postgresql+psycopg://postgres@127.0.0.1:5432/qstore_chaos_{uuid.uuid4().hex[:8]}"
     t0 = time.monotonic()
     rng = random.Random(opts.seed)

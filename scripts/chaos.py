@@ -1388,12 +1388,16 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
         sources["rescue:failed(history pruned)"] += len(unresolved)
     with eng.connect() as conn:
         # from a job's retry_after / snooze step to its completion: delay, promotion, claim
-        latency = conn.execute(text("""
-            SELECT count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY d),
-                   percentile_cont(0.95) WITHIN GROUP (ORDER BY d), max(d)
-            FROM (SELECT extract(epoch FROM o.at - s.at) AS d FROM chaos_steps s
-                  JOIN chaos_outcomes o ON o.job_id = s.job_id
-                  WHERE s.step IN ('retry_after', 'snooze', 'retry_with_partner')) x""")).one()
+        latency = {str(r.step): {"jobs": int(r.n), **{
+            k: round(float(v), 3) for k, v in zip(("p50", "p95", "max"), (r.p50, r.p95, r.max), strict=True)}}
+            for r in conn.execute(text("""
+            SELECT s.step, count(*) AS n,
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM o.at - s.at)) AS p50,
+                   percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM o.at - s.at)) AS p95,
+                   max(extract(epoch FROM o.at - s.at)) AS max
+            FROM chaos_steps s JOIN chaos_outcomes o ON o.job_id = s.job_id
+            WHERE s.step IN ('retry_after', 'snooze', 'retry_with_partner')
+            GROUP BY s.step ORDER BY s.step"""))}
     return {
         "checks": checks,
         "jobs": len(expected),
@@ -1403,9 +1407,7 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
         "outcome_sources": dict(sorted(sources.items())),
         "dlq_reasons": dict(reasons),
         "retained_history_checked": len(retained),
-        "step_to_outcome_seconds": {"jobs": int(latency[0]), **{
-            k: None if v is None else round(float(v), 3)
-            for k, v in zip(("p50", "p95", "max"), latency[1:], strict=True)}},
+        "step_to_outcome_seconds": latency,
         "queue_counts": counts_before,
         "final_maintenance": {"rollup": [asdict(x) for x in rollup if x is not None]},
         "errors": errs,
@@ -1479,6 +1481,8 @@ def run(opts: ChaosOptions, json_out: Path | None = None) -> dict[str, Any]:
     faults_of(opts.inject)
     if opts.jobs < 1 or opts.workers < 1 or opts.maintainers < 1 or opts.batch < 1:
         raise SystemExit("--jobs, --workers, --maintainers and --batch must be at least 1")
+    if not 0 < opts.enqueue_fraction <= 1:
+        raise SystemExit(f"--enqueue-fraction {opts.enqueue_fraction}: must be in (0, 1]")
     if not 0 <= opts.unique_conflicts * 2 <= opts.jobs:
         raise SystemExit(f"--unique-conflicts {opts.unique_conflicts}: at most half of --jobs")
     url = opts.url or f"postgresql+psycopg://postgres@127.0.0.1:5432/qstore_chaos_{uuid.uuid4().hex[:8]}"
@@ -1561,11 +1565,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=d.workers)
     p.add_argument("--maintainers", type=int, default=d.maintainers)
     p.add_argument("--chaos-seconds", type=float, default=d.chaos_seconds,
-                   help="length of the chaos window (enqueueing takes its first half)")
+                   help="length of the chaos window")
     p.add_argument("--drain-seconds", type=float, default=d.drain_seconds,
                    help="deadline of the clean drain after the chaos")
     p.add_argument("--drain-stall-seconds", type=float, default=d.drain_stall_seconds,
                    help="the drain also gives up when no job ended for this long")
+    p.add_argument("--enqueue-fraction", type=float, default=d.enqueue_fraction,
+                   help="share of the chaos window over which the jobs are enqueued")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--batch", type=int, default=d.batch, help="claim batch size")
     p.add_argument("--stripes", type=int, default=d.stripes)
@@ -1604,7 +1610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = ChaosOptions(
         url=a.url, jobs=a.jobs, workers=a.workers, maintainers=a.maintainers,
         chaos_seconds=a.chaos_seconds, drain_seconds=a.drain_seconds,
-        drain_stall_seconds=a.drain_stall_seconds, seed=a.seed, batch=a.batch,
+        drain_stall_seconds=a.drain_stall_seconds, enqueue_fraction=a.enqueue_fraction,
+        seed=a.seed, batch=a.batch,
         stripes=a.stripes, hold=a.hold, heartbeat_staleness=a.heartbeat_staleness,
         worker_kill_every=a.worker_kill_every, maintainer_kill_every=a.maintainer_kill_every,
         terminate_every=a.terminate_every, pin_seconds=a.pin_seconds, pins=a.pins,

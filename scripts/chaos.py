@@ -120,10 +120,14 @@ CLASSES: dict[str, JobClass] = {
     "cancel": JobClass("cancelled", 7),
     "unique_complete": JobClass("completed", 8),
     "unique_retry": JobClass("completed", 6),
-    # unique pairs are planned by --unique-conflicts, not by weight
-    "uconflict_a": JobClass("completed", 0),
+    # unique pairs are planned by --unique-conflicts, not by weight. A's promotion finds its
+    # key owned by B: promotion ends A failed, with an error entry naming B, and goes on
+    "uconflict_a": JobClass("failed", 0),
     "uconflict_b": JobClass("completed", 0),
 }
+#: classes whose outcome the maintainer may write (no worker row): rescue of an exhausted
+#: attempt, promotion of a job whose unique key another job owns
+MAINTAINER_ENDED = frozenset({"exhaust", "uconflict_a"})
 TERMINAL_OUTCOMES = frozenset({"completed", "failed", "cancelled"})  # write a done row
 INJECTIONS = ("none", "lose_job", "double_complete", "duplicate_job")
 
@@ -324,9 +328,15 @@ def plan_jobs(opts: ChaosOptions, rng: random.Random) -> list[JobSpec]:
     base = len(specs)
     for i in range(n_pairs):
         a = base + i
-        specs.append(JobSpec(a, "uconflict_a", PLAIN, 2, DEFAULT_ATTEMPTS, partner=a + n_pairs))
+        specs.append(JobSpec(a, "uconflict_a", PLAIN, 2, DEFAULT_ATTEMPTS, partner=partner_seq(a, n_pairs)))
     rng.shuffle(specs)
     return specs
+
+
+def partner_seq(seq_a: int, n_pairs: int) -> int:
+    """The planned seq of the second job of the pair whose first job is ``seq_a`` (the pairs'
+    first jobs take the last ``n_pairs`` planned seqs, their partners the next ``n_pairs``)."""
+    return seq_a + n_pairs
 
 
 def partner_spec(a: JobSpec) -> JobSpec:
@@ -350,6 +360,7 @@ SIDE_DDL = (
          step text NOT NULL, worker text NOT NULL,
          at timestamptz NOT NULL DEFAULT clock_timestamp(),
          PRIMARY KEY (job_id, run_lease))""",
+    "CREATE INDEX chaos_steps_pairs ON chaos_steps (seq) WHERE step = 'retry_with_partner'",
 )
 INSERT_EXPECTED = text("INSERT INTO chaos_expected (seq, class, queue, expect, enqueued_by) "
                        "VALUES (:seq, :cls, :queue, :expect, :by)")
@@ -923,6 +934,9 @@ class Controller:
         self.script = Path(__file__).resolve()
         self.log = EventLog(events / "chaos-ctl-1.jsonl", "chaos-ctl-1")
         self.injected: set[str] = set()
+        self.pair_firsts: list[int] = []  # seqs of the unique pairs' first jobs
+        self.pairs_seen: dict[int, dict[str, Any]] = {}  # uconflict_a seq -> its end, as observed
+        self._observed_at = 0.0
 
     # -- processes ---------------------------------------------------------------------------
     def spawn(self, role: str) -> Proc:
@@ -1037,9 +1051,33 @@ class Controller:
     def jitter(self, mean: float) -> float:
         return mean * self.rng.uniform(0.5, 1.5)
 
+    def observe_pairs(self) -> None:
+        """Every 50 ms while some are unseen: ``load_job`` each unique pair's first job that
+        has taken its retry step, and record its end state and last error entry once it has
+        ended (its done row may be pruned within a second, long before the books are
+        checked)."""
+        now = time.monotonic()
+        unseen = [q for q in self.pair_firsts if q not in self.pairs_seen]
+        if not unseen or now - self._observed_at < 0.05:
+            return
+        self._observed_at = now
+        try:
+            with self.engine.connect() as conn:
+                rows = conn.execute(text(
+                    "SELECT job_id, seq FROM chaos_steps WHERE step = 'retry_with_partner' "
+                    "AND seq = ANY(:unseen)"), {"unseen": unseen}).all()
+            for job_id, seq in rows:
+                job = self.storage.load_job(self.engine, int(job_id))
+                if job is not None and job.state in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED):
+                    self.pairs_seen[int(seq)] = {"job_id": int(job_id), "state": job.state.value,
+                                                 "last_error": (job.errors or [None])[-1]}
+        except QueueStorageError as exc:
+            self.log.error("api", "load_job", exc)
+
     # -- phases ---------------------------------------------------------------------------------
     def run_chaos(self, specs: list[JobSpec]) -> None:
         o = self.opts
+        self.pair_firsts = sorted(sp.seq for sp in specs if sp.cls == "uconflict_a")
         start = time.monotonic()
         end = start + o.chaos_seconds
         enqueue_end = start + o.chaos_seconds * o.enqueue_fraction
@@ -1104,6 +1142,7 @@ class Controller:
                 if not o.quiet and now - last_progress >= 5:
                     last_progress = now
                     self.progress("chaos", now - start)
+                self.observe_pairs()
                 time.sleep(0.02)
         finally:
             if pin is not None:
@@ -1173,7 +1212,10 @@ class Controller:
             if not self.opts.quiet and time.monotonic() - last_progress >= 5:
                 last_progress = time.monotonic()
                 self.progress("drain", last_progress - start)
-            time.sleep(0.5 if not empty else 1.0)
+            pause = time.monotonic() + (0.5 if not empty else 1.0)
+            while time.monotonic() < pause:
+                self.observe_pairs()
+                time.sleep(0.05)
         return False, counts
 
 
@@ -1211,31 +1253,44 @@ def last_stats(events: list[dict[str, Any]], role: str) -> dict[str, int]:
     return dict(sorted(total.items()))
 
 
-def live_seqs(eng: Engine, seqs: Sequence[int]) -> dict[int, str]:
+#: a ready row ``r`` is spent when tombstoned or covered by a claim range of its lane
+TOMBSTONED = """SELECT 1 FROM {tombstones} t WHERE t.ready_slot = r.ready_slot AND t.queue = r.queue
+    AND t.priority = r.priority AND t.enqueue_shard = r.enqueue_shard AND t.lane_seq = r.lane_seq"""
+COVERED = """SELECT 1 FROM {claim_ranges} c WHERE c.queue = r.queue AND c.priority = r.priority
+    AND c.enqueue_shard = r.enqueue_shard AND c.first_seq <= r.lane_seq AND c.last_seq >= r.lane_seq"""
+
+
+def qualified_names(s: QueueStorage) -> dict[str, str]:
+    """Schema-qualified names of the storage tables the accounting reads directly."""
+    sch = s.tables
+    tables = {"ready": sch.ready.parent, "tombstones": sch.tombstones.parent,
+              "claim_ranges": sch.claim_ranges.parent, "done": sch.done.parent,
+              "deltas": sch.deltas.parent, "claims": sch.claims.parent,
+              "closures": sch.closures.parent, "deferred": sch.deferred, "dlq": sch.dlq,
+              "rollups": sch.rollups, "live_counts": sch.live_counts}
+    return {k: f'"{v.schema}"."{v.name}"' for k, v in tables.items()}
+
+
+def live_seqs(eng: Engine, s: QueueStorage, seqs: Sequence[int]) -> dict[int, str]:
     """Which of ``seqs`` are still live, and how: an available ready row (neither tombstoned
     nor covered by a claim range), a deferred row (scheduled/retryable) or an open receipt."""
     if not seqs:
         return {}
-    sc = SCHEMA
+    t = qualified_names(s)
     with eng.connect() as conn:
         rows = conn.execute(text(f"""
-            SELECT (r.args->>'s')::int AS seq, 'available' AS how FROM "{sc}".ready_entries r
+            SELECT (r.args->>'s')::int AS seq, 'available' AS how FROM {t['ready']} r
             WHERE (r.args->>'s')::int = ANY(:seqs)
-              AND NOT EXISTS (SELECT 1 FROM "{sc}".ready_tombstones t WHERE t.ready_slot = r.ready_slot
-                    AND t.queue = r.queue AND t.priority = r.priority
-                    AND t.enqueue_shard = r.enqueue_shard AND t.lane_seq = r.lane_seq)
-              AND NOT EXISTS (SELECT 1 FROM "{sc}".ready_claim_ranges c WHERE c.queue = r.queue
-                    AND c.priority = r.priority AND c.enqueue_shard = r.enqueue_shard
-                    AND c.first_seq <= r.lane_seq AND c.last_seq >= r.lane_seq)
+              AND NOT EXISTS ({TOMBSTONED.format(**t)}) AND NOT EXISTS ({COVERED.format(**t)})
             UNION ALL
-            SELECT (d.args->>'s')::int, d.state::text FROM "{sc}".deferred_jobs d
+            SELECT (d.args->>'s')::int, d.state::text FROM {t['deferred']} d
             WHERE (d.args->>'s')::int = ANY(:seqs)
             UNION ALL
-            SELECT (r.args->>'s')::int, 'running' FROM "{sc}".lease_claims c
-            JOIN "{sc}".ready_entries r ON r.ready_slot = c.ready_slot AND r.queue = c.queue
+            SELECT (r.args->>'s')::int, 'running' FROM {t['claims']} c
+            JOIN {t['ready']} r ON r.ready_slot = c.ready_slot AND r.queue = c.queue
               AND r.priority = c.priority AND r.enqueue_shard = c.enqueue_shard AND r.lane_seq = c.lane_seq
             WHERE (r.args->>'s')::int = ANY(:seqs)
-              AND NOT EXISTS (SELECT 1 FROM "{sc}".lease_claim_closures cl WHERE cl.claim_slot = c.claim_slot
+              AND NOT EXISTS (SELECT 1 FROM {t['closures']} cl WHERE cl.claim_slot = c.claim_slot
                     AND cl.job_id = c.job_id AND cl.run_lease = c.run_lease)"""),
             {"seqs": list(seqs)}).all()
     return {int(r.seq): str(r.how) for r in rows}
@@ -1278,19 +1333,20 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
         if seq in outcomes:
             actual[seq] = (outcomes[seq].outcome, "worker")
         elif seq in dlq_by_seq:
-            actual[seq] = ("dlq", "rescue")
+            actual[seq] = ("dlq", "maintainer")
         elif seq in term_by_seq:
-            actual[seq] = (term_by_seq[seq][0].state, "rescue")
+            actual[seq] = (term_by_seq[seq][0].state, "maintainer")
         else:
             unresolved.append(seq)
     wrong = {seq: {"class": expected[seq].cls, "expect": expected[seq].expect, "got": got[0], "by": got[1]}
              for seq, got in actual.items() if got[0] != expected[seq].expect}
-    # A job that rescue failed after its attempts ran out writes no outcome row, and its done
-    # row may be pruned since: only exhaust-class jobs expected to fail may stay unresolved,
-    # none of them may still be live, and the exact terminal count below must include each.
-    live = live_seqs(eng, unresolved)
+    # A job the maintainer failed (rescue of an exhausted attempt, a promotion that met its
+    # key owned by another job) has no outcome row, and its done row may be pruned since: only
+    # such classes, expected to fail, may stay unresolved, none of them may still be live,
+    # and the exact terminal count below must include each.
+    live = live_seqs(eng, s, unresolved)
     lost = [seq for seq in unresolved if seq in live
-            or not (expected[seq].cls == "exhaust" and expected[seq].expect == "failed")]
+            or not (expected[seq].cls in MAINTAINER_ENDED and expected[seq].expect == "failed")]
     unresolved = [seq for seq in unresolved if seq not in lost]
     checks["every_job_reached_its_expected_outcome"] = check(
         not wrong and not lost,
@@ -1329,7 +1385,7 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
         if got[0] in TERMINAL_OUTCOMES:
             want_terminal[expected[seq].queue] += 1
     for seq in unresolved:
-        want_terminal[expected[seq].queue] += 1  # rescued to failed, history pruned
+        want_terminal[expected[seq].queue] += 1  # failed by the maintainer, history pruned
     mismatch: dict[str, Any] = {
         q: {"counts": counts_before[q], "expected_terminal": want_terminal[q]} for q in QUEUES
         if counts_before[q] != {"available": 0, "running": 0, "terminal": want_terminal[q]}}
@@ -1350,6 +1406,30 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
     checks["load_job_agrees_where_retained"] = check(not disagree, {"checked": len(retained),
                                                                      "disagree": disagree[:20]}
                                                      if disagree else {"checked": len(retained)})
+
+    # a pair's first job, failed by its promotion, names the job that owns its key (as the
+    # controller saw it end while the run was on, or from its retained history)
+    ctl.observe_pairs()
+    owner_checked, owner_wrong = 0, []
+    firsts = sorted(q for q, r in expected.items() if r.cls == "uconflict_a")
+    for seq in firsts:
+        seen = ctl.pairs_seen.get(seq)
+        if seen is None and seq in term_by_seq:
+            job = s.load_job(eng, int(term_by_seq[seq][0].job_id))
+            if job is not None:
+                seen = {"job_id": job.id, "state": job.state.value, "last_error": (job.errors or [None])[-1]}
+        if seen is None:
+            continue
+        partner = partner_seq(seq, len(firsts))
+        owner = outcomes[partner].job_id if partner in outcomes else None
+        last = seen["last_error"]
+        owner_checked += 1
+        if (seen["state"] != "failed" or owner is None or not isinstance(last, dict)
+                or last.get("unique_owner") != owner):
+            owner_wrong.append({"seq": seq, **seen, "owner": owner})
+    checks["promotion_conflicts_name_the_owner"] = check(
+        not owner_wrong, {"checked": owner_checked, "wrong": owner_wrong[:20]} if owner_wrong
+        else {"checked": owner_checked})
 
     # every exception a worker saw from qstore while its own session was alive is a finding
     errs = aggregate_errors(events)
@@ -1385,7 +1465,7 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
     sources = Counter(f"{got[1]}:{got[0]}" for got in actual.values())
     if unresolved:
         outcome_counts["failed"] += len(unresolved)
-        sources["rescue:failed(history pruned)"] += len(unresolved)
+        sources["maintainer:failed(history pruned)"] += len(unresolved)
     with eng.connect() as conn:
         # from a job's retry_after / snooze step to its completion: delay, promotion, claim
         latency = {str(r.step): {"jobs": int(r.n), **{
@@ -1415,50 +1495,33 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
 
 
 def diagnose_counts(eng: Engine, s: QueueStorage) -> dict[str, Any]:
-    """Where exact counts come from, when they disagree with the books: the terminal
-    counters against a scan of the done rows, and the ready rows counted as available
-    (neither tombstoned nor covered by a claim range) with the ranges of their lane."""
-    sc = SCHEMA
-    with eng.connect() as conn:
-        per_queue = conn.execute(text(f"""
-            SELECT q.queue,
-              (SELECT coalesce(sum(pruned_completed_count), 0) FROM "{sc}".queue_terminal_rollups r WHERE r.queue = q.queue) AS rollups,
-              (SELECT coalesce(sum(live_terminal_count), 0) FROM "{sc}".queue_terminal_live_counts l WHERE l.queue = q.queue) AS live,
-              (SELECT coalesce(sum(terminal_delta), 0) FROM "{sc}".queue_terminal_count_deltas d WHERE d.queue = q.queue) AS deltas,
-              (SELECT count(*) FROM "{sc}".done_entries d WHERE d.queue = q.queue) AS done_rows
-            FROM (SELECT DISTINCT queue FROM "{sc}".queue_claim_heads) q ORDER BY 1""")).all()
-        available = conn.execute(text(f"""
+    """Where exact counts come from, when they disagree with the books: per queue, the done
+    rows and the terminal counter tables, and the ready rows counted as available (neither
+    tombstoned nor covered by a claim range) with their jobs' outcome rows. Best effort: a
+    probe that fails (say, a table another revision does not have) is reported, not raised."""
+    sch = s.tables
+    t = qualified_names(s)
+    probes = {
+        "done_rows": f"SELECT queue, count(*) FROM {t['done']} GROUP BY 1 ORDER BY 1",
+        "rollups": f"SELECT queue, sum(pruned_completed_count) FROM {t['rollups']} GROUP BY 1 ORDER BY 1",
+        "live_counts": f"SELECT queue, sum(live_terminal_count) FROM {t['live_counts']} GROUP BY 1 ORDER BY 1",
+        "deltas": f"SELECT queue, sum(terminal_delta) FROM {t['deltas']} GROUP BY 1 ORDER BY 1",
+        "available_rows": f"""
             SELECT r.job_id, (r.args->>'s')::int AS seq, r.queue, r.priority, r.enqueue_shard,
-                   r.lane_seq, r.ready_slot, r.ready_generation, r.run_lease
-            FROM "{sc}".ready_entries r
-            WHERE NOT EXISTS (SELECT 1 FROM "{sc}".ready_tombstones t WHERE t.ready_slot = r.ready_slot
-                    AND t.queue = r.queue AND t.priority = r.priority
-                    AND t.enqueue_shard = r.enqueue_shard AND t.lane_seq = r.lane_seq)
-              AND NOT EXISTS (SELECT 1 FROM "{sc}".ready_claim_ranges c WHERE c.queue = r.queue
-                    AND c.priority = r.priority AND c.enqueue_shard = r.enqueue_shard
-                    AND c.first_seq <= r.lane_seq AND c.last_seq >= r.lane_seq)
-            ORDER BY r.job_id LIMIT 20""")).all()
-        lanes = []
-        for a in available[:5]:
-            lanes.append({"job_id": a.job_id, "ranges": [tuple(x) for x in conn.execute(text(f"""
-                SELECT first_seq, last_seq, ready_slot FROM "{sc}".ready_claim_ranges
-                WHERE queue = :q AND priority = :p AND enqueue_shard = :e
-                  AND first_seq BETWEEN :lo AND :hi ORDER BY first_seq"""),
-                {"q": a.queue, "p": a.priority, "e": a.enqueue_shard, "lo": a.lane_seq - 50,
-                 "hi": a.lane_seq + 50})],
-                "outcome": [tuple(map(str, x)) for x in conn.execute(text(
-                    "SELECT outcome, run_lease, worker, at FROM chaos_outcomes WHERE job_id = :j"),
-                    {"j": a.job_id})],
-                "done": [tuple(map(str, x)) for x in conn.execute(text(
-                    f'SELECT state, run_lease, ready_slot, ready_generation FROM "{sc}".done_entries '
-                    "WHERE job_id = :j"), {"j": a.job_id})]})
-        slots = conn.execute(text(f'SELECT slot, generation FROM "{sc}".queue_ring_slots ORDER BY slot')).all()
-        state = conn.execute(text(f'SELECT current_slot, generation FROM "{sc}".queue_ring_state')).one()
-    return {"terminal_sources": [{"queue": r[0], "rollups": int(r[1]),
-                                 "live": int(r[2]), "deltas": int(r[3]), "done_rows": int(r[4])}
-                                 for r in per_queue],
-            "available_rows": [tuple(map(str, a)) for a in available], "lanes": lanes,
-            "ring": {"current": tuple(state), "slots": [tuple(x) for x in slots]}}
+                   r.lane_seq, r.ready_slot, r.ready_generation, r.run_lease, o.outcome, o.run_lease
+            FROM {t['ready']} r LEFT JOIN chaos_outcomes o ON o.job_id = r.job_id
+            WHERE NOT EXISTS ({TOMBSTONED.format(**t)}) AND NOT EXISTS ({COVERED.format(**t)})
+            ORDER BY r.job_id LIMIT 20""",
+        "queue_ring_state": f'SELECT * FROM "{sch.config.schema}".queue_ring_state',
+    }
+    out: dict[str, Any] = {}
+    for name, sql in probes.items():
+        try:
+            with eng.connect() as conn:
+                out[name] = [[str(v) for v in r] for r in conn.execute(text(sql)).all()]
+        except Exception as exc:
+            out[name] = f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return out
 
 
 def findings_of(summary: dict[str, Any]) -> list[str]:

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
-
-import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "chaos.py"
 
@@ -44,61 +41,35 @@ def failed_checks(summary: dict[str, Any]) -> dict[str, Any]:
     return {name: c.get("detail") for name, c in summary["checks"].items() if c["result"] != "PASS"}
 
 
-# Faults of today's code that are being fixed: an error group of the summary matching one of
-# these is known. A run whose only failures are such errors is an expected failure; anything
-# else fails the test, and once the fixes land the runs simply pass.
-KNOWN_FAULTS: dict[str, Callable[[dict[str, Any]], bool]] = {
-    "a claim raises 55P03 (lock_not_available) while a prune holds the ring child's lock":
-        lambda g: g["role"] == "worker" and g["op"] == "claim" and g["sqlstate"] == "55P03",
-    "promote_due raises UniqueConflictError when a due job's unique key is owned by another "
-    "job, rolling back the whole promotion batch":
-        lambda g: g["role"] == "maintainer" and g["op"] == "promote" and g["category"] == "unique_conflict",
-}
-ERROR_CHECKS = ("workers_saw_no_errors_but_killed_sessions", "maintainers_saw_no_errors_but_killed_sessions")
-
-
-def known_faults_only(summary: dict[str, Any]) -> str | None:
-    """Assert that every check passed, or that the only failures are error checks whose
-    errors all match :data:`KNOWN_FAULTS`; in that case return those faults' description."""
-    failed = failed_checks(summary)
-    if failed and set(failed) <= set(ERROR_CHECKS):
-        groups = [g for name in failed for g in failed[name]]
-        if all(any(match(g) for match in KNOWN_FAULTS.values()) for g in groups):
-            return "known fault(s): " + "; ".join(sorted(
-                {fault for g in groups for fault, match in KNOWN_FAULTS.items() if match(g)}))
-    assert failed == {}, summary["findings"]
-    return None
-
-
 def test_every_job_ends_exactly_once_with_its_planned_outcome_under_chaos(fresh_db_url):
     summary = run_chaos(
         fresh_db_url, jobs=400, workers=3, maintainers=2, chaos_seconds=15, drain_seconds=25,
-        enqueue_fraction=0.7, pin_seconds=4, pins=2, unique_conflicts=0, seed=11)
+        enqueue_fraction=0.7, pin_seconds=4, pins=2, unique_conflicts=3, seed=11)
 
-    known = known_faults_only(summary)
+    assert failed_checks(summary) == {}, summary["findings"]
     # the run cannot pass vacuously: the chaos happened and every outcome was exercised
     kills = summary["kills"]
     assert kills["worker_sigkill"] >= 3 and kills["maintainer_sigkill"] >= 2, kills
     assert kills["backends_terminated"] >= 5 and len(kills["pins"]) == 2, kills
-    assert summary["jobs"] == 400
+    assert summary["jobs"] == 400 + 3  # the pairs' second jobs are enqueued by the workers
     assert set(summary["outcomes"]) == {"completed", "failed", "cancelled", "dlq"}
-    assert sum(summary["outcomes"].values()) == 400
+    assert sum(summary["outcomes"].values()) == 403
     assert summary["retained_history_checked"] > 0
-    if known:
-        pytest.xfail(known)
 
 
-def test_promotion_of_a_job_whose_key_another_job_took_raises_nothing(fresh_db_url):
-    # each pair: A retries (its mask drops the key while retryable), B takes the key and
-    # holds it past A's due time, then completes; A must be promoted once the key is free
+def test_a_job_whose_unique_key_another_job_took_fails_at_promotion_and_holds_back_no_other(fresh_db_url):
+    # each pair: A retries (its mask drops the key while retryable), B takes the key and holds
+    # it past A's due time; A's promotion must end A failed, naming B, and promote the others
     summary = run_chaos(
         fresh_db_url, jobs=30, workers=1, maintainers=1, chaos=False, chaos_seconds=1,
-        drain_seconds=15, unique_conflicts=4, classes=("complete", "uconflict_a"))
+        drain_seconds=15, unique_conflicts=4, classes=("retry_complete", "uconflict_a"))
 
-    known = known_faults_only(summary)
-    assert summary["outcomes"] == {"completed": 30 + 4}  # 26 plain jobs, 4 pairs
-    if known:
-        pytest.xfail(known)
+    assert failed_checks(summary) == {}, summary["findings"]
+    # 26 planned retrying jobs and the 4 B's complete; the 4 A's fail
+    assert summary["outcomes"] == {"completed": 26 + 4, "failed": 4}
+    assert summary["step_to_outcome_seconds"]["retry_after"]["jobs"] == 26
+    # the error entry naming B was read for at least one A before its history was pruned
+    assert summary["checks"]["promotion_conflicts_name_the_owner"]["detail"]["checked"] >= 1
 
 
 def test_checks_catch_a_lost_job_and_a_job_completed_twice(fresh_db_url):

@@ -28,6 +28,7 @@ from qstore import (
     ValidationError,
 )
 from qstore.config import MAX_CHANNEL_BYTES, channel_name
+from qstore.maintainer import Maintainer, MaintenanceSchedule
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
 
 NOTHING = dict.fromkeys(("ready_entries", "ready_tombstones", "deferred_jobs", "done_entries", "dlq_entries",
@@ -302,6 +303,30 @@ def test_storage_for_a_malformed_schema_name_is_refused_without_a_query(engine: 
     refused(lambda: QueueStorage.from_existing_schema("a\x00b", engine), "schema")
     refused(lambda: QueueStorage.from_existing_schema('a"b'), "schema")
     refused(lambda: QueueStorage("qstore"), "config")  # type: ignore[arg-type]
+
+
+BAD_SCHEDULES: dict[str, dict[str, Any]] = {
+    "cadence too large for a float": {"queue_ring_every": 10**400},
+    "staleness the rescue call refuses": {"heartbeat_staleness": 86400.5},
+    "promote batch beyond integer": {"promote_batch_size": 2**31},
+    "leader retry a thread cannot wait": {"leader_retry_every": 1e300},
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCHEDULES))
+def test_schedule_value_the_tasks_cannot_use_is_refused(case: str) -> None:
+    (field, value), = BAD_SCHEDULES[case].items()
+    refused(lambda: MaintenanceSchedule(**{field: value}), field)
+
+
+@pytest.mark.parametrize(("field", "kwargs"), [
+    ("keep_reports", {"keep_reports": "5"}), ("keep_reports", {"keep_reports": 2.5}),
+    ("storage", {"storage": "storage"}), ("schedule", {"schedule": {"rescue_every": 1}}),
+])
+def test_maintainer_argument_of_the_wrong_type_is_refused(engine: Engine, st: QueueStorage, field: str,
+                                                          kwargs: dict[str, Any]) -> None:
+    args: dict[str, Any] = {"storage": st, "schedule": None, "keep_reports": 10, **kwargs}
+    refused(lambda: Maintainer(args["storage"], engine, args["schedule"], keep_reports=args["keep_reports"]), field)
 
 
 # -- notification channels ----------------------------------------------------------------------

@@ -6,6 +6,7 @@ Nothing here performs I/O. A config is immutable and hashable, so it can key cac
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 
@@ -13,10 +14,12 @@ from qstore.errors import ValidationError
 
 __all__ = [
     "DEFAULT_SCHEMA",
+    "MAX_CHANNEL_BYTES",
     "MIN_CLAIM_SLOTS",
     "MIN_LEASE_SLOTS",
     "MIN_QUEUE_SLOTS",
     "QueueStorageConfig",
+    "channel_name",
     "validate_identifier",
 ]
 
@@ -30,6 +33,21 @@ _IDENT = re.compile(r"^[a-z_][a-z0-9_]*$")
 # Leave room for the longest derived name ("<schema>_alembic_version" style suffixes are not
 # used, but child relnames are <parent>_<slot> inside the schema; the schema itself is <= 48).
 _MAX_SCHEMA_LEN = 48
+#: PostgreSQL channel names are identifiers: at most NAMEDATALEN - 1 = 63 bytes.
+MAX_CHANNEL_BYTES = 63
+
+
+def channel_name(*parts: str) -> str:
+    """``parts`` joined with ``:``; when that exceeds ``MAX_CHANNEL_BYTES`` bytes of UTF-8,
+    its longest fitting character prefix followed by ``#`` and 16 hex digits of its
+    BLAKE2b hash (deterministic, so a listener computes the same name)."""
+    name = ":".join(parts)
+    raw = name.encode()
+    if len(raw) <= MAX_CHANNEL_BYTES:
+        return name
+    digest = hashlib.blake2b(raw, digest_size=8).hexdigest()
+    head = raw[: MAX_CHANNEL_BYTES - len(digest) - 1].decode(errors="ignore")
+    return f"{head}#{digest}"
 
 
 def validate_identifier(name: object, field_name: str = "schema") -> str:
@@ -116,9 +134,10 @@ class QueueStorageConfig:
         return "qstore_alembic_version"
 
     def notify_channel(self, logical_queue: str) -> str:
-        """LISTEN/NOTIFY channel that wakes claimers of ``logical_queue``."""
-        return f"{self.notify_prefix}:{self.schema}:{logical_queue}"
+        """LISTEN/NOTIFY channel that wakes claimers of ``logical_queue``:
+        ``<prefix>:<schema>:<queue>``, shortened by :func:`channel_name` when too long."""
+        return channel_name(self.notify_prefix, self.schema, logical_queue)
 
     @property
     def cancel_channel(self) -> str:
-        return f"{self.notify_prefix}:{self.schema}:cancel"
+        return channel_name(self.notify_prefix, self.schema, "cancel")

@@ -7,10 +7,12 @@ Every public operation raises only :class:`QueueStorageError` subclasses. Driver
 from __future__ import annotations
 
 import functools
+import reprlib
 import uuid
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
+import psycopg
 from sqlalchemy import exc as sa_exc
 
 __all__ = [
@@ -30,14 +32,30 @@ class QueueStorageError(Exception):
     """Base class of every error qstore raises."""
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 300
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 10
+_REPR.maxlevel = 4
+
+
+def describe(value: Any) -> str:
+    """A bounded ``repr`` of ``value`` for messages: long strings and containers are cut,
+    and a value without a printable repr (too deep, an integer too long) is named by type."""
+    try:
+        return _REPR.repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
 class ValidationError(QueueStorageError, ValueError):
-    """Bad input: the message names the offending field and value. Nothing was written."""
+    """Bad input: the message names the offending field and value (its repr, cut to a few
+    hundred characters). Nothing was written."""
 
     def __init__(self, field: str, value: Any, reason: str) -> None:
         self.field = field
         self.value = value
         self.reason = reason
-        super().__init__(f"invalid {field}={value!r}: {reason}")
+        super().__init__(f"invalid {field}={describe(value)}: {reason}")
 
 
 class UniqueConflictError(QueueStorageError):
@@ -114,7 +132,8 @@ R = TypeVar("R")
 
 
 def translate_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Decorator: re-raise driver errors as :class:`QueueStorageError` subclasses."""
+    """Decorator: re-raise driver errors (SQLAlchemy's and psycopg's own) as
+    :class:`QueueStorageError` subclasses."""
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -126,5 +145,7 @@ def translate_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise wrap_driver_error(err) from err
         except sa_exc.SQLAlchemyError as err:
             raise DatabaseError(err) from err
+        except psycopg.Error as err:  # statements run on the raw driver connection (COPY)
+            raise wrap_driver_error(err) from err
 
     return wrapper

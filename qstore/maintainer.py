@@ -33,6 +33,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from qstore.errors import ValidationError
 from qstore.model import JobState, PruneOutcome, RotateOutcome
 from qstore.storage import QueueStorage
+from qstore.storage.claim import MAX_BATCH
 
 __all__ = ["Maintainer", "MaintenanceSchedule", "RingTick", "TaskReport"]
 
@@ -48,13 +49,31 @@ RESCUE_BATCH = 500
 RESCUE_MAX_CALLS = 32
 
 
+def _finite(value: float) -> bool:
+    """True for a number that is a finite float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+#: Upper bounds of schedule fields that reach a bounded storage argument or a thread wait.
+_LIMITS: dict[str, float] = {
+    "heartbeat_staleness": 86400.0,  # rescue_stale_heartbeats: at most one day
+    "leader_retry_every": 86400.0,  # waited on directly by the background thread
+    "promote_batch_size": MAX_BATCH,  # promote_due binds it as integer
+}
+
+
 @dataclass(frozen=True)
 class MaintenanceSchedule:
     """Cadences (seconds) and batch limits of the maintenance tasks; defaults per §2.2.
 
     Every field must be a positive finite number, except ``prune_backoff_limit`` which may
     be 0 (no backoff). After ``k`` consecutive prunes of a ring that pruned nothing, the
-    next ``2**min(k, prune_backoff_limit) - 1`` ticks of that ring only rotate.
+    next ``2**min(k, prune_backoff_limit) - 1`` ticks of that ring only rotate. The values
+    the tasks pass on are bounded as the storage calls require: ``heartbeat_staleness`` and
+    ``leader_retry_every`` at most one day, ``promote_batch_size`` at most 2**31 - 1.
     """
 
     queue_ring_every: float = 1.0
@@ -76,11 +95,14 @@ class MaintenanceSchedule:
             value = getattr(self, f.name)
             floor_ok = f.name == "prune_backoff_limit"
             if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value < 0 or (value == 0 and not floor_ok)):
+                    or not _finite(value) or value < 0 or (value == 0 and not floor_ok)):
                 raise ValidationError(f.name, value, "must be a positive finite number"
                                       if not floor_ok else "must be a non-negative integer")
             if f.name.endswith(("_size", "_batches", "_slots", "_limit")) and not isinstance(value, int):
                 raise ValidationError(f.name, value, "must be an integer")
+            limit = _LIMITS.get(f.name)
+            if limit is not None and value > limit:
+                raise ValidationError(f.name, value, f"must be at most {limit}")
 
 
 @dataclass(frozen=True)
@@ -147,10 +169,14 @@ class Maintainer:
 
     def __init__(self, storage: QueueStorage, engine: Engine,
                  schedule: MaintenanceSchedule | None = None, *, keep_reports: int = 100) -> None:
+        if not isinstance(storage, QueueStorage):
+            raise ValidationError("storage", storage, "expected QueueStorage")
         if not isinstance(engine, Engine):
             raise ValidationError("engine", engine, "the maintainer needs a synchronous Engine")
-        if keep_reports < 1:
-            raise ValidationError("keep_reports", keep_reports, "must be at least 1")
+        if schedule is not None and not isinstance(schedule, MaintenanceSchedule):
+            raise ValidationError("schedule", schedule, "expected MaintenanceSchedule or None")
+        if isinstance(keep_reports, bool) or not isinstance(keep_reports, int) or keep_reports < 1:
+            raise ValidationError("keep_reports", keep_reports, "must be an integer of at least 1")
         self.storage = storage
         self.engine = engine
         self.schedule = schedule or MaintenanceSchedule()

@@ -26,7 +26,7 @@ from qstore.storage._tx import Target, owns_transaction, single_statement, trans
 from qstore.storage.jobs import is_stripe, validate_queue
 from qstore.storage.statements import schema_func
 
-__all__ = ["ClaimRouter", "claim_physical", "duration_ms", "stripes_for"]
+__all__ = ["MAX_BATCH", "ClaimRouter", "claim_physical", "duration_ms", "stripes_for", "validate_batch"]
 
 TS = TIMESTAMP(timezone=True)
 _CLAIM_COLUMNS: list[tuple[str, TypeEngine[Any]]] = [
@@ -39,6 +39,9 @@ _CLAIM_COLUMNS: list[tuple[str, TypeEngine[Any]]] = [
     ("unique_key", BYTEA()), ("unique_states", Text()), ("payload", JSONB()),
 ]
 ORIGINAL_PRIORITY_KEY = "_qstore_original_priority"
+#: Batch sizes and limits are bound as PostgreSQL ``integer``.
+MAX_BATCH = 2**31 - 1
+MAX_DURATION_SECONDS = 10 * 365 * 86400
 
 
 @functools.lru_cache(maxsize=64)
@@ -53,23 +56,24 @@ def _claim_stmt(sch: StorageSchema) -> Any:
 
 
 def duration_ms(value: timedelta | float | int | None, field: str) -> int:
-    """Milliseconds of a non-negative duration (timedelta or seconds)."""
+    """Milliseconds of a duration between 0 and 10 years (timedelta or seconds; None is 0)."""
     if value is None:
         return 0
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
+        seconds = value  # compared before any conversion: a huge int never becomes a float
     else:
         raise ValidationError(field, value, "must be a timedelta or a number of seconds")
-    if seconds < 0 or seconds > 10 * 365 * 86400:
+    if not 0 <= seconds <= MAX_DURATION_SECONDS:  # also rejects NaN
         raise ValidationError(field, value, "must be between 0 and 10 years")
     return int(seconds * 1000)
 
 
 def validate_batch(max_batch: object, field: str = "max_batch") -> int:
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch <= 0:
-        raise ValidationError(field, max_batch, "must be a positive integer")
+    """A positive batch size or limit that fits PostgreSQL ``integer``."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 0 < max_batch <= MAX_BATCH:
+        raise ValidationError(field, max_batch, f"must be an integer between 1 and {MAX_BATCH}")
     return max_batch
 
 

@@ -24,18 +24,46 @@ from qstore.model import QueueClaimerLease
 from qstore.schema import StorageSchema
 from qstore.storage.claim import stripes_for
 
-__all__ = ["acquire", "adaptive_target", "desired_target", "mark_active", "validate_duration"]
+__all__ = [
+    "MAX_CLAIMERS", "acquire", "adaptive_target", "desired_target", "mark_active", "validate_duration",
+    "validate_lease", "validate_max_claimers",
+]
 
 TARGET_REFRESH = timedelta(milliseconds=500)
+#: Claimer slots are ``smallint``: slot numbers run from 0 to ``max_claimers - 1``.
+MAX_CLAIMERS = 32767
+_ONE_DAY = timedelta(days=1)
 
 
 def validate_duration(value: object, field: str) -> timedelta:
-    """A strictly positive duration of at most one day."""
+    """A strictly positive duration of at most one day (timedelta or seconds)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
+        # range-checked as a number first: NaN and huge values never reach timedelta()
+        if not 0 < value <= _ONE_DAY.total_seconds():
+            raise ValidationError(field, value, "must be a positive duration of at most one day")
         value = timedelta(seconds=value)
-    if not isinstance(value, timedelta) or value <= timedelta(0) or value > timedelta(days=1):
+    if not isinstance(value, timedelta) or value <= timedelta(0) or value > _ONE_DAY:
         raise ValidationError(field, value, "must be a positive duration of at most one day")
     return value
+
+
+def validate_max_claimers(value: object, field: str = "max_claimers") -> int:
+    """An integer of at most ``MAX_CLAIMERS`` (0 or less means: claim nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value > MAX_CLAIMERS:
+        raise ValidationError(field, value, f"must be an integer of at most {MAX_CLAIMERS}")
+    return value
+
+
+def validate_lease(lease: object, field: str = "lease") -> QueueClaimerLease:
+    """A lease as returned by :func:`acquire` (slot and epoch in their column ranges)."""
+    if not isinstance(lease, QueueClaimerLease):
+        raise ValidationError(field, lease, "expected a QueueClaimerLease")
+    slot, epoch = lease.claimer_slot, lease.lease_epoch
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < MAX_CLAIMERS:
+        raise ValidationError(f"{field}.claimer_slot", slot, f"must be an integer between 0 and {MAX_CLAIMERS - 1}")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 2**63:
+        raise ValidationError(f"{field}.lease_epoch", epoch, "must be a non-negative 64-bit integer")
+    return lease
 
 
 @functools.lru_cache(maxsize=64)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
+import re
 import struct
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timezone
+from typing import Any, SupportsIndex
 
 from qstore.errors import ValidationError
 from qstore.model import JobState
@@ -27,13 +30,27 @@ __all__ = [
     "shard_for_ordering_key",
     "stripe_of",
     "unique_states_mask",
+    "validate_aware_datetime",
+    "validate_id",
+    "validate_json",
+    "validate_kind",
     "validate_priority",
     "validate_queue",
+    "validate_text",
+    "validate_uuid",
 ]
 
 MAX_QUEUE_LEN = 200
 MAX_KIND_LEN = 200
 STRIPE_SEP = "#"
+#: Ids (job ids, run leases) are PostgreSQL ``bigint``.
+MIN_ID, MAX_ID = -(2**63), 2**63 - 1
+#: JSON values nest at most this deep (deeper values cannot be encoded by ``json`` reliably).
+MAX_JSON_DEPTH = 256
+#: JSON integers have at most this many digits (Python refuses to print much longer ones).
+MAX_JSON_INT_DIGITS = 4000
+_JSON_INT_LIMIT = 10**MAX_JSON_INT_DIGITS
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -78,12 +95,78 @@ def holds_key(unique_states: str | None, state: JobState) -> bool:
     return bool(unique_states) and unique_states[state.bit] == "1"  # type: ignore[index]
 
 
+def _check_chars(value: str, field_name: str, what: str = "") -> None:
+    """PostgreSQL text and JSON strings hold neither NUL nor unpaired UTF-16 surrogates
+    (which have no UTF-8 encoding)."""
+    if "\x00" in value:
+        raise ValidationError(field_name, value, f"{what}must not contain NUL characters")
+    if _SURROGATE.search(value):
+        raise ValidationError(field_name, value, f"{what}must not contain unpaired surrogate characters")
+
+
+def validate_text(value: object, field_name: str) -> str:
+    """A string storable in a PostgreSQL ``text`` column (no NUL, no lone surrogate)."""
+    if not isinstance(value, str):
+        raise ValidationError(field_name, value, "must be a string")
+    _check_chars(value, field_name)
+    return value
+
+
 def validate_queue(queue: object, field_name: str = "queue") -> str:
     if not isinstance(queue, str) or not 1 <= len(queue) <= MAX_QUEUE_LEN:
         raise ValidationError(field_name, queue, f"must be a string of 1..{MAX_QUEUE_LEN} characters")
-    if "\x00" in queue:
-        raise ValidationError(field_name, queue, "must not contain NUL characters")
+    _check_chars(queue, field_name)
     return queue
+
+
+def validate_kind(kind: object, field_name: str = "kind") -> str:
+    if not isinstance(kind, str) or not 1 <= len(kind) <= MAX_KIND_LEN:
+        raise ValidationError(field_name, kind, f"must be a string of 1..{MAX_KIND_LEN} characters")
+    _check_chars(kind, field_name)
+    return kind
+
+
+def validate_id(value: object, field_name: str) -> int:
+    """A job id or run lease: an integer (not a bool) in the ``bigint`` range. Any such
+    value is accepted; one that names no job simply finds nothing."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise ValidationError(field_name, value, "must be an integer")
+    number = operator.index(value)
+    if not MIN_ID <= number <= MAX_ID:
+        raise ValidationError(field_name, value, "must fit in a 64-bit signed integer")
+    return number
+
+
+def validate_uuid(value: object, field_name: str) -> uuid.UUID:
+    """A callback token or instance id: a ``uuid.UUID`` or its string form."""
+    if isinstance(value, uuid.UUID):
+        return value
+    if isinstance(value, str):
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            pass
+    raise ValidationError(field_name, value, "must be a UUID")
+
+
+def validate_aware_datetime(value: object, field_name: str) -> datetime:
+    """``value`` (a timezone-aware datetime) as the same instant in UTC. PostgreSQL accepts
+    UTC offsets of less than 16 hours only, and a value must read back as a Python datetime,
+    so the instant must fall within years 1-9999 in UTC."""
+    if not isinstance(value, datetime) or value.utcoffset() is None:
+        raise ValidationError(field_name, value, "must be a timezone-aware datetime")
+    try:
+        return value.astimezone(timezone.utc)
+    except OverflowError:
+        raise ValidationError(field_name, value, "must fall within years 1-9999 in UTC") from None
+
+
+def validate_json(value: Any, field_name: str) -> Any:
+    """``value`` if PostgreSQL ``jsonb`` can store it: dicts with string keys, lists and
+    tuples, strings without NUL or lone surrogates, bools, None, finite floats and integers
+    of at most ``MAX_JSON_INT_DIGITS`` digits, nested at most ``MAX_JSON_DEPTH`` deep."""
+    _check_json(value, field_name)
+    return value
 
 
 def validate_priority(priority: object, field_name: str = "priority") -> int:
@@ -120,24 +203,30 @@ def shard_for_ordering_key(key: bytes, shards: int) -> int:
     return h % shards
 
 
-def _check_json(value: Any, path: str) -> None:
+def _check_json(value: Any, path: str, depth: int = 0) -> None:
     if isinstance(value, str):
-        if "\x00" in value:
-            raise ValidationError(path, value, "must not contain NUL characters")
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ValidationError(path, k, "object keys must be strings")
-            if "\x00" in k:
-                raise ValidationError(path, k, "object keys must not contain NUL characters")
-            _check_json(v, f"{path}.{k}")
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            _check_json(v, f"{path}[{i}]")
+        _check_chars(value, path)
+    elif isinstance(value, dict | list | tuple):
+        if depth >= MAX_JSON_DEPTH:
+            raise ValidationError(path, type(value).__name__,
+                                  f"JSON nests deeper than {MAX_JSON_DEPTH} levels (or contains itself)")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise ValidationError(path, k, "object keys must be strings")
+                _check_chars(k, path, "object keys ")
+                _check_json(v, f"{path}.{k}", depth + 1)
+        else:
+            for i, v in enumerate(value):
+                _check_json(v, f"{path}[{i}]", depth + 1)
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise ValidationError(path, value, "must be a finite number (JSON has no NaN/Infinity)")
-    elif value is None or isinstance(value, bool | int):
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not -_JSON_INT_LIMIT < value < _JSON_INT_LIMIT:
+            raise ValidationError(path, f"<{value.bit_length()}-bit integer>",
+                                  f"JSON integers are limited to {MAX_JSON_INT_DIGITS} digits")
+    elif value is None or isinstance(value, bool):
         return
     else:
         raise ValidationError(path, value, f"{type(value).__name__} is not JSON-serialisable")
@@ -198,6 +287,33 @@ class PreparedJob:
         return JobState.SCHEDULED if self.run_at is not None else JobState.AVAILABLE
 
 
+def _check_unique(opts: object, field_name: str) -> UniqueOpts:
+    if not isinstance(opts, UniqueOpts):
+        raise ValidationError(field_name, opts, "expected UniqueOpts or None")
+    for name in ("by_queue", "by_args"):
+        if not isinstance(getattr(opts, name), bool):
+            raise ValidationError(f"{field_name}.{name}", getattr(opts, name), "must be a bool")
+    period = opts.by_period
+    if period is not None and (isinstance(period, bool) or not isinstance(period, int)
+                               or not MIN_ID <= period <= MAX_ID):
+        raise ValidationError(f"{field_name}.by_period", period, "must be None or a 64-bit integer")
+    states = opts.states
+    if isinstance(states, bool) or not isinstance(states, int) or not 0 <= states <= 0xFF:
+        raise ValidationError(f"{field_name}.states", states,
+                              "must be a bit mask of job states (an integer between 0 and 255)")
+    return opts
+
+
+def _check_tags(tags: object, field_name: str) -> list[str]:
+    if isinstance(tags, str) or not isinstance(tags, Sequence):
+        raise ValidationError(field_name, tags, "must be a list of strings")
+    for j, tag in enumerate(tags):
+        if not isinstance(tag, str):
+            raise ValidationError(f"{field_name}[{j}]", tag, "must be a string")
+        _check_chars(tag, f"{field_name}[{j}]")
+    return list(tags)
+
+
 def prepare_jobs(jobs: Sequence[InsertParams], stripes: int) -> list[PreparedJob]:
     """Validate every row before anything is written; raise ``ValidationError`` naming the
     first bad value (with its batch index)."""
@@ -206,33 +322,32 @@ def prepare_jobs(jobs: Sequence[InsertParams], stripes: int) -> list[PreparedJob
         if not isinstance(job, InsertParams):
             raise ValidationError(f"jobs[{i}]", job, "expected InsertParams")
         opts = job.opts
-        if not isinstance(job.kind, str) or not 1 <= len(job.kind) <= MAX_KIND_LEN or "\x00" in job.kind:
-            raise ValidationError(f"jobs[{i}].kind", job.kind, f"must be a string of 1..{MAX_KIND_LEN} characters without NUL")
+        if not isinstance(opts, InsertOpts):
+            raise ValidationError(f"jobs[{i}].opts", opts, "expected InsertOpts")
+        validate_kind(job.kind, f"jobs[{i}].kind")
         validate_queue(opts.queue, f"jobs[{i}].queue")
         validate_priority(opts.priority, f"jobs[{i}].priority")
         ma = opts.max_attempts
         if isinstance(ma, bool) or not isinstance(ma, int) or not 1 <= ma <= 32767:
             raise ValidationError(f"jobs[{i}].max_attempts", ma, "must be an integer between 1 and 32767")
-        if opts.run_at is not None and (not isinstance(opts.run_at, datetime) or opts.run_at.tzinfo is None
-                                        or opts.run_at.utcoffset() is None):
-            raise ValidationError(f"jobs[{i}].run_at", opts.run_at, "must be a timezone-aware datetime")
+        run_at = None if opts.run_at is None else validate_aware_datetime(opts.run_at, f"jobs[{i}].run_at")
         _check_json(job.args, f"jobs[{i}].args")
         if not isinstance(opts.metadata, Mapping):
             raise ValidationError(f"jobs[{i}].metadata", opts.metadata, "must be a JSON object")
         _check_json(dict(opts.metadata), f"jobs[{i}].metadata")
-        if isinstance(opts.tags, str) or not all(isinstance(t, str) and "\x00" not in t for t in opts.tags):
-            raise ValidationError(f"jobs[{i}].tags", opts.tags, "must be a list of strings")
+        tags = _check_tags(opts.tags, f"jobs[{i}].tags")
         if opts.ordering_key is not None and not isinstance(opts.ordering_key, bytes | bytearray):
             raise ValidationError(f"jobs[{i}].ordering_key", opts.ordering_key, "must be bytes")
         key = states = None
         if opts.unique is not None:
-            key = unique_key_for(job.kind, opts.queue, job.args, opts.unique)
-            states = unique_states_mask(opts.unique.states)
+            unique = _check_unique(opts.unique, f"jobs[{i}].unique")
+            key = unique_key_for(job.kind, opts.queue, job.args, unique)
+            states = unique_states_mask(unique.states)
         physical = stripe_of(opts.queue, stripes, i, key)
         out.append(PreparedJob(
             kind=job.kind, args=job.args, queue=physical, logical=logical_queue(physical),
-            priority=opts.priority, max_attempts=ma, run_at=opts.run_at,
-            payload=build_payload(opts.metadata, opts.tags), unique_key=key,
+            priority=opts.priority, max_attempts=ma, run_at=run_at,
+            payload=build_payload(opts.metadata, tags), unique_key=key,
             unique_states=states,
             ordering_key=bytes(opts.ordering_key) if opts.ordering_key is not None else None,
         ))

@@ -6,9 +6,10 @@ Server: ``QSTORE_TEST_HOST`` / ``QSTORE_TEST_PORT`` / ``QSTORE_TEST_USER`` (defa
 this also works as root) and pytest-postgresql's ``postgresql_noproc`` factory is pointed
 at it.
 
-Isolation: every test that touches the database gets either a fresh storage schema
-(``make_storage`` / ``storage``) inside the session database, or a brand-new empty
-database (``fresh_db_url``). Nothing is shared between tests.
+Isolation: every test that touches the database gets either a storage schema in its freshly
+installed state (``make_storage`` / ``storage`` / ``st``: installs are pooled by shape and
+reset before each hand-out, see tests/installs.py) inside the session database, or a
+brand-new empty database (``fresh_db_url``). No state passes from one test to the next.
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from installs import InstallPool, install, unique_schema
 from pytest_postgresql import factories
 from pytest_postgresql.executors import NoopExecutor
 from pytest_postgresql.janitor import DatabaseJanitor
-from sqlalchemy import URL, Connection, Engine, create_engine, text
+from sqlalchemy import URL, Engine, create_engine, text
 
 from qstore import QueueStorage, QueueStorageConfig
-from qstore.schema import REVISIONS, seed_rows, storage_schema
-from qstore.storage import lifecycle
 
 # pytest-postgresql creates "<dbname>_tmpl" as the session template; a per-process name
 # keeps concurrent test runs against the same server apart.
@@ -141,35 +141,39 @@ def engine(db_url: str) -> Iterator[Engine]:
     eng.dispose()
 
 
-def unique_schema() -> str:
-    return f"t_{uuid.uuid4().hex[:8]}"
-
-
 MakeStorage = Callable[..., QueueStorage]
 
 
-def _stamp_head(conn: Connection, config: QueueStorageConfig) -> None:
-    """Record the head revision the way Alembic does, so ``prepare_schema``/``install`` on
-    a fast-installed schema see an up-to-date install (a no-op) instead of re-seeding it."""
-    vt = f'"{config.schema}"."{config.version_table}"'
-    conn.execute(text(f"CREATE TABLE {vt} (version_num VARCHAR(32) NOT NULL, "
-                      f"CONSTRAINT {config.version_table}_pkc PRIMARY KEY (version_num))"))
-    conn.execute(text(f"INSERT INTO {vt} (version_num) VALUES (:v)"), {"v": REVISIONS[-1]})
+@pytest.fixture(scope="session")
+def install_pool(db_url: str) -> Iterator[InstallPool]:
+    """Installed schemas shared by the whole session, by shape, reset at every hand-out (see
+    tests/installs.py). They go with the session database."""
+    eng = create_engine(db_url, pool_size=2, max_overflow=4)
+    yield InstallPool(eng)
+    eng.dispose()
 
 
 @pytest.fixture
-def make_storage(engine: Engine) -> Iterator[MakeStorage]:
-    """``make_storage(**overrides)`` → an installed :class:`QueueStorage` in a fresh schema.
+def make_storage(engine: Engine, install_pool: InstallPool) -> Iterator[MakeStorage]:
+    """``make_storage(**overrides)`` → an installed :class:`QueueStorage`, not activated.
 
-    ``overrides`` are :class:`QueueStorageConfig` fields (library defaults otherwise; the
-    schema name is always fresh unless given). Installs with ``metadata.create_all``
-    (fast) and stamps the Alembic head, so ``install``/``prepare_schema`` on it are no-ops;
-    ``via_alembic=True`` installs with ``prepare_schema`` instead. Neither activates. Every schema
-    made is dropped (CASCADE) at teardown.
+    ``overrides`` are :class:`QueueStorageConfig` fields (library defaults otherwise). The
+    install is in its freshly installed state: ``metadata.create_all`` stamped at the head
+    revision (so ``install``/``prepare_schema`` on it are no-ops), taken from the session's
+    pool of installs of that shape and reset, or made for this test. Each call returns an
+    install no other call of the test holds. A given ``schema`` name, or
+    ``via_alembic=True`` (install with ``prepare_schema``), always gets a schema made for
+    this test and dropped (CASCADE) at teardown. Pooled installs go back to the pool at
+    teardown once no other session holds locks on them.
     """
     made: list[str] = []
+    pooled: list[QueueStorageConfig] = []
 
     def make(*, via_alembic: bool = False, **overrides: Any) -> QueueStorage:
+        if not via_alembic and "schema" not in overrides:
+            config = install_pool.acquire(**overrides)
+            pooled.append(config)
+            return QueueStorage(config)
         overrides.setdefault("schema", unique_schema())
         config = QueueStorageConfig(**overrides)
         made.append(config.schema)
@@ -178,16 +182,19 @@ def make_storage(engine: Engine) -> Iterator[MakeStorage]:
             storage.prepare_schema(engine)
         else:
             with engine.begin() as conn:
-                lifecycle.create_all(conn, config)
-                _stamp_head(conn, config)
+                install(conn, config)
         return storage
 
     yield make
-    with engine.begin() as conn:
-        # A connection a test leaked while holding locks fails the teardown instead of hanging it.
-        conn.execute(text("SET LOCAL lock_timeout = '60s'"))
-        for schema in made:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    try:
+        for config in pooled:
+            install_pool.release(config)
+    finally:
+        with engine.begin() as conn:
+            # A connection a test leaked while holding locks fails the teardown instead of hanging it.
+            conn.execute(text("SET LOCAL lock_timeout = '60s'"))
+            for schema in made:
+                conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
 
 
 @pytest.fixture
@@ -196,67 +203,50 @@ def storage(make_storage: MakeStorage) -> QueueStorage:
 
 
 # -- one install per module, reset before every test ----------------------------------------
-# For modules with many short tests: a fresh install costs 0.5-4 s on a loaded 2-core box, the
-# reset ~30 ms. The reset returns the schema to its freshly installed state (every table
-# emptied, runtime lane sequences dropped, job ids restarted, rings re-seeded), so no state
-# passes from one test to the next.
+# For modules whose tests all use one shape: the module holds one pooled install and resets it
+# for each test (``st``) or as often as it likes (``reset_storage()``, e.g. once per example of
+# a hypothesis run).
 
 
-def reset_install(engine: Engine, config: QueueStorageConfig) -> None:
-    s = config.schema
-    ns = ("SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-          "WHERE n.nspname = :s AND ")
-    with engine.begin() as c:
-        for seq in c.execute(text(ns + r"c.relkind = 'S' AND c.relname LIKE 'queue\_%\_seq\_%'"),
-                             {"s": s}).scalars().all():
-            c.execute(text(f'DROP SEQUENCE "{s}"."{seq}"'))
-        for table in c.execute(text(ns + "c.relkind IN ('r', 'p') AND NOT c.relispartition"),
-                               {"s": s}).scalars().all():
-            c.execute(text(f'DELETE FROM "{s}"."{table}"'))
-        c.execute(text(f'ALTER SEQUENCE "{s}".job_id_seq RESTART'))
-        seed_rows(c, storage_schema(config))
-
-
-def _module_install(engine: Engine, **shape: int) -> Iterator[QueueStorageConfig]:
-    config = QueueStorageConfig(schema=unique_schema(), **shape)
-    with engine.begin() as c:
-        lifecycle.create_all(c, config)
+def _module_install(pool: InstallPool, **shape: Any) -> Iterator[QueueStorageConfig]:
+    config = pool.acquire(**shape)
     yield config
-    with engine.begin() as c:
-        c.execute(text(f'DROP SCHEMA IF EXISTS "{config.schema}" CASCADE'))
+    pool.release(config)
 
 
-def _resetter(engine: Engine, config: QueueStorageConfig) -> Callable[[], QueueStorage]:
+def _resetter(pool: InstallPool, config: QueueStorageConfig) -> Callable[[], QueueStorage]:
     def reset() -> QueueStorage:
-        reset_install(engine, config)
+        pool.reset(config)
         return QueueStorage(config)
 
     return reset
 
 
 @pytest.fixture(scope="module")
-def installed(engine: Engine) -> Iterator[QueueStorageConfig]:
-    """A default-shape install shared by one test module (use through ``reset_storage``)."""
-    yield from _module_install(engine)
+def installed(install_pool: InstallPool) -> Iterator[QueueStorageConfig]:
+    """A default-shape install held by one test module (use through ``reset_storage``)."""
+    yield from _module_install(install_pool)
 
 
 @pytest.fixture(scope="module")
-def small_installed(engine: Engine) -> Iterator[QueueStorageConfig]:
-    """A small-ring install (4 queue, 2 lease, 2 claim slots) shared by one test module, so
+def small_installed(install_pool: InstallPool) -> Iterator[QueueStorageConfig]:
+    """A small-ring install (4 queue, 2 lease, 2 claim slots) held by one test module, so
     short runs rotate through whole rings and prune (use through ``reset_small_storage``)."""
-    yield from _module_install(engine, queue_slot_count=4, lease_slot_count=2, claim_slot_count=2)
+    yield from _module_install(install_pool, queue_slot_count=4, lease_slot_count=2,
+                               claim_slot_count=2)
 
 
 @pytest.fixture
-def reset_storage(engine: Engine, installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
+def reset_storage(install_pool: InstallPool, installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
     """``reset_storage()`` → the module's install reset to fresh, as a new QueueStorage."""
-    return _resetter(engine, installed)
+    return _resetter(install_pool, installed)
 
 
 @pytest.fixture
-def reset_small_storage(engine: Engine, small_installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
+def reset_small_storage(install_pool: InstallPool,
+                        small_installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
     """``reset_small_storage()`` → the module's small-ring install reset to fresh."""
-    return _resetter(engine, small_installed)
+    return _resetter(install_pool, small_installed)
 
 
 @pytest.fixture

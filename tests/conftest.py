@@ -18,6 +18,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -168,6 +169,7 @@ def make_storage(engine: Engine, install_pool: InstallPool) -> Iterator[MakeStor
     """
     made: list[str] = []
     pooled: list[QueueStorageConfig] = []
+    threads = set(threading.enumerate())
 
     def make(*, via_alembic: bool = False, **overrides: Any) -> QueueStorage:
         if not via_alembic and "schema" not in overrides:
@@ -187,14 +189,22 @@ def make_storage(engine: Engine, install_pool: InstallPool) -> Iterator[MakeStor
 
     yield make
     try:
+        leaked = _threads_left_behind(threads)
         for config in pooled:
-            install_pool.release(config)
+            install_pool.release(config, drop=leaked)
     finally:
         with engine.begin() as conn:
             # A connection a test leaked while holding locks fails the teardown instead of hanging it.
             conn.execute(text("SET LOCAL lock_timeout = '60s'"))
             for schema in made:
                 conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+
+
+def _threads_left_behind(before: set[threading.Thread]) -> bool:
+    """True when a thread started since ``before`` is still running: it may still be writing
+    to the test's installs, so they are dropped (as a test's own schema always was) rather
+    than handed to the next test."""
+    return any(t.is_alive() for t in threading.enumerate() if t not in before)
 
 
 @pytest.fixture
@@ -209,9 +219,10 @@ def storage(make_storage: MakeStorage) -> QueueStorage:
 
 
 def _module_install(pool: InstallPool, **shape: Any) -> Iterator[QueueStorageConfig]:
+    threads = set(threading.enumerate())
     config = pool.acquire(**shape)
     yield config
-    pool.release(config)
+    pool.release(config, drop=_threads_left_behind(threads))
 
 
 def _resetter(pool: InstallPool, config: QueueStorageConfig) -> Callable[[], QueueStorage]:

@@ -182,7 +182,9 @@ def catalog_contents(conn: Connection, schema: str) -> dict[str, Any]:
     """What the rows of ``schema`` amount to: every table's rows (timestamps reduced to their
     type, the schema name to ``<schema>``), every sequence's position, and the sizes the
     planner reads: each table's and index's pages, tuples and all-visible pages as last
-    counted (``pg_class``), and its pages on disk, counted as :data:`BLOAT_PAGES` below that.
+    counted (``pg_class``), and its pages on disk: exactly for a ring slot's table (a
+    partition: maintenance reads their sizes to tell a never-written slot), counted as
+    :data:`BLOAT_PAGES` below that for every other table and index.
 
     The planner costs a never-vacuumed table of fewer than 10 pages as 10 pages, so the pages
     that DELETE leaves in a small table are invisible to it. An index keeps the leaf pages
@@ -205,11 +207,12 @@ def catalog_contents(conn: Connection, schema: str) -> dict[str, Any]:
             {"ns": ns}).scalars()
     }
     sizes = {
-        r.relname: (r.relpages, r.reltuples, r.relallvisible, max(r.pages, BLOAT_PAGES))
+        r.relname: (r.relpages, r.reltuples, r.relallvisible,
+                    r.pages if r.relispartition and r.relkind == "r" else max(r.pages, BLOAT_PAGES))
         for r in conn.execute(text(
-            f"SELECT relname, relpages, reltuples, relallvisible, {_PAGES} AS pages "
-            "FROM pg_class c WHERE relnamespace = :ns AND relkind IN ('r', 'p', 'i', 'I')"),
-            {"ns": ns})
+            f"SELECT relname, relkind, relispartition, relpages, reltuples, relallvisible, "
+            f"{_PAGES} AS pages FROM pg_class c WHERE relnamespace = :ns "
+            "AND relkind IN ('r', 'p', 'i', 'I')"), {"ns": ns})
     }
     return {"rows": rows, "sequences": sequences, "planner sizes": sizes}
 
@@ -274,7 +277,8 @@ def reset_install(conn: Connection, config: QueueStorageConfig, pristine: Pristi
     sequences, when its definitions no longer match (the caller installs it again).
 
     Drops the lane sequences enqueues and claims create at run time; empties every table
-    (TRUNCATE, ~5 ms a table, for one whose heap or an index grew to :data:`BLOAT_PAGES`;
+    (TRUNCATE, ~5 ms a table, for a ring slot's table that was written to, as maintenance
+    reads their sizes, and for one whose heap or an index grew to :data:`BLOAT_PAGES`;
     DELETE, much cheaper, for the rest); restarts every sequence; re-inserts the seed rows
     and, if the install has one, its head-revision version row; and puts back the size
     statistics (``pg_class``) that TRUNCATE and VACUUM change.
@@ -286,11 +290,12 @@ def reset_install(conn: Connection, config: QueueStorageConfig, pristine: Pristi
     if catalog_digest(conn, s) != pristine.digest:
         return False
     tables = conn.execute(text(
-        f"SELECT c.relname, c.relkind, c.relispartition, greatest({_PAGES}, "
+        f"SELECT c.relname, c.relkind, c.relispartition, {_PAGES} AS heap_pages, greatest({_PAGES}, "
         "(SELECT max(pg_relation_size(x.indexrelid)) / 8192 FROM pg_index x "
         f" WHERE x.indrelid = c.oid)) AS pages {_IN_SCHEMA}c.relkind IN ('r', 'p')"),
         {"s": s}).all()
-    grown = {t.relname for t in tables if t.relkind == "r" and (t.pages or 0) >= BLOAT_PAGES}
+    grown = {t.relname for t in tables if t.relkind == "r"
+             and ((t.relispartition and t.heap_pages > 0) or (t.pages or 0) >= BLOAT_PAGES)}
     if grown:
         conn.execute(text("TRUNCATE " + ", ".join(f'"{s}"."{t}"' for t in sorted(grown))))
     for t in tables:
@@ -379,12 +384,17 @@ class InstallPool:
         with self.lock:
             self.created += 1
 
-    def release(self, config: QueueStorageConfig) -> None:
+    def release(self, config: QueueStorageConfig, *, drop: bool = False) -> None:
         """Take ``config``'s install back, once no other session holds a lock on any of its
         relations; one still locked after :data:`LEAKED_LOCK_WAIT_S` is retired (left to the
-        end of the session) and the leak reported."""
+        end of the session) and the leak reported. ``drop=True`` drops the install instead
+        (its holder may have left threads behind that still use it)."""
         with self.lock:
             inst = self.held.pop(config.schema)
+        if drop:
+            with self._begin() as conn:
+                conn.execute(text(f'DROP SCHEMA IF EXISTS "{config.schema}" CASCADE'))
+            return
         holders = self._await_unlocked(config.schema)
         if holders:
             with self.lock:

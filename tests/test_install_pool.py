@@ -212,3 +212,18 @@ def test_releasing_an_install_another_session_still_locks_fails(
         with pytest.raises(AssertionError, match="still hold locks"):
             install_pool.release(config)
     assert config.schema in install_pool.retired
+
+
+def test_an_install_released_for_dropping_is_dropped_and_not_handed_out_again(
+        engine: Engine, install_pool: InstallPool) -> None:
+    config = install_pool.acquire()
+
+    install_pool.release(config, drop=True)
+
+    with engine.connect() as c:
+        assert catalog_structure(c, config.schema) == {}
+    again = install_pool.acquire()
+    try:
+        assert again.schema != config.schema
+    finally:
+        install_pool.release(again)

@@ -71,7 +71,11 @@ def shape_of(config: QueueStorageConfig) -> Shape:
 # -- what a schema is made of -------------------------------------------------------------
 
 # Each query lists one kind of object of the schema whose oid is :ns. Names and definitions
-# only: oids, relfilenodes and creation order differ between two equal installs.
+# only: oids, relfilenodes and creation order differ between two equal installs. Where
+# {derived_too} is false, the columns of partitions and indexes and the definitions of
+# partitions' indexes are left out: PostgreSQL derives them from their parent's (a partition
+# cannot have columns of its own; a partition's index cannot be dropped or altered apart from
+# its parent's), and an extra index on a partition still shows among the relations.
 _STRUCTURE: dict[str, str] = {
     "relations": """
         SELECT c.relname, c.relkind, c.relpersistence, c.relispartition,
@@ -85,7 +89,7 @@ _STRUCTURE: dict[str, str] = {
                a.attidentity, a.attgenerated, a.attstattarget, a.attstorage
           FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
           LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-         WHERE c.relnamespace = :ns AND a.attnum > 0""",
+         WHERE c.relnamespace = :ns AND a.attnum > 0 AND {derived_too}""",
     "constraints": """
         SELECT coalesce(c.relname, ''), k.conname, k.contype, pg_get_constraintdef(k.oid),
                k.convalidated
@@ -94,7 +98,8 @@ _STRUCTURE: dict[str, str] = {
     "indexes": """
         SELECT i.relname, pg_get_indexdef(x.indexrelid), x.indisvalid, x.indisready,
                x.indisclustered
-          FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid WHERE i.relnamespace = :ns""",
+          FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class c ON c.oid = x.indrelid
+         WHERE i.relnamespace = :ns AND {derived_too}""",
     "functions": """
         SELECT p.proname, p.prokind, pg_get_function_identity_arguments(p.oid),
                CASE WHEN p.prokind IN ('f', 'p') THEN pg_get_functiondef(p.oid) ELSE '' END,
@@ -157,21 +162,23 @@ def catalog_structure(conn: Connection, schema: str) -> dict[str, list[tuple[Any
         return {}
     return {
         kind: sorted(tuple(_normalise(v, schema) for v in row)
-                     for row in conn.execute(text(sql), {"ns": ns}))
+                     for row in conn.execute(text(sql.format(derived_too="true")), {"ns": ns}))
         for kind, sql in _STRUCTURE.items()
     }
 
 
 _DIGEST = " UNION ALL ".join(
-    f"SELECT '{kind}', md5(coalesce(string_agg(r::text, '|' ORDER BY r::text), '')) "
-    f"FROM ({sql}) r"
+    f"SELECT '{kind}', count(*), coalesce(sum(hashtext(r::text)::bigint), 0) FROM ("
+    + sql.format(derived_too="NOT c.relispartition AND c.relkind NOT IN ('i', 'I')")
+    + ") r"
     for kind, sql in _STRUCTURE.items()
 )
 
 
-def catalog_digest(conn: Connection, schema: str) -> tuple[tuple[str, str], ...] | None:
-    """A digest of :func:`catalog_structure` (computed by the server, names not normalised:
-    compare digests of one schema only). None when the schema does not exist."""
+def catalog_digest(conn: Connection, schema: str) -> tuple[tuple[str, int, int], ...] | None:
+    """A digest of :func:`catalog_structure` without what PostgreSQL derives from a parent
+    (computed by the server, names not normalised: compare digests of one schema only).
+    None when the schema does not exist."""
     ns = _schema_oid(conn, schema)
     if ns is None:
         return None
@@ -254,7 +261,7 @@ class Pristine:
     """What one install looked like right after it was made: the digest of its definitions
     and the size statistics (pages, tuples, all-visible pages) of its tables and indexes."""
 
-    digest: tuple[tuple[str, str], ...]
+    digest: tuple[tuple[str, int, int], ...]
     stats: Stats
 
 

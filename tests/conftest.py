@@ -22,12 +22,13 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import pytest
-from installs import InstallPool, install, unique_schema
+from installs import InstallPool, Worker, install, unique_schema
 from pytest_postgresql import factories
 from pytest_postgresql.executors import NoopExecutor
 from pytest_postgresql.janitor import DatabaseJanitor
@@ -146,12 +147,25 @@ MakeStorage = Callable[..., QueueStorage]
 
 
 @pytest.fixture(scope="session")
-def install_pool(db_url: str) -> Iterator[InstallPool]:
-    """Installed schemas shared by the whole session, by shape, reset at every hand-out (see
+def background() -> Iterator[Worker]:
+    """The session's background thread: resets released installs, makes and drops databases
+    between tests. Started before any test, so no test counts it as a thread it left behind."""
+    worker = Worker()
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="session")
+def install_pool(db_url: str, background: Worker) -> Iterator[InstallPool]:
+    """Installed schemas shared by the whole session, by shape, reset between two tests (see
     tests/installs.py). They go with the session database."""
     eng = create_engine(db_url, pool_size=2, max_overflow=4)
-    yield InstallPool(eng)
-    eng.dispose()
+    pool = InstallPool(eng, background)
+    try:
+        yield pool
+        pool.close()
+    finally:
+        eng.dispose()
 
 
 @pytest.fixture
@@ -266,12 +280,60 @@ def st(reset_storage: Callable[[], QueueStorage]) -> QueueStorage:
     return reset_storage()
 
 
+class FreshDatabases:
+    """Brand-new empty databases (copies of the empty session template), one always made
+    ahead on the background thread, and dropped there (connections terminated) once
+    returned: a test neither waits for its database to be made nor for it to go."""
+
+    def __init__(self, server: NoopExecutor, worker: Worker) -> None:
+        self.server, self.worker = server, worker
+        self.spare: Future[str] | None = None
+        self.drops: list[Future[None]] = []
+
+    def take(self) -> str:
+        spare, self.spare = self.spare, None
+        dbname = spare.result() if spare is not None else self._make()
+        self.spare = self.worker.submit(self._make)
+        return dbname
+
+    def give_back(self, dbname: str) -> None:
+        self.drops.append(self.worker.submit(lambda: _janitor(self.server, dbname).drop()))
+
+    def close(self) -> None:
+        """Drop the spare; wait for every drop; raise the first that failed."""
+        if self.spare is not None:
+            self.give_back(self.spare.result())
+        for done in self.drops:
+            done.result()
+
+    def _make(self) -> str:
+        dbname = f"qstore_fresh_{uuid.uuid4().hex[:10]}"
+        _janitor(self.server, dbname).init()
+        return dbname
+
+
+@pytest.fixture(scope="session")
+def fresh_databases(pg_server: NoopExecutor, background: Worker) -> Iterator[FreshDatabases]:
+    made = FreshDatabases(pg_server, background)
+    yield made
+    made.close()
+
+
 @pytest.fixture
-def fresh_db_url(pg_server: NoopExecutor) -> Iterator[str]:
-    """URL of a brand-new empty database, dropped (connections terminated) at teardown."""
-    dbname = f"qstore_fresh_{uuid.uuid4().hex[:10]}"
-    with _janitor(pg_server, dbname):
-        yield sqlalchemy_url(pg_server, dbname)
+def fresh_db_url(pg_server: NoopExecutor, fresh_databases: FreshDatabases) -> Iterator[str]:
+    """URL of a brand-new empty database, dropped (connections terminated) after the test."""
+    dbname = fresh_databases.take()
+    yield sqlalchemy_url(pg_server, dbname)
+    fresh_databases.give_back(dbname)
+
+
+@pytest.fixture(scope="module")
+def module_fresh_db_url(pg_server: NoopExecutor, fresh_databases: FreshDatabases) -> Iterator[str]:
+    """URL of a brand-new empty database shared by one test module (for modules whose tests
+    all read what one expensive run wrote there), dropped after the module."""
+    dbname = fresh_databases.take()
+    yield sqlalchemy_url(pg_server, dbname)
+    fresh_databases.give_back(dbname)
 
 
 @pytest.fixture

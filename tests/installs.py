@@ -3,8 +3,10 @@
 Installing a schema (``metadata.create_all`` of ~130 tables, ~270 indexes, the functions and
 the seed rows) costs 0.3-1.3 s; putting a used install back into its freshly installed state
 costs a few tens of milliseconds. :class:`InstallPool` keeps installs by shape (every
-:class:`QueueStorageConfig` field but the schema name) and resets one each time it is handed
-out, so a test sees exactly what a fresh install would show it.
+:class:`QueueStorageConfig` field but the schema name) and resets each one between two
+tests, so a test sees exactly what a fresh install would show it. Resets run on a
+background thread (:class:`Worker`) as soon as a test hands its install back, so the next
+test rarely waits for one.
 
 What "exactly" means is spelled out by :func:`catalog_structure` (every relation, column,
 constraint, index, function, view, trigger, rule, policy, type and sequence definition of
@@ -16,14 +18,16 @@ reset install matches a brand-new one on both.
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import date, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, text
 
@@ -35,6 +39,7 @@ __all__ = [
     "BLOAT_PAGES",
     "InstallPool",
     "Pristine",
+    "Worker",
     "catalog_contents",
     "catalog_digest",
     "catalog_structure",
@@ -56,6 +61,7 @@ BLOAT_PAGES = 10
 LEAKED_LOCK_WAIT_S = 60.0
 
 Shape = tuple[tuple[str, Any], ...]
+T = TypeVar("T")
 
 
 def unique_schema() -> str:
@@ -328,6 +334,38 @@ def reset_install(conn: Connection, config: QueueStorageConfig, pristine: Pristi
     return True
 
 
+# -- background work ------------------------------------------------------------------------
+
+
+class Worker:
+    """One daemon thread that runs submitted jobs in order, so a reset or a database drop
+    overlaps the next test instead of delaying it. Start it before any test records the
+    threads it starts (see ``tests/conftest.py``): it is no test's thread."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="test-background", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], T]) -> Future[T]:
+        done: Future[T] = Future()
+        self._jobs.put((job, done))
+        return done
+
+    def stop(self) -> None:
+        """Run what is queued, then end the thread."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, done = item
+            try:
+                done.set_result(job())
+            except BaseException as err:  # handed to whoever waits on the future
+                done.set_exception(err)
+
+
 # -- the pool ---------------------------------------------------------------------------------
 
 
@@ -343,59 +381,56 @@ class InstallPool:
     """Installed schemas kept for the whole session, keyed by shape.
 
     :meth:`acquire` hands out an install nobody else holds, in its freshly installed state;
-    :meth:`release` takes it back once no other session holds locks on it. An install whose
-    definitions a test changed (a dropped or renamed table, an added index, a dropped schema…)
-    is dropped and installed again on its next reset; its data is reset every time.
+    :meth:`release` takes it back once no other session holds locks on it and has ``worker``
+    reset it while the next test runs. An install whose definitions a test changed (a
+    dropped or renamed table, an added index, a dropped schema…) is dropped and installed
+    again by its reset; its data is reset every time.
     """
 
     engine: Engine
+    worker: Worker
     free: dict[Shape, list[_Install]] = field(default_factory=dict)
+    resetting: dict[Shape, list[Future[_Install]]] = field(default_factory=dict)
     held: dict[str, _Install] = field(default_factory=dict)
     retired: list[str] = field(default_factory=list)
+    failures: list[BaseException] = field(default_factory=list)
     created: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def acquire(self, **shape: Any) -> QueueStorageConfig:
-        """An install of ``shape`` (QueueStorageConfig fields but ``schema``), reset."""
+        """An install of ``shape`` (QueueStorageConfig fields but ``schema``) in its freshly
+        installed state: a reset one, one being reset (waited for), or a new one."""
         config = QueueStorageConfig(schema=unique_schema(), **shape)
-        with self.lock:
-            spare = self.free.get(shape_of(config))
-            inst = spare.pop() if spare else None
-        if inst is None:
-            inst = self._create(config)
+        key = shape_of(config)
+        inst = None
+        while inst is None:
+            with self.lock:
+                ready, coming = self.free.get(key), self.resetting.get(key)
+                if ready:
+                    inst = ready.pop()
+                    break
+                pending = coming.pop(0) if coming else None
+            if pending is None:
+                inst = self._create(config)
+            elif pending.exception() is None:
+                inst = pending.result()
         with self.lock:
             self.held[inst.config.schema] = inst
-        if inst.config is not config:
-            try:
-                self.reset(inst.config)
-            except BaseException:
-                with self.lock:
-                    del self.held[inst.config.schema]
-                    self.retired.append(inst.config.schema)
-                raise
         return inst.config
 
     def reset(self, config: QueueStorageConfig) -> None:
         """Put ``config``'s install (one this pool handed out) into its freshly installed
-        state, re-installing it when its definitions no longer match a fresh install's."""
+        state now."""
         with self.lock:
             inst = self.held[config.schema]
-        with self._begin() as conn:
-            if reset_install(conn, config, inst.pristine):
-                return
-        with self._begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{config.schema}" CASCADE'))
-            install(conn, config)
-            inst.pristine = record_pristine(conn, config.schema)
-        inst.reinstalls += 1
-        with self.lock:
-            self.created += 1
+        self._reset(inst)
 
     def release(self, config: QueueStorageConfig, *, drop: bool = False) -> None:
         """Take ``config``'s install back, once no other session holds a lock on any of its
-        relations; one still locked after :data:`LEAKED_LOCK_WAIT_S` is retired (left to the
-        end of the session) and the leak reported. ``drop=True`` drops the install instead
-        (its holder may have left threads behind that still use it)."""
+        relations, and reset it in the background; one still locked after
+        :data:`LEAKED_LOCK_WAIT_S` is retired (left to the end of the session) and the leak
+        reported. ``drop=True`` drops the install instead (its holder may have left threads
+        behind that still use it)."""
         with self.lock:
             inst = self.held.pop(config.schema)
         if drop:
@@ -410,7 +445,17 @@ class InstallPool:
                 f"sessions {holders} still hold locks on schema {config.schema!r} "
                 f"{LEAKED_LOCK_WAIT_S:.0f} s after the test ended (a leaked connection?)")
         with self.lock:
-            self.free.setdefault(shape_of(config), []).append(inst)
+            self.resetting.setdefault(shape_of(config), []).append(
+                self.worker.submit(lambda: self._reset_in_background(inst)))
+
+    def close(self) -> None:
+        """Wait for the background resets; raise the first that failed."""
+        with self.lock:
+            pending = [f for futures in self.resetting.values() for f in futures]
+        for f in pending:
+            f.exception()
+        if self.failures:
+            raise self.failures[0]
 
     # -- internals --------------------------------------------------------------------------
 
@@ -428,6 +473,29 @@ class InstallPool:
         with self.lock:
             self.created += 1
         return _Install(config, pristine)
+
+    def _reset(self, inst: _Install) -> None:
+        config = inst.config
+        with self._begin() as conn:
+            if reset_install(conn, config, inst.pristine):
+                return
+        with self._begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{config.schema}" CASCADE'))
+            install(conn, config)
+            inst.pristine = record_pristine(conn, config.schema)
+        inst.reinstalls += 1
+        with self.lock:
+            self.created += 1
+
+    def _reset_in_background(self, inst: _Install) -> _Install:
+        try:
+            self._reset(inst)
+        except BaseException as err:
+            with self.lock:
+                self.retired.append(inst.config.schema)
+                self.failures.append(err)
+            raise
+        return inst
 
     def _await_unlocked(self, schema: str) -> list[int]:
         deadline = time.monotonic() + LEAKED_LOCK_WAIT_S

@@ -226,10 +226,49 @@ def storage(make_storage: MakeStorage) -> QueueStorage:
     return make_storage()
 
 
-# -- one install per module, reset before every test ----------------------------------------
-# For modules whose tests all use one shape: the module holds one pooled install and resets it
-# for each test (``st``) or as often as it likes (``reset_storage()``, e.g. once per example of
-# a hypothesis run).
+@pytest.fixture
+def st(make_storage: MakeStorage) -> QueueStorage:
+    """A default-shape install in its freshly installed state (``make_storage()``)."""
+    return make_storage()
+
+
+# -- a fresh install on every call ----------------------------------------------------------
+# For tests that need many fresh installs one after another (e.g. one per example of a
+# hypothesis run): each call hands the previous install back to the pool, whose background
+# thread resets it while the caller works with the next one.
+
+
+def _one_after_another(pool: InstallPool, **shape: Any) -> Iterator[Callable[[], QueueStorage]]:
+    threads = set(threading.enumerate())
+    held: list[QueueStorageConfig] = []
+
+    def next_install() -> QueueStorage:
+        if held:
+            pool.release(held.pop())
+        held.append(pool.acquire(**shape))
+        return QueueStorage(held[-1])
+
+    yield next_install
+    if held:
+        pool.release(held.pop(), drop=_threads_left_behind(threads))
+
+
+@pytest.fixture
+def next_storage(install_pool: InstallPool) -> Iterator[Callable[[], QueueStorage]]:
+    """``next_storage()`` → a default-shape install in its freshly installed state; each call
+    hands back the install the previous call returned."""
+    yield from _one_after_another(install_pool)
+
+
+@pytest.fixture
+def next_small_storage(install_pool: InstallPool) -> Iterator[Callable[[], QueueStorage]]:
+    """``next_small_storage()`` → likewise, a small-ring install (4 queue, 2 lease, 2 claim
+    slots), so short runs rotate through whole rings and prune."""
+    yield from _one_after_another(install_pool, queue_slot_count=4, lease_slot_count=2,
+                                  claim_slot_count=2)
+
+
+# -- one install per module, reset on demand -------------------------------------------------
 
 
 def _module_install(pool: InstallPool, **shape: Any) -> Iterator[QueueStorageConfig]:
@@ -255,29 +294,23 @@ def installed(install_pool: InstallPool) -> Iterator[QueueStorageConfig]:
 
 @pytest.fixture(scope="module")
 def small_installed(install_pool: InstallPool) -> Iterator[QueueStorageConfig]:
-    """A small-ring install (4 queue, 2 lease, 2 claim slots) held by one test module, so
-    short runs rotate through whole rings and prune (use through ``reset_small_storage``)."""
+    """A small-ring install (4 queue, 2 lease, 2 claim slots) held by one test module
+    (use through ``reset_small_storage``)."""
     yield from _module_install(install_pool, queue_slot_count=4, lease_slot_count=2,
                                claim_slot_count=2)
 
 
 @pytest.fixture
 def reset_storage(install_pool: InstallPool, installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
-    """``reset_storage()`` → the module's install reset to fresh, as a new QueueStorage."""
+    """``reset_storage()`` → the module's install reset to fresh (now), as a new QueueStorage."""
     return _resetter(install_pool, installed)
 
 
 @pytest.fixture
 def reset_small_storage(install_pool: InstallPool,
                         small_installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
-    """``reset_small_storage()`` → the module's small-ring install reset to fresh."""
+    """``reset_small_storage()`` → the module's small-ring install reset to fresh (now)."""
     return _resetter(install_pool, small_installed)
-
-
-@pytest.fixture
-def st(reset_storage: Callable[[], QueueStorage]) -> QueueStorage:
-    """The module's install, reset to its freshly installed state for this test."""
-    return reset_storage()
 
 
 class FreshDatabases:

@@ -286,8 +286,10 @@ def record_pristine(conn: Connection, schema: str) -> Pristine:
 
 def reset_install(conn: Connection, config: QueueStorageConfig, pristine: Pristine) -> bool:
     """Put the install of ``config`` back into the state ``pristine`` recorded, on ``conn``
-    (one transaction, the caller's). Returns False, having changed nothing but the lane
-    sequences, when its definitions no longer match (the caller installs it again).
+    (one transaction, the caller's). Returns False when its definitions no longer match,
+    having changed nothing but the lane sequences, or when size statistics need putting
+    back and the session may not write ``pg_class`` (not a superuser): the caller installs
+    it again.
 
     Drops the lane sequences enqueues and claims create at run time; empties every table
     (TRUNCATE, ~5 ms a table, for a ring slot's table that was written to, as maintenance
@@ -323,6 +325,8 @@ def reset_install(conn: Connection, config: QueueStorageConfig, pristine: Pristi
                      {"v": REVISIONS[-1]})
     changed = [(name, *pristine.stats[name]) for name, now in _stats(conn, s).items()
                if now != pristine.stats[name]]
+    if changed and conn.execute(text("SHOW is_superuser")).scalar() != "on":
+        return False  # only a superuser may write pg_class: install it again instead
     if changed:
         conn.execute(text(
             "UPDATE pg_catalog.pg_class c SET relpages = v.pages, reltuples = v.tuples, "

@@ -8,7 +8,7 @@ at it.
 
 Isolation: every test that touches the database gets either a storage schema in its freshly
 installed state (``make_storage`` / ``storage`` / ``st``: installs are pooled by shape and
-reset before each hand-out, see tests/installs.py) inside the session database, or a
+reset between two tests, see tests/installs.py) inside the session database, or a
 brand-new empty database (``fresh_db_url``). No state passes from one test to the next.
 """
 

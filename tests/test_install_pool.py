@@ -61,7 +61,7 @@ def churn(engine: Engine, s: QueueStorage) -> None:
     s.install(engine)
     s.set_queue_options(engine, "q", enqueue_shards=2, dlq_enabled=True)
     s.set_queue_options(engine, "paused", paused=True)
-    s.enqueue_batch(engine, "bulk", 1, 3000)
+    s.enqueue_batch(engine, "bulk", 1, 400)
     later = datetime.now(UTC) + timedelta(hours=1)
     s.enqueue_params_batch(engine, [
         InsertParams("k", {"i": i}, InsertOpts(queue="q", priority=1 + i % 4, max_attempts=1,
@@ -92,7 +92,7 @@ def churn(engine: Engine, s: QueueStorage) -> None:
     s.fail_retryable(engine, got[19].job.id, got[19].job.run_lease, "boom")
     s.register_callback(engine, got[20].job.id, got[20].job.run_lease, 3600)
     s.cancel_job(engine, s.claim_runtime_batch(engine, "copied", 1)[0].job.id)
-    s.claim_runtime_batch(engine, "bulk", 2500)
+    s.claim_runtime_batch(engine, "bulk", 300)
     for _ in range(3):
         for op in (s.rotate, s.prune_oldest, s.rotate_leases, s.prune_oldest_leases,
                    s.rotate_claims, s.prune_oldest_claims):

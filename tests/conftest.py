@@ -6,9 +6,10 @@ Server: ``QSTORE_TEST_HOST`` / ``QSTORE_TEST_PORT`` / ``QSTORE_TEST_USER`` (defa
 this also works as root) and pytest-postgresql's ``postgresql_noproc`` factory is pointed
 at it.
 
-Isolation: every test that touches the database gets either a fresh storage schema
-(``make_storage`` / ``storage``) inside the session database, or a brand-new empty
-database (``fresh_db_url``). Nothing is shared between tests.
+Isolation: every test that touches the database gets either a storage schema in its freshly
+installed state (``make_storage`` / ``storage`` / ``st``: installs are pooled by shape and
+reset between two tests, see tests/installs.py) inside the session database, or a
+brand-new empty database (``fresh_db_url``). No state passes from one test to the next.
 """
 
 from __future__ import annotations
@@ -18,24 +19,25 @@ import os
 import shutil
 import tempfile
 import textwrap
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from installs import InstallPool, Worker, install, unique_schema
 from pytest_postgresql import factories
 from pytest_postgresql.executors import NoopExecutor
 from pytest_postgresql.janitor import DatabaseJanitor
-from sqlalchemy import URL, Connection, Engine, create_engine, text
+from sqlalchemy import URL, Engine, create_engine, text
 
 from qstore import QueueStorage, QueueStorageConfig
 from qstore.migrate import version_location
-from qstore.schema import REVISIONS, seed_rows, storage_schema
-from qstore.storage import lifecycle
 
 # pytest-postgresql creates "<dbname>_tmpl" as the session template; a per-process name
 # keeps concurrent test runs against the same server apart.
@@ -144,35 +146,53 @@ def engine(db_url: str) -> Iterator[Engine]:
     eng.dispose()
 
 
-def unique_schema() -> str:
-    return f"t_{uuid.uuid4().hex[:8]}"
-
-
 MakeStorage = Callable[..., QueueStorage]
 
 
-def _stamp_head(conn: Connection, config: QueueStorageConfig) -> None:
-    """Record the head revision the way Alembic does, so ``prepare_schema``/``install`` on
-    a fast-installed schema see an up-to-date install (a no-op) instead of re-seeding it."""
-    vt = f'"{config.schema}"."{config.version_table}"'
-    conn.execute(text(f"CREATE TABLE {vt} (version_num VARCHAR(32) NOT NULL, "
-                      f"CONSTRAINT {config.version_table}_pkc PRIMARY KEY (version_num))"))
-    conn.execute(text(f"INSERT INTO {vt} (version_num) VALUES (:v)"), {"v": REVISIONS[-1]})
+@pytest.fixture(scope="session")
+def background() -> Iterator[Worker]:
+    """The session's background thread: resets released installs, makes and drops databases
+    between tests. Started before any test, so no test counts it as a thread it left behind."""
+    worker = Worker()
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="session")
+def install_pool(db_url: str, background: Worker) -> Iterator[InstallPool]:
+    """Installed schemas shared by the whole session, by shape, reset between two tests (see
+    tests/installs.py). They go with the session database."""
+    eng = create_engine(db_url, pool_size=2, max_overflow=4)
+    pool = InstallPool(eng, background)
+    try:
+        yield pool
+        pool.close()
+    finally:
+        eng.dispose()
 
 
 @pytest.fixture
-def make_storage(engine: Engine) -> Iterator[MakeStorage]:
-    """``make_storage(**overrides)`` → an installed :class:`QueueStorage` in a fresh schema.
+def make_storage(engine: Engine, install_pool: InstallPool) -> Iterator[MakeStorage]:
+    """``make_storage(**overrides)`` → an installed :class:`QueueStorage`, not activated.
 
-    ``overrides`` are :class:`QueueStorageConfig` fields (library defaults otherwise; the
-    schema name is always fresh unless given). Installs with ``metadata.create_all``
-    (fast) and stamps the Alembic head, so ``install``/``prepare_schema`` on it are no-ops;
-    ``via_alembic=True`` installs with ``prepare_schema`` instead. Neither activates. Every schema
-    made is dropped (CASCADE) at teardown.
+    ``overrides`` are :class:`QueueStorageConfig` fields (library defaults otherwise). The
+    install is in its freshly installed state: ``metadata.create_all`` stamped at the head
+    revision (so ``install``/``prepare_schema`` on it are no-ops), taken from the session's
+    pool of installs of that shape and reset, or made for this test. Each call returns an
+    install no other call of the test holds. A given ``schema`` name, or
+    ``via_alembic=True`` (install with ``prepare_schema``), always gets a schema made for
+    this test and dropped (CASCADE) at teardown. Pooled installs go back to the pool at
+    teardown once no other session holds locks on them.
     """
     made: list[str] = []
+    pooled: list[QueueStorageConfig] = []
+    threads = set(threading.enumerate())
 
     def make(*, via_alembic: bool = False, **overrides: Any) -> QueueStorage:
+        if not via_alembic and "schema" not in overrides:
+            config = install_pool.acquire(**overrides)
+            pooled.append(config)
+            return QueueStorage(config)
         overrides.setdefault("schema", unique_schema())
         config = QueueStorageConfig(**overrides)
         made.append(config.schema)
@@ -181,16 +201,27 @@ def make_storage(engine: Engine) -> Iterator[MakeStorage]:
             storage.prepare_schema(engine)
         else:
             with engine.begin() as conn:
-                lifecycle.create_all(conn, config)
-                _stamp_head(conn, config)
+                install(conn, config)
         return storage
 
     yield make
-    with engine.begin() as conn:
-        # A connection a test leaked while holding locks fails the teardown instead of hanging it.
-        conn.execute(text("SET LOCAL lock_timeout = '60s'"))
-        for schema in made:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    try:
+        leaked = _threads_left_behind(threads)
+        for config in pooled:
+            install_pool.release(config, drop=leaked)
+    finally:
+        with engine.begin() as conn:
+            # A connection a test leaked while holding locks fails the teardown instead of hanging it.
+            conn.execute(text("SET LOCAL lock_timeout = '60s'"))
+            for schema in made:
+                conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+
+
+def _threads_left_behind(before: set[threading.Thread]) -> bool:
+    """True when a thread started since ``before`` is still running: it may still be writing
+    to the test's installs, so they are dropped (as a test's own schema always was) rather
+    than handed to the next test."""
+    return any(t.is_alive() for t in threading.enumerate() if t not in before)
 
 
 @pytest.fixture
@@ -198,82 +229,147 @@ def storage(make_storage: MakeStorage) -> QueueStorage:
     return make_storage()
 
 
-# -- one install per module, reset before every test ----------------------------------------
-# For modules with many short tests: a fresh install costs 0.5-4 s on a loaded 2-core box, the
-# reset ~30 ms. The reset returns the schema to its freshly installed state (every table
-# emptied, runtime lane sequences dropped, job ids restarted, rings re-seeded), so no state
-# passes from one test to the next.
+@pytest.fixture
+def st(make_storage: MakeStorage) -> QueueStorage:
+    """A default-shape install in its freshly installed state (``make_storage()``)."""
+    return make_storage()
 
 
-def reset_install(engine: Engine, config: QueueStorageConfig) -> None:
-    s = config.schema
-    ns = ("SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-          "WHERE n.nspname = :s AND ")
-    with engine.begin() as c:
-        for seq in c.execute(text(ns + r"c.relkind = 'S' AND c.relname LIKE 'queue\_%\_seq\_%'"),
-                             {"s": s}).scalars().all():
-            c.execute(text(f'DROP SEQUENCE "{s}"."{seq}"'))
-        for table in c.execute(text(ns + "c.relkind IN ('r', 'p') AND NOT c.relispartition"),
-                               {"s": s}).scalars().all():
-            c.execute(text(f'DELETE FROM "{s}"."{table}"'))
-        c.execute(text(f'ALTER SEQUENCE "{s}".job_id_seq RESTART'))
-        seed_rows(c, storage_schema(config))
+# -- a fresh install on every call ----------------------------------------------------------
+# For tests that need many fresh installs one after another (e.g. one per example of a
+# hypothesis run): each call hands the previous install back to the pool, whose background
+# thread resets it while the caller works with the next one.
 
 
-def _module_install(engine: Engine, **shape: int) -> Iterator[QueueStorageConfig]:
-    config = QueueStorageConfig(schema=unique_schema(), **shape)
-    with engine.begin() as c:
-        lifecycle.create_all(c, config)
+def _one_after_another(pool: InstallPool, **shape: Any) -> Iterator[Callable[[], QueueStorage]]:
+    threads = set(threading.enumerate())
+    held: list[QueueStorageConfig] = []
+
+    def next_install() -> QueueStorage:
+        if held:
+            pool.release(held.pop())
+        held.append(pool.acquire(**shape))
+        return QueueStorage(held[-1])
+
+    yield next_install
+    if held:
+        pool.release(held.pop(), drop=_threads_left_behind(threads))
+
+
+@pytest.fixture
+def next_storage(install_pool: InstallPool) -> Iterator[Callable[[], QueueStorage]]:
+    """``next_storage()`` → a default-shape install in its freshly installed state; each call
+    hands back the install the previous call returned."""
+    yield from _one_after_another(install_pool)
+
+
+@pytest.fixture
+def next_small_storage(install_pool: InstallPool) -> Iterator[Callable[[], QueueStorage]]:
+    """``next_small_storage()`` → likewise, a small-ring install (4 queue, 2 lease, 2 claim
+    slots), so short runs rotate through whole rings and prune."""
+    yield from _one_after_another(install_pool, queue_slot_count=4, lease_slot_count=2,
+                                  claim_slot_count=2)
+
+
+# -- one install per module, reset on demand -------------------------------------------------
+
+
+def _module_install(pool: InstallPool, **shape: Any) -> Iterator[QueueStorageConfig]:
+    threads = set(threading.enumerate())
+    config = pool.acquire(**shape)
     yield config
-    with engine.begin() as c:
-        c.execute(text(f'DROP SCHEMA IF EXISTS "{config.schema}" CASCADE'))
+    pool.release(config, drop=_threads_left_behind(threads))
 
 
-def _resetter(engine: Engine, config: QueueStorageConfig) -> Callable[[], QueueStorage]:
+def _resetter(pool: InstallPool, config: QueueStorageConfig) -> Callable[[], QueueStorage]:
     def reset() -> QueueStorage:
-        reset_install(engine, config)
+        pool.reset(config)
         return QueueStorage(config)
 
     return reset
 
 
 @pytest.fixture(scope="module")
-def installed(engine: Engine) -> Iterator[QueueStorageConfig]:
-    """A default-shape install shared by one test module (use through ``reset_storage``)."""
-    yield from _module_install(engine)
+def installed(install_pool: InstallPool) -> Iterator[QueueStorageConfig]:
+    """A default-shape install held by one test module (use through ``reset_storage``)."""
+    yield from _module_install(install_pool)
 
 
 @pytest.fixture(scope="module")
-def small_installed(engine: Engine) -> Iterator[QueueStorageConfig]:
-    """A small-ring install (4 queue, 2 lease, 2 claim slots) shared by one test module, so
-    short runs rotate through whole rings and prune (use through ``reset_small_storage``)."""
-    yield from _module_install(engine, queue_slot_count=4, lease_slot_count=2, claim_slot_count=2)
+def small_installed(install_pool: InstallPool) -> Iterator[QueueStorageConfig]:
+    """A small-ring install (4 queue, 2 lease, 2 claim slots) held by one test module
+    (use through ``reset_small_storage``)."""
+    yield from _module_install(install_pool, queue_slot_count=4, lease_slot_count=2,
+                               claim_slot_count=2)
 
 
 @pytest.fixture
-def reset_storage(engine: Engine, installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
-    """``reset_storage()`` → the module's install reset to fresh, as a new QueueStorage."""
-    return _resetter(engine, installed)
+def reset_storage(install_pool: InstallPool, installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
+    """``reset_storage()`` → the module's install reset to fresh (now), as a new QueueStorage."""
+    return _resetter(install_pool, installed)
 
 
 @pytest.fixture
-def reset_small_storage(engine: Engine, small_installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
-    """``reset_small_storage()`` → the module's small-ring install reset to fresh."""
-    return _resetter(engine, small_installed)
+def reset_small_storage(install_pool: InstallPool,
+                        small_installed: QueueStorageConfig) -> Callable[[], QueueStorage]:
+    """``reset_small_storage()`` → the module's small-ring install reset to fresh (now)."""
+    return _resetter(install_pool, small_installed)
+
+
+class FreshDatabases:
+    """Brand-new empty databases (copies of the empty session template), one always made
+    ahead on the background thread, and dropped there (connections terminated) once
+    returned: a test neither waits for its database to be made nor for it to go."""
+
+    def __init__(self, server: NoopExecutor, worker: Worker) -> None:
+        self.server, self.worker = server, worker
+        self.spare: Future[str] | None = None
+        self.drops: list[Future[None]] = []
+
+    def take(self) -> str:
+        spare, self.spare = self.spare, None
+        dbname = spare.result() if spare is not None else self._make()
+        self.spare = self.worker.submit(self._make)
+        return dbname
+
+    def give_back(self, dbname: str) -> None:
+        self.drops.append(self.worker.submit(lambda: _janitor(self.server, dbname).drop()))
+
+    def close(self) -> None:
+        """Drop the spare; wait for every drop; raise the first that failed."""
+        if self.spare is not None:
+            self.give_back(self.spare.result())
+        for done in self.drops:
+            done.result()
+
+    def _make(self) -> str:
+        dbname = f"qstore_fresh_{uuid.uuid4().hex[:10]}"
+        _janitor(self.server, dbname).init()
+        return dbname
+
+
+@pytest.fixture(scope="session")
+def fresh_databases(pg_server: NoopExecutor, background: Worker) -> Iterator[FreshDatabases]:
+    made = FreshDatabases(pg_server, background)
+    yield made
+    made.close()
 
 
 @pytest.fixture
-def st(reset_storage: Callable[[], QueueStorage]) -> QueueStorage:
-    """The module's install, reset to its freshly installed state for this test."""
-    return reset_storage()
+def fresh_db_url(pg_server: NoopExecutor, fresh_databases: FreshDatabases) -> Iterator[str]:
+    """URL of a brand-new empty database, dropped (connections terminated) after the test."""
+    dbname = fresh_databases.take()
+    yield sqlalchemy_url(pg_server, dbname)
+    fresh_databases.give_back(dbname)
 
 
-@pytest.fixture
-def fresh_db_url(pg_server: NoopExecutor) -> Iterator[str]:
-    """URL of a brand-new empty database, dropped (connections terminated) at teardown."""
-    dbname = f"qstore_fresh_{uuid.uuid4().hex[:10]}"
-    with _janitor(pg_server, dbname):
-        yield sqlalchemy_url(pg_server, dbname)
+@pytest.fixture(scope="module")
+def module_fresh_db_url(pg_server: NoopExecutor, fresh_databases: FreshDatabases) -> Iterator[str]:
+    """URL of a brand-new empty database shared by one test module (for modules whose tests
+    all read what one expensive run wrote there), dropped after the module."""
+    dbname = fresh_databases.take()
+    yield sqlalchemy_url(pg_server, dbname)
+    fresh_databases.give_back(dbname)
 
 
 @pytest.fixture

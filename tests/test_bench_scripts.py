@@ -1,5 +1,5 @@
-"""The benchmark scripts still run end to end (tiny workloads, a fresh database each), and the
-storage benchmark's own validity checks and dead-tuple census hold at that scale."""
+"""The benchmark scripts still run end to end (tiny workloads, a fresh database each run), and
+the storage benchmark's own validity checks and dead-tuple census hold at that scale."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ def run_script(name: str, *args: str, timeout: float = 240) -> subprocess.Comple
                           capture_output=True, timeout=timeout, check=False)
 
 
-@pytest.fixture
-def storage_bench(fresh_db_url: str, tmp_path: Path) -> dict:
-    out = tmp_path / "bench.json"
-    proc = run_script("bench_storage.py", "--url", fresh_db_url, "--jobs", "300", "--threads", "3",
+@pytest.fixture(scope="module")
+def storage_bench(module_fresh_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run of the storage benchmark, whose report the tests below read."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    proc = run_script("bench_storage.py", "--url", module_fresh_db_url, "--jobs", "300", "--threads", "3",
                       "--batch", "10", "--rounds", "1", "--idle-exit", "0.5", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(out.read_text())

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-import uuid
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 
@@ -15,8 +14,7 @@ import psycopg
 import pytest
 from sqlalchemy import make_url, text
 
-from qstore import QueueStorage, QueueStorageConfig, UniqueConflictError, ValidationError
-from qstore.storage import lifecycle
+from qstore import QueueStorage, UniqueConflictError, ValidationError
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts, shard_for_ordering_key
 
 UTC = timezone.utc
@@ -278,15 +276,10 @@ BAD_ROWS = {
 
 
 @pytest.fixture(scope="module")
-def untouched_storage(engine):
+def untouched_storage(installed):
     """One install shared by the bad-input cases: none of them may write anything, so each
     case asserts the install is still completely empty."""
-    config = QueueStorageConfig(schema=f"t_bad_{uuid.uuid4().hex[:8]}")
-    with engine.begin() as c:
-        lifecycle.create_all(c, config)
-    yield QueueStorage(config)
-    with engine.begin() as c:
-        c.execute(text(f'DROP SCHEMA "{config.schema}" CASCADE'))
+    return QueueStorage(installed)
 
 
 @pytest.mark.parametrize("use_copy", [False, True], ids=["insert", "copy"])

@@ -114,9 +114,9 @@ def enqueue(s: QueueStorage, e: Engine, use_copy: bool, **opts: Any) -> int:
 
 @pytest.mark.parametrize("use_copy", [False, True], ids=["insert", "copy"])
 @pytest.mark.parametrize("path", list(PATHS))
-def test_job_body_survives(engine: Engine, reset_storage: Callable[[], QueueStorage], path: str,
+def test_job_body_survives(engine: Engine, next_storage: Callable[[], QueueStorage], path: str,
                            use_copy: bool) -> None:
-    storage = reset_storage()
+    storage = next_storage()
     job_id = enqueue(storage, engine, use_copy)
     before = storage.load_job(engine, job_id)
     assert before is not None and before.unique_key is not None
@@ -131,8 +131,8 @@ def test_job_body_survives(engine: Engine, reset_storage: Callable[[], QueueStor
     assert after.priority == (1 if path == "set_priority" else 3)
 
 
-def test_scheduled_job_body_survives_cancel(engine: Engine, reset_storage: Callable[[], QueueStorage]) -> None:
-    storage = reset_storage()
+def test_scheduled_job_body_survives_cancel(engine: Engine, next_storage: Callable[[], QueueStorage]) -> None:
+    storage = next_storage()
     job_id = enqueue(storage, engine, False, run_at=datetime.now(timezone.utc) + timedelta(hours=1))
     before = storage.load_job(engine, job_id)
     assert before is not None and before.state is JobState.SCHEDULED

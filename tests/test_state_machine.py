@@ -301,9 +301,9 @@ def build_machine(engine, fresh_storage: Callable[[], QueueStorage],
     return JobLifecycle
 
 
-def test_random_job_lifecycles_keep_database_and_model_in_agreement(engine, reset_storage):
+def test_random_job_lifecycles_keep_database_and_model_in_agreement(engine, next_storage):
     """``QSTORE_STATE_MACHINE_EXAMPLES`` runs more examples (a longer bug hunt than CI's)."""
-    machine = build_machine(engine, reset_storage)
+    machine = build_machine(engine, next_storage)
     examples = int(os.environ.get("QSTORE_STATE_MACHINE_EXAMPLES", "20"))
     run_state_machine_as_test(machine, settings=settings(
         max_examples=examples, stateful_step_count=25, deadline=None,
@@ -311,9 +311,9 @@ def test_random_job_lifecycles_keep_database_and_model_in_agreement(engine, rese
 
 
 
-def test_random_lifecycles_with_ring_maintenance_lose_no_live_job(engine, reset_small_storage):
+def test_random_lifecycles_with_ring_maintenance_lose_no_live_job(engine, next_small_storage):
     PRUNED.clear()
-    machine = build_machine(engine, reset_small_storage, maintenance=True)
+    machine = build_machine(engine, next_small_storage, maintenance=True)
     examples = int(os.environ.get("QSTORE_STATE_MACHINE_EXAMPLES", "20"))
     run_state_machine_as_test(machine, settings=settings(
         max_examples=examples, stateful_step_count=30, deadline=None,

@@ -244,17 +244,21 @@ class Naming:
     def leases_child_relname(self, slot: int) -> str:
         return self._ctx.config.leases_child_relname(slot)
 
-    def leases_relname(self) -> str:
-        return self._ctx.schema.leases.name
+    @staticmethod
+    def leases_relname() -> str:
+        return "leases"
 
-    def lease_claims_relname(self) -> str:
-        return self._ctx.schema.claims.name
+    @staticmethod
+    def lease_claims_relname() -> str:
+        return "lease_claims"
 
-    def lease_claim_closures_relname(self) -> str:
-        return self._ctx.schema.closures.name
+    @staticmethod
+    def lease_claim_closures_relname() -> str:
+        return "lease_claim_closures"
 
-    def attempt_state_relname(self) -> str:
-        return self._ctx.schema.attempt_state.name
+    @staticmethod
+    def attempt_state_relname() -> str:
+        return "attempt_state"
 
 
 def _context(config: object) -> StorageContext:

@@ -142,7 +142,7 @@ def run(policy: Policy, target: Target, body: Callable[[Any], R]) -> R:
             return body(conn)
     if policy is Policy.NO_TRANSACTION:
         raise ValidationError("target", type(target).__name__,
-                              "this statement cannot run inside a transaction block: pass an Engine")
+                              "this operation runs VACUUM, which cannot run inside a transaction block: pass an Engine")
     conn = _callers_connection(target)
     if policy is Policy.ATOMIC:
         with conn.begin_nested():

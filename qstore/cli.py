@@ -33,7 +33,7 @@ from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import QueueStorageError, translate_errors
 from qstore.maintainer import Maintainer, TaskReport
 from qstore.storage import QueueStorage
-from qstore.storage.maintenance import slot_generation
+from qstore.storage.planes.upkeep import slot_generation
 
 __all__ = ["DEMO_STEPS", "DemoContext", "build_parser", "main"]
 

@@ -18,12 +18,14 @@ from sqlalchemy import exc as sa_exc
 __all__ = [
     "CallbackNotFoundError",
     "DatabaseError",
+    "InvariantError",
     "PartialCommitError",
     "QueueStorageError",
     "SchemaNotInstalledError",
     "UniqueConflictError",
     "ValidationError",
     "translate_errors",
+    "translated",
     "wrap_driver_error",
 ]
 
@@ -96,6 +98,11 @@ class DatabaseError(QueueStorageError):
         super().__init__(f"database error ({self.sqlstate or 'unknown'}): {original}")
 
 
+class InvariantError(QueueStorageError):
+    """The database holds a state qstore's own writes never produce (a storage invariant is
+    broken, e.g. by a manual edit); the operation wrote nothing."""
+
+
 class PartialCommitError(DatabaseError):
     """An operation that commits in more than one transaction failed after an earlier one
     committed. ``committed`` lists what is done for good (do not redo it: a repeat would
@@ -131,21 +138,31 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+def translated(err: BaseException) -> BaseException:
+    """The qstore error to raise for ``err``: driver errors (SQLAlchemy's and psycopg's own,
+    e.g. from statements run on the raw driver connection) become
+    :class:`QueueStorageError` subclasses; anything else is returned as it is."""
+    if isinstance(err, QueueStorageError):
+        return err
+    if isinstance(err, sa_exc.DBAPIError | sa_exc.OperationalError | psycopg.Error):
+        return wrap_driver_error(err)
+    if isinstance(err, sa_exc.SQLAlchemyError):
+        return DatabaseError(err)
+    return err
+
+
 def translate_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Decorator: re-raise driver errors (SQLAlchemy's and psycopg's own) as
-    :class:`QueueStorageError` subclasses."""
+    """Decorator: re-raise driver errors as :class:`QueueStorageError` subclasses (see
+    :func:`translated`)."""
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
-        except QueueStorageError:
-            raise
-        except (sa_exc.DBAPIError, sa_exc.OperationalError) as err:
-            raise wrap_driver_error(err) from err
-        except sa_exc.SQLAlchemyError as err:
-            raise DatabaseError(err) from err
-        except psycopg.Error as err:  # statements run on the raw driver connection (COPY)
-            raise wrap_driver_error(err) from err
+        except Exception as err:
+            mapped = translated(err)
+            if mapped is err:
+                raise
+            raise mapped from err
 
     return wrapper

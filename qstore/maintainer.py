@@ -33,7 +33,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from qstore.errors import ValidationError
 from qstore.model import JobState, PruneOutcome, RotateOutcome
 from qstore.storage import QueueStorage
-from qstore.storage.claim import MAX_BATCH
+from qstore.storage.checks import MAX_BATCH
 
 __all__ = ["Maintainer", "MaintenanceSchedule", "RingTick", "TaskReport"]
 

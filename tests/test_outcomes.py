@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from qstore import QueueStorageConfig
 from qstore.model import JobState
 from qstore.schema import storage_schema
-from qstore.storage import enqueue
+from qstore.storage.planes import queue as queue_plane
 
 UTC = timezone.utc
 
@@ -432,7 +432,7 @@ def test_two_schemas_on_one_engine_draw_job_ids_from_their_own_sequences(engine,
     try:
         assert add(engine, st) == 1
         with engine.begin() as c:
-            ids = c.execute(enqueue.statements(storage_schema(other))["ids"], {"n": 1}).scalars().all()
+            ids = c.execute(queue_plane.statements(storage_schema(other)).ids, {"n": 1}).scalars().all()
         assert ids == [1]
         assert add(engine, st) == 2
     finally:

@@ -16,7 +16,7 @@ from qstore import QueueStorage
 from qstore.errors import UniqueConflictError, ValidationError
 from qstore.model import BusyCounts, PruneOutcome, RotateOutcome, SkipReason
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
-from qstore.storage.maintenance import slot_generation
+from qstore.storage.planes.upkeep import slot_generation
 
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}
 Q = "rq"

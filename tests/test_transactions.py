@@ -1,4 +1,4 @@
-"""The one transaction contract (qstore.storage._tx): Engine commits its own transaction;
+"""The transaction policies (qstore.storage.targets): Engine commits its own transaction;
 Connection and ORM Session join the caller's, which alone commits or rolls back."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from qstore import ValidationError
-from qstore.storage._tx import owns_transaction, transaction
+from qstore.storage.targets import Policy, Transactions, reads_committed_state, run
 
 
 def _activated(engine, schema: str) -> bool:
@@ -81,42 +81,112 @@ def test_session_target_is_kept_by_session_commit(storage, engine):
     assert _activated(engine, storage.schema())
 
 
-def test_transaction_helper_with_engine_commits_on_success(storage, engine):
-    with transaction(engine) as conn:
-        conn.execute(text(f"INSERT INTO {storage.schema()}.queue_meta (queue) VALUES ('a')"))
+def _count(engine, schema: str) -> int:
     with engine.connect() as other:
-        assert other.execute(text(f"SELECT count(*) FROM {storage.schema()}.queue_meta")).scalar() == 1
+        return int(other.execute(text(f"SELECT count(*) FROM {schema}.queue_meta")).scalar())
 
 
-def test_transaction_helper_with_engine_rolls_back_on_error(storage, engine):
-    with pytest.raises(RuntimeError), transaction(engine) as conn:
-        conn.execute(text(f"INSERT INTO {storage.schema()}.queue_meta (queue) VALUES ('a')"))
+def _insert(schema: str, queue: str):
+    def body(conn):
+        conn.execute(text(f"INSERT INTO {schema}.queue_meta (queue) VALUES ('{queue}')"))
+    return body
+
+
+def _insert_then_fail(schema: str):
+    def body(conn):
+        _insert(schema, "a")(conn)
         raise RuntimeError("boom")
-    with engine.connect() as other:
-        assert other.execute(text(f"SELECT count(*) FROM {storage.schema()}.queue_meta")).scalar() == 0
+    return body
 
 
-def test_transaction_helper_with_connection_yields_the_same_connection(engine):
-    with engine.connect() as conn, transaction(conn) as inner:
-        assert inner is conn
+def test_join_policy_on_an_engine_commits_on_success(storage, engine):
+    run(Policy.JOIN, engine, _insert(storage.schema(), "a"))
+    assert _count(engine, storage.schema()) == 1
 
 
-def test_transaction_helper_with_session_yields_the_session_connection(engine):
-    with Session(engine) as session, transaction(session) as inner:
-        assert inner is session.connection()
+def test_join_policy_on_an_engine_rolls_back_on_error(storage, engine):
+    with pytest.raises(RuntimeError):
+        run(Policy.JOIN, engine, _insert_then_fail(storage.schema()))
+    assert _count(engine, storage.schema()) == 0
 
 
-def test_transaction_helper_rejects_other_targets():
-    with pytest.raises(ValidationError, match="target"), transaction("postgresql://x"):  # type: ignore[arg-type]
-        pass
-
-
-def test_only_an_engine_target_owns_its_transaction(engine):
-    assert owns_transaction(engine)
+def test_join_policy_on_a_connection_hands_the_body_that_connection(engine):
     with engine.connect() as conn:
-        assert not owns_transaction(conn)
+        assert run(Policy.JOIN, conn, lambda inner: inner) is conn
+
+
+def test_join_policy_on_a_session_hands_the_body_the_session_connection(engine):
     with Session(engine) as session:
-        assert not owns_transaction(session)
+        assert run(Policy.JOIN, session, lambda inner: inner) is session.connection()
+
+
+def test_atomic_policy_error_leaves_the_callers_transaction_usable_and_unwritten(storage, engine):
+    schema = storage.schema()
+    with engine.connect() as conn:
+        _insert(schema, "mine")(conn)
+        with pytest.raises(RuntimeError):
+            run(Policy.ATOMIC, conn, _insert_then_fail(schema))
+        rows = conn.execute(text(f"SELECT queue FROM {schema}.queue_meta")).scalars().all()
+        assert rows == ["mine"]
+        conn.commit()
+    assert _count(engine, schema) == 1
+
+
+def test_statement_policy_on_an_engine_autocommits_each_statement(storage, engine):
+    with pytest.raises(RuntimeError):
+        run(Policy.STATEMENT, engine, _insert_then_fail(storage.schema()))
+    assert _count(engine, storage.schema()) == 1  # no transaction block to roll back
+
+
+def test_units_policy_on_an_engine_commits_each_unit_on_its_own(storage, engine):
+    schema = storage.schema()
+
+    def body(tx: Transactions) -> None:
+        assert tx.owned
+        with tx.unit() as conn:
+            _insert(schema, "first")(conn)
+        with tx.unit() as conn:
+            _insert_then_fail(schema)(conn)
+
+    with pytest.raises(RuntimeError):
+        run(Policy.UNITS, engine, body)
+    assert _count(engine, schema) == 1
+
+
+def test_units_policy_on_a_connection_runs_every_unit_in_the_callers_transaction(storage, engine):
+    schema = storage.schema()
+
+    def body(tx: Transactions) -> None:
+        assert not tx.owned
+        with tx.unit() as conn:
+            _insert(schema, "first")(conn)
+        with tx.statement() as conn:
+            _insert(schema, "second")(conn)
+
+    with engine.connect() as conn:
+        run(Policy.UNITS, conn, body)
+        assert _count(engine, schema) == 0
+        conn.rollback()
+    assert _count(engine, schema) == 0
+
+
+def test_no_transaction_policy_is_refused_inside_a_callers_transaction(engine):
+    with engine.connect() as conn, pytest.raises(ValidationError, match="transaction block"):
+        run(Policy.NO_TRANSACTION, conn, lambda inner: None)
+
+
+def test_run_rejects_other_targets():
+    with pytest.raises(ValidationError, match="target"):
+        run(Policy.JOIN, "postgresql://x", lambda conn: None)  # type: ignore[arg-type]
+
+
+def test_only_an_engine_target_reads_committed_state(engine):
+    assert run(Policy.JOIN, engine, reads_committed_state)
+    assert run(Policy.STATEMENT, engine, reads_committed_state)
+    with engine.connect() as conn:
+        assert not run(Policy.JOIN, conn, reads_committed_state)
+    with Session(engine) as session:
+        assert not run(Policy.JOIN, session, reads_committed_state)
 
 
 def test_operation_on_unsupported_target_raises_validation_error(storage):

@@ -1,4 +1,4 @@
-"""Operator actions on jobs: retry, cancel, re-prioritise, move, age.
+"""Operator actions on jobs: retry, cancel, re-prioritise, move, age; and queue options.
 
 Ready rows are never updated: an unclaimed available job is voided with an append-only
 tombstone (after taking its lane's claim head lock, so no claim can take it concurrently)
@@ -9,32 +9,53 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, bindparam, func, insert, select, update
+from sqlalchemy import BigInteger, CompoundSelect, Connection, Select, bindparam, func, select
 
 from qstore.model import JobRow, JobState
 from qstore.schema import StorageSchema
-from qstore.storage import history
-from qstore.storage.attempts import take_attempts
-from qstore.storage.enqueue import LaneRouter
+from qstore.storage import destinations
+from qstore.storage.bodies import Body
+from qstore.storage.checks import seconds
+from qstore.storage.context import StorageContext
+from qstore.storage.decide import Decision, Destination
 from qstore.storage.jobs import is_stripe, logical_queue
-from qstore.storage.statements import receipt_closed
-from qstore.storage.transitions import Decision, apply
-from qstore.storage.writers import Body
+from qstore.storage.planes import control, execution, queue
+from qstore.storage.planes.execution import LIVE, Closure
+from qstore.storage.sql import receipt_closed
 
-__all__ = ["age_waiting", "cancel_job", "move_job", "retry_job", "take_available"]
+__all__ = [
+    "age_waiting_priorities",
+    "cancel_job",
+    "cancel_jobs_by_ids",
+    "move_queue",
+    "retry_job",
+    "retry_jobs_by_ids",
+    "set_priority",
+    "set_queue_options",
+]
 
 ORIGINAL_PRIORITY = "_qstore_original_priority"
 ORIGINAL_QUEUE = "_qstore_original_queue"
-LIVE = ("running", "waiting_external")
+
+
+@dataclass(frozen=True)
+class AdminReads:
+    ready_candidates: Select[Any]
+    still_unclaimed: Select[Any]
+    live_attempts: CompoundSelect[Any]
+    waiting: Select[Any]
+    lock_scheduled: Select[Any]
+    aging_candidates: Select[Any]
 
 
 @functools.lru_cache(maxsize=64)
-def _statements(sch: StorageSchema) -> dict[str, Any]:
-    r, t, cr, h = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent, sch.claim_heads
+def _reads(sch: StorageSchema) -> AdminReads:
+    r, t, cr = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent
     c, cl, le, d = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.deferred
     job = bindparam("b_job", type_=BigInteger())
     tombstoned = select(t.c.job_id).where(
@@ -44,110 +65,99 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
         cr.c.queue == r.c.queue, cr.c.priority == r.c.priority, cr.c.enqueue_shard == r.c.enqueue_shard,
         cr.c.first_seq <= r.c.lane_seq, cr.c.last_seq >= r.c.lane_seq).exists()
     closed = receipt_closed(cl, c)
-    key = lambda x: (x.c.ready_slot == bindparam("k_slot"), x.c.queue == bindparam("k_queue"),  # noqa: E731
-                     x.c.priority == bindparam("k_priority"), x.c.enqueue_shard == bindparam("k_shard"),
-                     x.c.lane_seq == bindparam("k_seq"))
+    key = (r.c.ready_slot == bindparam("k_slot"), r.c.queue == bindparam("k_queue"),
+           r.c.priority == bindparam("k_priority"), r.c.enqueue_shard == bindparam("k_shard"),
+           r.c.lane_seq == bindparam("k_seq"))
     now = func.clock_timestamp()
-    return {
-        "ready_candidates": select(r).where(r.c.job_id == job, ~tombstoned).order_by(r.c.lane_seq.desc()),
-        "lock_head": select(h.c.queue).where(h.c.queue == bindparam("k_queue"), h.c.priority == bindparam("k_priority"),
-                                             h.c.enqueue_shard == bindparam("k_shard")).with_for_update(),
-        "still_unclaimed": select(r.c.job_id).where(*key(r), ~tombstoned, ~claimed),
-        "tombstone": insert(t).values(ready_slot=bindparam("k_slot"), ready_generation=bindparam("k_gen"),
-                                      queue=bindparam("k_queue"), priority=bindparam("k_priority"),
-                                      enqueue_shard=bindparam("k_shard"), lane_seq=bindparam("k_seq"),
-                                      job_id=job),
-        "live_attempts": select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state.in_(LIVE))
+    return AdminReads(
+        ready_candidates=select(r).where(r.c.job_id == job, ~tombstoned).order_by(r.c.lane_seq.desc()),
+        still_unclaimed=select(r.c.job_id).where(*key, ~tombstoned, ~claimed),
+        live_attempts=select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state.in_(LIVE))
         .union(select(c.c.job_id, c.c.run_lease).where(c.c.job_id == job, ~closed)),
-        "waiting": select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state == "waiting_external"),
-        "take_deferred": d.delete().where(d.c.job_id == job, d.c.state.in_(bindparam("states", expanding=True)))
-        .returning(*d.c),
-        "lock_scheduled": select(d).where(d.c.job_id == job, d.c.state == "scheduled").with_for_update(skip_locked=True),
-        "update_scheduled": update(d).where(d.c.job_id == job).values(
-            queue=bindparam("n_queue"), priority=bindparam("n_priority"), payload=bindparam("n_payload")),
-        "aging_candidates": select(r).where(r.c.priority > 1, r.c.run_at <= now - bindparam("interval"),
-                                            ~tombstoned, ~claimed).order_by(r.c.run_at, r.c.job_id).limit(bindparam("limit")),
-    }
+        waiting=select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state == "waiting_external"),
+        lock_scheduled=select(d).where(d.c.job_id == job, d.c.state == "scheduled").with_for_update(skip_locked=True),
+        aging_candidates=select(r).where(r.c.priority > 1, r.c.run_at <= now - bindparam("interval"),
+                                         ~tombstoned, ~claimed).order_by(r.c.run_at, r.c.job_id)
+        .limit(bindparam("limit")),
+    )
 
 
-def _ready_key(row: Any) -> dict[str, Any]:
-    return {"k_slot": row.ready_slot, "k_gen": row.ready_generation, "k_queue": row.queue,
-            "k_priority": row.priority, "k_shard": row.enqueue_shard, "k_seq": row.lane_seq}
-
-
-def take_available(conn: Connection, sch: StorageSchema, row: Any) -> Body | None:
+def _take_available(conn: Connection, sch: StorageSchema, row: Any) -> Body | None:
     """Tombstone ready row ``row`` if it is still unclaimed (checked under its lane's claim
     head lock, so no claim can take it meanwhile). Returns its body, or None."""
-    s = _statements(sch)
-    k = _ready_key(row)
-    conn.execute(s["lock_head"], k).first()
-    if conn.execute(s["still_unclaimed"], k).first() is None:
+    control.lock_lane_head(conn, sch, row.queue, row.priority, row.enqueue_shard)
+    if conn.execute(_reads(sch).still_unclaimed, {
+            "k_slot": row.ready_slot, "k_queue": row.queue, "k_priority": row.priority,
+            "k_shard": row.enqueue_shard, "k_seq": row.lane_seq}).first() is None:
         return None
-    conn.execute(s["tombstone"], {**k, "b_job": row.job_id})
-    p = row.payload or {}
-    return Body(job_id=row.job_id, kind=row.kind, queue=row.queue, args=row.args, priority=row.priority,
-                attempt=row.attempt, run_lease=row.run_lease, max_attempts=row.max_attempts,
-                run_at=row.run_at, created_at=row.created_at, unique_key=row.unique_key,
-                unique_states=row.unique_states, metadata=dict(p.get("metadata") or {}),
-                tags=list(p.get("tags") or []), errors=list(p.get("errors") or []),
-                progress=p.get("progress"), attempted_at=row.attempted_at,
-                ready_slot=row.ready_slot, ready_generation=row.ready_generation,
-                enqueue_shard=row.enqueue_shard, lane_seq=row.lane_seq)
+    queue.tombstone(conn, sch, row)
+    return Body.from_ready(row)
 
 
 def _take_unclaimed(conn: Connection, sch: StorageSchema, job_id: int) -> Body | None:
-    for row in conn.execute(_statements(sch)["ready_candidates"], {"b_job": job_id}).all():
-        body = take_available(conn, sch, row)
+    for row in conn.execute(_reads(sch).ready_candidates, {"b_job": job_id}).all():
+        body = _take_available(conn, sch, row)
         if body is not None:
             return body
     return None
 
 
-def retry_job(conn: Connection, sch: StorageSchema, router: LaneRouter, job_id: int) -> JobRow | None:
+def retry_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | None:
     """Re-enqueue a waiting_external attempt or the newest failed/cancelled terminal row with
-    attempt 0 (run_lease kept, payload kept). None when neither exists."""
-    waiting = conn.execute(_statements(sch)["waiting"], {"b_job": job_id}).all()
+    attempt 0 (run_lease kept, payload kept). None when neither exists; a unique key owned
+    by another job raises ``UniqueConflictError``."""
+    sch = ctx.schema
+    waiting = [(r[0], r[1]) for r in conn.execute(_reads(sch).waiting, {"b_job": job_id})]
     if waiting:
-        taken = take_attempts(conn, sch, [tuple(w) for w in waiting], "retried", ("waiting_external",))
+        taken = execution.take_attempts(conn, sch, waiting, Closure.RETRIED, ("waiting_external",))
         if taken:
             t = taken[0]
-            return apply(conn, sch, router, [(Body.from_taken(t), Decision("ready", attempt=0), t.old_state)])[0]
+            return destinations.apply(conn, ctx, [(Body.from_taken(t), Decision(Destination.READY, attempt=0),
+                                                   t.old_state)])[0]
     d = sch.done.parent
-    rows = conn.execute(history.select_done(
+    rows = conn.execute(queue.select_done(
         sch, d.c.job_id == job_id, d.c.state.in_(["failed", "cancelled"]), newest_per_job=True, limit=1)).all()
     if not rows:
         return None
-    history.delete_done(conn, sch, rows)
-    body = replace(history.done_bodies(rows)[0], attempted_at=None)
-    return apply(conn, sch, router, [(body, Decision("ready", attempt=0), JobState(rows[0].state))])[0]
+    queue.delete_done(conn, sch, rows)
+    body = replace(Body.from_snapshot(rows[0]), attempted_at=None)
+    return destinations.apply(conn, ctx, [(body, Decision(Destination.READY, attempt=0), JobState(rows[0].state))])[0]
 
 
-def cancel_job(conn: Connection, sch: StorageSchema, router: LaneRouter, job_id: int) -> JobRow | None:
+def retry_jobs_by_ids(ctx: StorageContext, conn: Connection, ids: Sequence[int]) -> list[JobRow]:
+    """``retry_job`` for each id, all in one transaction (all-or-nothing on error)."""
+    return [r for i in ids if (r := retry_job(ctx, conn, i)) is not None]
+
+
+def cancel_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | None:
     """Cancel whatever is live: an unclaimed ready position (tombstone + wide done row), a
     running/waiting attempt (closed, NOTIFY on the cancel channel), or a deferred row."""
+    sch = ctx.schema
     body = _take_unclaimed(conn, sch, job_id)
     if body is not None:
-        wide = replace(body, ready_slot=body.ready_slot)  # keeps its own ring keys
-        return apply(conn, sch, router, [(wide, Decision("terminal", JobState.CANCELLED), JobState.AVAILABLE)],
-                     ready_payloads={})[0]
-    s = _statements(sch)
-    pairs = [tuple(p) for p in conn.execute(s["live_attempts"], {"b_job": job_id})]
+        return destinations.apply(conn, ctx, [(body, Decision(Destination.TERMINAL, JobState.CANCELLED),
+                                               JobState.AVAILABLE)], ready_payloads={})[0]
+    pairs = [(p[0], p[1]) for p in conn.execute(_reads(sch).live_attempts, {"b_job": job_id})]
     if pairs:
-        taken = take_attempts(conn, sch, pairs, "cancelled", LIVE)
+        taken = execution.take_attempts(conn, sch, pairs, Closure.CANCELLED, LIVE)
         if taken:
             t = taken[0]
-            row = apply(conn, sch, router, [(Body.from_taken(t), Decision("terminal", JobState.CANCELLED,
-                                                                           error="cancelled by operator"), t.old_state)],
-                        ready_payloads={t.job_id: t.payload})[0]
-            conn.execute(select(func.pg_notify(sch.config.cancel_channel,
-                                               json.dumps({"job_id": t.job_id, "run_lease": t.run_lease}))))
+            row = destinations.apply(conn, ctx, [(Body.from_taken(t), Decision(
+                Destination.TERMINAL, JobState.CANCELLED, error="cancelled by operator"), t.old_state)],
+                ready_payloads={t.job_id: t.payload})[0]
+            queue.notify(conn, sch.config.cancel_channel, json.dumps({"job_id": t.job_id, "run_lease": t.run_lease}))
             return row
-    rows = conn.execute(s["take_deferred"], {"b_job": job_id, "states": ["scheduled", "retryable"]}).all()
+    rows = queue.take_deferred(conn, sch, job_id, ["scheduled", "retryable"])
     if rows:
         r = rows[0]
-        return apply(conn, sch, router, [(Body.from_snapshot(r), Decision("terminal", JobState.CANCELLED),
-                                          JobState(r.state))])[0]
+        return destinations.apply(conn, ctx, [(Body.from_snapshot(r), Decision(Destination.TERMINAL, JobState.CANCELLED),
+                                               JobState(r.state))])[0]
     return None
+
+
+def cancel_jobs_by_ids(ctx: StorageContext, conn: Connection, ids: Sequence[int]) -> list[JobRow]:
+    """``cancel_job`` for each id, all in one transaction."""
+    return [r for i in ids if (r := cancel_job(ctx, conn, i)) is not None]
 
 
 def _stamp(metadata: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
@@ -156,64 +166,89 @@ def _stamp(metadata: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     return out
 
 
-def _target_queue(sch: StorageSchema, current: str, queue: str | None, job_id: int) -> str:
-    if queue is None or queue in (current, logical_queue(current)):
+def _target_queue(sch: StorageSchema, current: str, queue_name: str | None, job_id: int) -> str:
+    if queue_name is None or queue_name in (current, logical_queue(current)):
         return current
     n = sch.config.queue_stripe_count
-    return queue if n <= 1 or is_stripe(queue) else f"{queue}#{job_id % n}"
+    return queue_name if n <= 1 or is_stripe(queue_name) else f"{queue_name}#{job_id % n}"
 
 
-def move_job(conn: Connection, sch: StorageSchema, router: LaneRouter, job_id: int,
-             queue: str | None, priority: int | None) -> bool:
+def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | None, priority: int | None) -> bool:
     """Change queue and/or priority of a scheduled or unclaimed available job. False when
     nothing matched or nothing would change (retryable, running and terminal jobs stay)."""
-    s = _statements(sch)
-    row = conn.execute(s["lock_scheduled"], {"b_job": job_id}).first()
+    sch = ctx.schema
+    s = _reads(sch)
+    row = conn.execute(s.lock_scheduled, {"b_job": job_id}).first()
     if row is not None:
-        new_q = _target_queue(sch, row.queue, queue, job_id)
+        new_q = _target_queue(sch, row.queue, new_queue, job_id)
         new_p = priority if priority is not None else row.priority
         if new_q == row.queue and new_p == row.priority:
             return False
-        body = Body.from_snapshot(row)
-        meta = body.metadata
+        snapshot = Body.from_snapshot(row)
+        meta = snapshot.metadata
         if new_p != row.priority:
             meta = _stamp(meta, ORIGINAL_PRIORITY, row.priority)
         if new_q != row.queue:
             meta = _stamp(meta, ORIGINAL_QUEUE, logical_queue(row.queue))
-        conn.execute(s["update_scheduled"], {"b_job": job_id, "n_queue": new_q, "n_priority": new_p,
-                                              "n_payload": replace(body, metadata=meta).payload})
+        queue.move_scheduled(conn, sch, job_id, new_q, new_p, replace(snapshot, metadata=meta).payload)
         return True
-    for r in conn.execute(s["ready_candidates"], {"b_job": job_id}).all():
-        new_q = _target_queue(sch, r.queue, queue, job_id)
+    for r in conn.execute(s.ready_candidates, {"b_job": job_id}).all():
+        new_q = _target_queue(sch, r.queue, new_queue, job_id)
         new_p = priority if priority is not None else r.priority
         if new_q == r.queue and new_p == r.priority:
             return False
-        taken = take_available(conn, sch, r)
-        if taken is None:
+        body = _take_available(conn, sch, r)
+        if body is None:
             continue
-        body = taken
         meta = body.metadata
         if new_p != r.priority:
             meta = _stamp(meta, ORIGINAL_PRIORITY, r.priority)
         if new_q != r.queue:
             meta = _stamp(meta, ORIGINAL_QUEUE, logical_queue(r.queue))
         moved = replace(body, queue=new_q, priority=new_p, metadata=meta)
-        apply(conn, sch, router, [(moved, Decision("ready"), JobState.AVAILABLE)])
+        destinations.apply(conn, ctx, [(moved, Decision(Destination.READY), JobState.AVAILABLE)])
         return True
     return False
 
 
-def age_waiting(conn: Connection, sch: StorageSchema, router: LaneRouter, interval: timedelta, limit: int) -> list[int]:
-    """Physically lift up to ``limit`` unclaimed ready jobs waiting ≥ ``interval`` one
-    priority level (tombstone + re-enqueue). Returns the moved job ids."""
+def set_priority(ctx: StorageContext, conn: Connection, job_id: int, priority: int) -> bool:
+    """Re-prioritise a scheduled or unclaimed available job (its original priority is kept
+    in its metadata). False when nothing matched or nothing would change."""
+    return _move(ctx, conn, job_id, None, priority)
+
+
+def move_queue(ctx: StorageContext, conn: Connection, job_id: int, queue: str, priority: int | None = None) -> bool:
+    """Move a scheduled or unclaimed available job to ``queue`` (and ``priority``). False
+    when nothing matched or nothing would change."""
+    return _move(ctx, conn, job_id, queue, priority)
+
+
+def age_waiting_priorities(ctx: StorageContext, conn: Connection, aging_interval: timedelta | float,
+                           limit: int) -> list[int]:
+    """Physically lift up to ``limit`` unclaimed ready jobs waiting at least
+    ``aging_interval`` one priority level (tombstone + re-enqueue). Returns the moved ids."""
+    sch = ctx.schema
     moved: list[int] = []
-    for r in conn.execute(_statements(sch)["aging_candidates"], {"interval": interval, "limit": limit}).all():
-        body = take_available(conn, sch, r)
+    for r in conn.execute(_reads(sch).aging_candidates, {"interval": seconds(aging_interval), "limit": limit}).all():
+        body = _take_available(conn, sch, r)
         if body is None:
             continue
         lifted = replace(body, priority=r.priority - 1, metadata=_stamp(body.metadata, ORIGINAL_PRIORITY, r.priority))
-        apply(conn, sch, router, [(lifted, Decision("ready"), JobState.AVAILABLE)])
+        destinations.apply(conn, ctx, [(lifted, Decision(Destination.READY), JobState.AVAILABLE)])
         moved.append(r.job_id)
     return moved
 
 
+def set_queue_options(ctx: StorageContext, conn: Connection, queue: str, *, paused: bool | None = None,
+                      enqueue_shards: int | None = None, dlq_enabled: bool | None = None) -> None:
+    """Upsert the logical queue's ``queue_meta`` row (pause gate, enqueue shards, DLQ policy);
+    options left ``None`` keep their value."""
+    values: dict[str, Any] = {}
+    if paused is not None:
+        values.update(paused=paused, paused_at=func.clock_timestamp() if paused else None)
+    if enqueue_shards is not None:
+        values["enqueue_shards"] = enqueue_shards
+    if dlq_enabled is not None:
+        values["dlq_enabled"] = dlq_enabled
+    control.set_queue_options(conn, ctx.schema, queue, values)
+    ctx.lanes.clear()

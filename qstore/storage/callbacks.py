@@ -2,8 +2,8 @@
 resolves it (complete / fail / retry / resume) or it times out.
 
 Registering a callback materialises the attempt's lease (the receipt stays open until the
-lease leaves), so everything here works on ``leases`` rows found by ``callback_id``.
-CEL expressions (``CallbackConfig``) are not supported: a non-empty expression is a
+lease leaves), so everything here works on ``leases`` rows found by ``callback_id``. CEL
+expressions (``CallbackConfig``) are not supported: a non-empty expression is a
 ``ValidationError``.
 """
 
@@ -11,53 +11,55 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import (
-    BigInteger,
-    BindParameter,
-    Connection,
-    and_,
-    bindparam,
-    func,
-    literal,
-    null,
-    select,
-    update,
-)
-from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import BigInteger, BindParameter, Connection, Select, and_, bindparam, select
 
 from qstore.errors import CallbackNotFoundError, ValidationError
 from qstore.model import CallbackConfig, CallbackPollResult, JobRow, JobState
 from qstore.schema import StorageSchema
-from qstore.storage.attempts import take_attempts
-from qstore.storage.enqueue import LaneRouter
-from qstore.storage.statements import attempt_leased, receipt_closed
-from qstore.storage.transitions import Decision, apply
-from qstore.storage.writers import Body
+from qstore.storage import destinations, read
+from qstore.storage.bodies import Body
+from qstore.storage.checks import seconds
+from qstore.storage.context import StorageContext
+from qstore.storage.decide import Decision, Destination
+from qstore.storage.planes import execution
+from qstore.storage.planes.execution import LIVE, Closure
 
 __all__ = [
-    "callback_job", "cancel_callback", "check_callback_state", "enter_wait", "heartbeat_callback",
-    "load_active_lease", "materialize", "register", "resolve", "resume",
+    "RESULT_KEY",
+    "callback_job",
+    "cancel_callback",
+    "check_callback_state",
+    "complete_external",
+    "enter_callback_wait",
+    "fail_external",
+    "fail_external_with_error_entry",
+    "heartbeat_callback",
+    "load_active_lease_in_tx",
+    "register_callback",
+    "register_callback_with_config",
+    "retry_external",
 ]
 
-LIVE = ("running", "waiting_external")
 RESULT_KEY = "_qstore_callback_result"
 
 
+@dataclass(frozen=True)
+class CallbackReads:
+    by_token: Select[Any]
+    active: Select[Any]
+    newest: Select[Any]
+
+
 @functools.lru_cache(maxsize=64)
-def _statements(sch: StorageSchema) -> dict[str, Any]:
-    c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
-    r, lrs = sch.ready.parent, sch.lease_ring.state
+def _reads(sch: StorageSchema) -> CallbackReads:
+    le, st, r = sch.leases.parent, sch.attempt_state, sch.ready.parent
     job, lease = bindparam("b_job", type_=BigInteger()), bindparam("b_lease", type_=BigInteger())
-    now = func.clock_timestamp()
-    closed = receipt_closed(cl, c)
-    has_lease = attempt_leased(le, c)
-    lease_cols = ["lease_slot", "lease_generation", "ready_slot", "ready_generation", "job_id", "queue",
-                  "state", "priority", "effective_priority", "attempt", "run_lease", "max_attempts",
-                  "lane_seq", "enqueue_shard", "claim_slot", "heartbeat_at", "deadline_at", "attempted_at"]
+    token: BindParameter[Any] = bindparam("b_token")
     body_join = and_(r.c.ready_slot == le.c.ready_slot, r.c.queue == le.c.queue, r.c.priority == le.c.priority,
                      r.c.enqueue_shard == le.c.enqueue_shard, r.c.lane_seq == le.c.lane_seq)
     lease_view = (select(le, r.c.kind, r.c.args, r.c.payload, r.c.run_at, r.c.created_at, r.c.unique_key,
@@ -67,49 +69,11 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
                          st.c.heartbeat_at.label("state_heartbeat_at"))
                   .select_from(le.join(r, body_join).outerjoin(
                       st, and_(st.c.job_id == le.c.job_id, st.c.run_lease == le.c.run_lease))))
-    token: BindParameter[Any] = bindparam("b_token")
-    return {
-        "lock_claim": select(c).where(c.c.job_id == job, c.c.run_lease == lease).with_for_update(),
-        "insert_lease": pg_insert(le).from_select(lease_cols, select(
-            lrs.c.current_slot, lrs.c.generation, c.c.ready_slot, c.c.ready_generation, c.c.job_id,
-            c.c.queue, literal("running").cast(le.c.state.type), c.c.priority, c.c.effective_priority,
-            c.c.attempt, c.c.run_lease, c.c.max_attempts, c.c.lane_seq, c.c.enqueue_shard, c.c.claim_slot,
-            now, c.c.deadline_at, c.c.claimed_at,
-        ).select_from(c.join(lrs, literal(True))).where(
-            c.c.job_id == job, c.c.run_lease == lease, ~closed, ~has_lease)),
-        "mark_materialized": update(c).where(c.c.job_id == job, c.c.run_lease == lease,
-                                             c.c.materialized_at.is_(None)).values(materialized_at=now),
-        "set_token": update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.state == "running")
-        .values(callback_id=token, callback_timeout_at=now + bindparam("timeout", type_=INTERVAL()))
-        .returning(le.c.job_id),
-        "clear_token": update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.state == "running",
-                                        le.c.callback_id.isnot(None))
-        .values(callback_id=None, callback_timeout_at=None).returning(le.c.job_id),
-        "enter_wait": update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.callback_id == token,
-                                       le.c.state == "running")
-        .values(state="waiting_external", heartbeat_at=None, deadline_at=None).returning(le.c.job_id),
-        "by_token": lease_view.where(le.c.callback_id == token, le.c.state.in_(LIVE)).order_by(le.c.run_lease.desc()),
-        "by_token_locked": select(le.c.job_id, le.c.run_lease, le.c.state).where(
-            le.c.callback_id == token, le.c.state.in_(bindparam("states", expanding=True)))
-        .order_by(le.c.run_lease.desc()).with_for_update(),
-        "active": lease_view.where(le.c.job_id == job, le.c.run_lease == lease, le.c.state.in_(LIVE)),
-        "newest": lease_view.where(le.c.job_id == job).order_by(le.c.run_lease.desc()).limit(1),
-        "resume": update(le).where(le.c.callback_id == token, le.c.state.in_(LIVE),
-                                   le.c.job_id == job, le.c.run_lease == lease)
-        .values(state="running", callback_id=None, callback_timeout_at=None, heartbeat_at=now)
-        .returning(le.c.job_id, le.c.run_lease),
-        "extend": update(le).where(le.c.callback_id == token, le.c.state == "waiting_external")
-        .values(callback_timeout_at=now + bindparam("timeout", type_=INTERVAL()))
-        .returning(le.c.job_id),
-        "store_result": pg_insert(st).values(job_id=job, run_lease=lease,
-                                             callback_result=bindparam("result", type_=JSONB(none_as_null=False)),
-                                             updated_at=now),
-        # SQL NULL, not JSON null: a consumed result must read as absent
-        "consume_result": update(st).where(st.c.job_id == job, st.c.run_lease == lease)
-        .values(callback_result=null(), updated_at=now),
-        "clear_cel": update(st).where(st.c.job_id == job, st.c.run_lease == lease).values(
-            callback_filter=None, callback_on_complete=None, callback_on_fail=None, callback_transform=None),
-    }
+    return CallbackReads(
+        by_token=lease_view.where(le.c.callback_id == token, le.c.state.in_(LIVE)).order_by(le.c.run_lease.desc()),
+        active=lease_view.where(le.c.job_id == job, le.c.run_lease == lease, le.c.state.in_(LIVE)),
+        newest=lease_view.where(le.c.job_id == job).order_by(le.c.run_lease.desc()).limit(1),
+    )
 
 
 def _lease_job_row(x: Any) -> JobRow:
@@ -131,17 +95,6 @@ def _lease_job_row(x: Any) -> JobRow:
     )
 
 
-def materialize(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int) -> None:
-    """Give an open receipt a lease row (claim row locked first; no-op if already leased,
-    closed or absent). The receipt stays open until the lease leaves."""
-    s = _statements(sch)
-    arg = {"b_job": job_id, "b_lease": run_lease}
-    if conn.execute(s["lock_claim"], arg).first() is None:
-        return
-    if conn.execute(s["insert_lease"], arg).rowcount:
-        conn.execute(s["mark_materialized"], arg)
-
-
 def _check_config(config: CallbackConfig | None) -> None:
     if config is None:
         return
@@ -152,116 +105,142 @@ def _check_config(config: CallbackConfig | None) -> None:
                                   "CEL callback expressions are not supported by qstore")
 
 
-def register(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int, timeout: timedelta,
-             config: CallbackConfig | None = None) -> uuid.UUID:
-    """Park-ready token for the running attempt; a newer registration replaces the token."""
+def register_callback_with_config(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int,
+                                  timeout: timedelta | float, config: CallbackConfig | None) -> uuid.UUID:
+    """Materialise the attempt's lease and give it a fresh random token with a timeout (a
+    newer registration replaces the token). Raises ``ValidationError`` when the attempt is
+    not running (stale) or when the config carries CEL expressions (unsupported)."""
     _check_config(config)
-    materialize(conn, sch, job_id, run_lease)
+    sch = ctx.schema
+    execution.materialize(conn, sch, job_id, run_lease)
     token = uuid.uuid4()
-    s = _statements(sch)
-    arg = {"b_job": job_id, "b_lease": run_lease}
-    if conn.execute(s["set_token"], {**arg, "b_token": token, "timeout": timeout}).first() is None:
+    if not execution.set_token(conn, sch, job_id, run_lease, token, seconds(timeout)):
         raise ValidationError("job", (job_id, run_lease), "job is not in running state")
-    conn.execute(s["clear_cel"], arg)
     return token
 
 
-def cancel_callback(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int) -> bool:
-    s = _statements(sch)
-    arg = {"b_job": job_id, "b_lease": run_lease}
-    done = conn.execute(s["clear_token"], arg).first() is not None
-    if done:
-        conn.execute(s["clear_cel"], arg)
-    return done
+def register_callback(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int,
+                      timeout: timedelta | float) -> uuid.UUID:
+    """``register_callback_with_config`` without CEL expressions."""
+    return register_callback_with_config(ctx, conn, job_id, run_lease, timeout, CallbackConfig())
 
 
-def enter_wait(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int, token: uuid.UUID) -> bool:
-    return conn.execute(_statements(sch)["enter_wait"], {
-        "b_job": job_id, "b_lease": run_lease, "b_token": token}).first() is not None
+def cancel_callback(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int) -> bool:
+    """Clear the running attempt's token; False when it has none (or is stale)."""
+    return execution.clear_token(conn, ctx.schema, job_id, run_lease)
 
 
-def load_active_lease(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int) -> JobRow | None:
-    x = conn.execute(_statements(sch)["active"], {"b_job": job_id, "b_lease": run_lease}).first()
+def enter_callback_wait(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int,
+                        callback_id: uuid.UUID) -> bool:
+    """running -> waiting_external when the token matches (heartbeat/deadline cleared)."""
+    return execution.enter_wait(conn, ctx.schema, job_id, run_lease, callback_id)
+
+
+def load_active_lease_in_tx(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int) -> JobRow | None:
+    """The lease-backed attempt (running or waiting), with its callback fields."""
+    x = conn.execute(_reads(ctx.schema).active, {"b_job": job_id, "b_lease": run_lease}).first()
     return _lease_job_row(x) if x is not None else None
 
 
-def callback_job(conn: Connection, sch: StorageSchema, token: uuid.UUID, run_lease: int | None,
+def callback_job(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID, run_lease: int | None = None,
                  for_update: bool = False) -> JobRow | None:
-    s = _statements(sch)
-    if for_update:
-        locked = conn.execute(s["by_token_locked"], {"b_token": token, "states": list(LIVE)}).all()
-        if not any(run_lease is None or r.run_lease == run_lease for r in locked):
-            return None
-    for x in conn.execute(s["by_token"], {"b_token": token}):
+    """The live attempt holding ``callback_id`` (newest run lease; matching ``run_lease``
+    when given), locked when ``for_update``."""
+    sch = ctx.schema
+    if for_update and execution.lock_by_token(conn, sch, callback_id, run_lease, LIVE) is None:
+        return None
+    for x in conn.execute(_reads(sch).by_token, {"b_token": callback_id}):
         if run_lease is None or x.run_lease == run_lease:
             return _lease_job_row(x)
     return None
 
 
-def _locked_attempt(conn: Connection, sch: StorageSchema, token: uuid.UUID, run_lease: int | None,
-                    states: tuple[str, ...]) -> tuple[int, int] | None:
-    for r in conn.execute(_statements(sch)["by_token_locked"], {"b_token": token, "states": list(states)}):
-        if run_lease is None or r.run_lease == run_lease:
-            return (r.job_id, r.run_lease)
-    return None
-
-
-def resolve(conn: Connection, sch: StorageSchema, router: LaneRouter, token: uuid.UUID, run_lease: int | None,
-            decision: Decision, label: str, states: tuple[str, ...] = LIVE) -> JobRow:
+def _resolve(ctx: StorageContext, conn: Connection, token: uuid.UUID, run_lease: int | None, decision: Decision,
+             closure: Closure, states: Sequence[str] = LIVE, progress_kept: bool = True) -> JobRow:
     """End the attempt holding ``token`` with ``decision``; ``CallbackNotFoundError`` if none."""
-    pair = _locked_attempt(conn, sch, token, run_lease, states)
-    taken = take_attempts(conn, sch, [pair], label, states) if pair else []
+    sch = ctx.schema
+    pair = execution.lock_by_token(conn, sch, token, run_lease, states)
+    taken = execution.take_attempts(conn, sch, [pair], closure, states) if pair else []
     if not taken:
         raise CallbackNotFoundError(token)
     t = taken[0]
-    body = Body.from_taken(t)
-    if decision.kind == "terminal" and decision.state == JobState.COMPLETED:
-        body = Body.from_taken(t, None)
-    return apply(conn, sch, router, [(body, decision, t.old_state)], ready_payloads={t.job_id: t.payload})[0]
+    body = Body.from_taken(t) if progress_kept else Body.from_taken(t, None)
+    return destinations.apply(conn, ctx, [(body, decision, t.old_state)], ready_payloads={t.job_id: t.payload})[0]
 
 
-def resume(conn: Connection, sch: StorageSchema, token: uuid.UUID, payload: Any, run_lease: int | None) -> JobRow:
-    """Hand ``payload`` back to the same attempt: waiting/running → running, token cleared."""
-    pair = _locked_attempt(conn, sch, token, run_lease, LIVE)
-    if pair is None:
-        raise CallbackNotFoundError(token)
-    s = _statements(sch)
-    arg = {"b_job": pair[0], "b_lease": pair[1]}
-    if conn.execute(s["resume"], {**arg, "b_token": token}).first() is None:
-        raise CallbackNotFoundError(token)
-    st = sch.attempt_state
-    stmt = s["store_result"]
-    conn.execute(stmt.on_conflict_do_update(
-        index_elements=[st.c.job_id, st.c.run_lease],
-        set_={"callback_result": stmt.excluded.callback_result, "updated_at": stmt.excluded.updated_at},
-    ), {**arg, "result": payload})
-    conn.execute(s["clear_cel"], arg)
-    row = load_active_lease(conn, sch, *pair)
+def complete_external(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID, payload: Any = None,
+                      run_lease: int | None = None, resume: bool = False) -> JobRow:
+    """Resolve the callback: ``resume`` hands ``payload`` back to the same attempt (running
+    again); otherwise the job completes. ``CallbackNotFoundError`` if no live attempt holds
+    the token."""
+    sch = ctx.schema
+    if resume:
+        pair = execution.lock_by_token(conn, sch, callback_id, run_lease, LIVE)
+        if pair is None or not execution.resume(conn, sch, pair, callback_id, payload):
+            raise CallbackNotFoundError(callback_id)
+        row = load_active_lease_in_tx(ctx, conn, *pair)
+        assert row is not None
+        return row
+    return _resolve(ctx, conn, callback_id, run_lease,
+                    Decision(Destination.TERMINAL, JobState.COMPLETED, clear_progress=True), Closure.COMPLETED,
+                    progress_kept=False)
+
+
+def fail_external_with_error_entry(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID,
+                                   error_entry: Any, run_lease: int | None = None) -> JobRow:
+    """The attempt holding the token ends failed with ``error_entry`` (a non-object is
+    wrapped as ``{"error": …}``; attempt, time and ``terminal`` are filled in)."""
+    entry = dict(error_entry) if isinstance(error_entry, dict) else {"error": error_entry}
+    live = callback_job(ctx, conn, callback_id, run_lease)
+    entry.setdefault("attempt", live.attempt if live else 0)
+    entry.setdefault("at", destinations.now(conn).isoformat())
+    entry.setdefault("terminal", True)
+    return _resolve(ctx, conn, callback_id, run_lease,
+                    Decision(Destination.TERMINAL, JobState.FAILED, error_obj=entry), Closure.FAILED)
+
+
+def fail_external(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID, error: str,
+                  run_lease: int | None = None) -> JobRow:
+    """``fail_external_with_error_entry`` with ``{"error": error}``."""
+    return fail_external_with_error_entry(ctx, conn, callback_id, {"error": error}, run_lease)
+
+
+def retry_external(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID,
+                   run_lease: int | None = None) -> JobRow:
+    """waiting_external only: re-enqueue with attempt 0 (progress kept)."""
+    return _resolve(ctx, conn, callback_id, run_lease, Decision(Destination.READY, attempt=0), Closure.RETRIED,
+                    ("waiting_external",))
+
+
+def heartbeat_callback(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID,
+                       timeout: timedelta | float) -> JobRow:
+    """Push the waiting attempt's callback timeout ``timeout`` from now; returns the job.
+    ``CallbackNotFoundError`` if no waiting attempt holds the token."""
+    job_id = execution.extend(conn, ctx.schema, callback_id, seconds(timeout))
+    if job_id is None:
+        raise CallbackNotFoundError(callback_id)
+    row = read.load_job(ctx, conn, job_id)
     assert row is not None
     return row
 
 
-def heartbeat_callback(conn: Connection, sch: StorageSchema, token: uuid.UUID, timeout: timedelta) -> int:
-    row = conn.execute(_statements(sch)["extend"], {"b_token": token, "timeout": timeout}).first()
-    if row is None:
-        raise CallbackNotFoundError(token)
-    return int(row.job_id)
-
-
-def check_callback_state(conn: Connection, sch: StorageSchema, job_id: int, token: uuid.UUID,
-                         load_state: Any) -> CallbackPollResult:
-    s = _statements(sch)
-    x = conn.execute(s["newest"], {"b_job": job_id}).first()
+def check_callback_state(ctx: StorageContext, conn: Connection, job_id: int,
+                         callback_id: uuid.UUID) -> CallbackPollResult:
+    """Where the attempt waiting on ``callback_id`` stands: resolved (the result is handed
+    over once), pending, stale (another token), an unexpected state, or not found."""
+    sch = ctx.schema
+    x = conn.execute(_reads(sch).newest, {"b_job": job_id}).first()
     if x is None:
-        state = load_state()
-        return CallbackPollResult("not_found") if state is None else CallbackPollResult(
-            "unexpected_state", token=token, state=state)
+        row = read.load_job(ctx, conn, job_id)
+        if row is None:
+            return CallbackPollResult("not_found")
+        return CallbackPollResult("unexpected_state", token=callback_id, state=row.state)
     state = JobState(x.state)
     if state == JobState.RUNNING and x.callback_id is None and x.has_result:
-        conn.execute(s["consume_result"], {"b_job": x.job_id, "b_lease": x.run_lease})
+        execution.consume_result(conn, sch, x.job_id, x.run_lease)
         return CallbackPollResult("resolved", payload=x.callback_result)
-    if x.callback_id != token:
-        return CallbackPollResult("stale", token=token, current=x.callback_id, state=state)
+    if x.callback_id != callback_id:
+        return CallbackPollResult("stale", token=callback_id, current=x.callback_id, state=state)
     if state == JobState.WAITING_EXTERNAL:
-        return CallbackPollResult("pending", token=token, state=state)
-    return CallbackPollResult("unexpected_state", token=token, state=state)
+        return CallbackPollResult("pending", token=callback_id, state=state)
+    return CallbackPollResult("unexpected_state", token=callback_id, state=state)

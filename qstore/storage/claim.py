@@ -1,32 +1,69 @@
 """Claim: hand out ready positions as attempts, one server round trip per physical queue.
 
-``<schema>.claim_ready`` (see :mod:`qstore.schema.functions`) picks lanes by effective
-priority with ``FOR UPDATE SKIP LOCKED`` on the claim head, follows the committed chain of
-claim ranges from the cursor hint, records the consumed span and writes receipts (or
-leases). Nothing non-transactional moves past uncommitted work, so a claim that runs in a
-caller's transaction and is rolled back leaves no trace and strands nothing.
+``<schema>.claim_ready`` picks lanes by effective priority with ``FOR UPDATE SKIP LOCKED``
+on the claim head, follows the committed chain of claim ranges from the cursor hint,
+records the consumed span and writes receipts (or leases). Nothing non-transactional moves
+past uncommitted work, so a claim that runs in a caller's transaction and is rolled back
+leaves no trace and strands nothing; a claim that meets a prune holding a ring child
+returns what it could claim instead of raising.
+
+On a striped queue each stripe is one statement: with an Engine each commits on its own
+(one autocommitted statement per stripe, the lock order every producer also follows) and
+an error on a later stripe returns what earlier ones claimed; in a caller's transaction all
+stripes run there.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-from collections.abc import Sequence
+import logging
+import uuid
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, Connection, Integer, Text, bindparam, column, select
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Connection,
+    Integer,
+    Select,
+    Text,
+    bindparam,
+    column,
+    select,
+)
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
 from sqlalchemy.types import TypeEngine
 
-from qstore.errors import QueueStorageError, ValidationError
-from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobRow, JobState, assemble
+from qstore.model import (
+    ClaimedEntry,
+    ClaimedRuntimeJob,
+    JobRow,
+    JobState,
+    QueueClaimerLease,
+    assemble,
+)
 from qstore.schema import StorageSchema
-from qstore.storage._tx import Target, owns_transaction, single_statement, transaction
-from qstore.storage.jobs import is_stripe, validate_queue
-from qstore.storage.statements import schema_func
+from qstore.storage.checks import ms, seconds
+from qstore.storage.context import StorageContext
+from qstore.storage.jobs import stripes_for
+from qstore.storage.planes import control
+from qstore.storage.sql import schema_func
+from qstore.storage.targets import Transactions
 
-__all__ = ["MAX_BATCH", "ClaimRouter", "claim_physical", "duration_ms", "stripes_for", "validate_batch"]
+__all__ = [
+    "ORIGINAL_PRIORITY_KEY",
+    "acquire_queue_claimer",
+    "claim_batch",
+    "claim_job_batch",
+    "claim_physical",
+    "claim_runtime_batch",
+    "claim_runtime_batch_with_aging",
+    "claim_runtime_batch_with_aging_for_instance",
+    "mark_queue_claimer_active",
+]
+
+log = logging.getLogger("qstore.storage")
 
 TS = TIMESTAMP(timezone=True)
 _CLAIM_COLUMNS: list[tuple[str, TypeEngine[Any]]] = [
@@ -39,13 +76,10 @@ _CLAIM_COLUMNS: list[tuple[str, TypeEngine[Any]]] = [
     ("unique_key", BYTEA()), ("unique_states", Text()), ("payload", JSONB()),
 ]
 ORIGINAL_PRIORITY_KEY = "_qstore_original_priority"
-#: Batch sizes and limits are bound as PostgreSQL ``integer``.
-MAX_BATCH = 2**31 - 1
-MAX_DURATION_SECONDS = 10 * 365 * 86400
 
 
 @functools.lru_cache(maxsize=64)
-def _claim_stmt(sch: StorageSchema) -> Any:
+def _claim_stmt(sch: StorageSchema) -> Select[Any]:
     fn = schema_func(
         sch, "claim_ready",
         bindparam("queue", type_=Text()), bindparam("max_batch", type_=Integer()),
@@ -53,36 +87,6 @@ def _claim_stmt(sch: StorageSchema) -> Any:
         bindparam("receipts", type_=Boolean()),
     )
     return select(fn.table_valued(*(column(n, t) for n, t in _CLAIM_COLUMNS)))
-
-
-def duration_ms(value: timedelta | float | int | None, field: str) -> int:
-    """Milliseconds of a duration between 0 and 10 years (timedelta or seconds; None is 0)."""
-    if value is None:
-        return 0
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = value  # compared before any conversion: a huge int never becomes a float
-    else:
-        raise ValidationError(field, value, "must be a timedelta or a number of seconds")
-    if not 0 <= seconds <= MAX_DURATION_SECONDS:  # also rejects NaN
-        raise ValidationError(field, value, "must be between 0 and 10 years")
-    return int(seconds * 1000)
-
-
-def validate_batch(max_batch: object, field: str = "max_batch") -> int:
-    """A positive batch size or limit that fits PostgreSQL ``integer``."""
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 0 < max_batch <= MAX_BATCH:
-        raise ValidationError(field, max_batch, f"must be an integer between 1 and {MAX_BATCH}")
-    return max_batch
-
-
-def stripes_for(queue: str, stripe_count: int, start: int) -> list[str]:
-    """Physical queues of a logical queue, starting at a rotating probe index."""
-    if stripe_count <= 1 or is_stripe(queue):
-        return [queue]
-    k = start % stripe_count
-    return [f"{queue}#{(k + i) % stripe_count}" for i in range(stripe_count)]
 
 
 def _to_runtime(row: Any, receipts: bool) -> ClaimedRuntimeJob:
@@ -125,7 +129,7 @@ def _to_runtime(row: Any, receipts: bool) -> ClaimedRuntimeJob:
 
 def claim_physical(conn: Connection, sch: StorageSchema, queue: str, max_batch: int,
                    deadline_ms: int, aging_ms: int) -> list[ClaimedRuntimeJob]:
-    """One ``claim_ready`` call on ``conn``'s transaction."""
+    """One ``claim_ready`` call on one physical queue, on ``conn``'s transaction."""
     receipts = sch.config.lease_claim_receipts
     rows = conn.execute(_claim_stmt(sch), {
         "queue": queue, "max_batch": max_batch, "deadline_ms": deadline_ms,
@@ -134,53 +138,101 @@ def claim_physical(conn: Connection, sch: StorageSchema, queue: str, max_batch: 
     return [_to_runtime(r, receipts) for r in rows]
 
 
-class ClaimRouter:
-    """Per-process stripe probe rotor."""
-
-    def __init__(self) -> None:
-        self._probe = itertools.count()
-
-    def claim(self, target: Target, sch: StorageSchema, queue: str, max_batch: int,
-              deadline: timedelta | float | None, aging: timedelta | float | None,
-              *, one_transaction: bool = False) -> list[ClaimedRuntimeJob]:
-        """Claim up to ``max_batch`` attempts across the queue's stripes.
-
-        With an ``Engine`` each stripe is claimed in its own transaction, one autocommitted
-        statement (the lock order every producer also follows); an error on a later stripe
-        returns what was already claimed. With a caller's Connection/Session all stripes run
-        in that transaction.
-        """
-        validate_queue(queue)
-        validate_batch(max_batch)
-        deadline_ms = duration_ms(deadline, "deadline_duration")
-        aging_ms = duration_ms(aging, "aging_interval")
-        stripes = stripes_for(queue, sch.config.queue_stripe_count, next(self._probe))
-        out: list[ClaimedRuntimeJob] = []
-        if one_transaction or not owns_transaction(target):
-            with transaction(target) as conn:
-                for q in stripes:
-                    out += claim_physical(conn, sch, q, max_batch - len(out), deadline_ms, aging_ms)
-                    if len(out) >= max_batch:
-                        break
-            return out
-        for q in stripes:
-            try:
-                # one claim_ready call is one statement: on an Engine it commits on its own,
-                # so the lane head is held for the call alone, not for extra round trips
-                with single_statement(target) as conn:
-                    out += claim_physical(conn, sch, q, max_batch - len(out), deadline_ms, aging_ms)
-            except QueueStorageError:
-                if not out:
-                    raise
-                break
-            except Exception:
-                if not out:
-                    raise
-                break
-            if len(out) >= max_batch:
-                break
-        return out
+def _claim(ctx: StorageContext, tx: Transactions, queue: str, max_batch: int, deadline_ms: int,
+           aging_ms: int) -> list[ClaimedRuntimeJob]:
+    sch = ctx.schema
+    out: list[ClaimedRuntimeJob] = []
+    for q in stripes_for(queue, sch.config.queue_stripe_count, next(ctx.stripe_probe)):
+        try:
+            with tx.statement() as conn:
+                out += claim_physical(conn, sch, q, max_batch - len(out), deadline_ms, aging_ms)
+        except Exception:
+            # with an Engine earlier stripes are committed: return them rather than fail
+            if not out or not tx.owned:
+                raise
+            log.warning("qstore: claim of stripe %s failed after earlier stripes claimed", q, exc_info=True)
+            break
+        if len(out) >= max_batch:
+            break
+    return out
 
 
-def entries(jobs: Sequence[ClaimedRuntimeJob]) -> list[ClaimedEntry]:
-    return [j.claim for j in jobs]
+def claim_runtime_batch_with_aging(ctx: StorageContext, tx: Transactions, queue: str, max_batch: int,
+                                   deadline_duration: timedelta | float | None,
+                                   aging_interval: timedelta | float | None) -> list[ClaimedRuntimeJob]:
+    """Claim up to ``max_batch`` attempts of ``queue`` (all stripes), lanes picked by
+    effective (aged) priority. Each returned job is running with ``run_lease`` and
+    ``attempt`` incremented; ``deadline_at`` is set when ``deadline_duration`` > 0. A claim
+    that meets maintenance returns what it could claim, possibly nothing."""
+    return _claim(ctx, tx, queue, max_batch, ms(deadline_duration), ms(aging_interval))
+
+
+def claim_runtime_batch(ctx: StorageContext, tx: Transactions, queue: str, max_batch: int,
+                        deadline_duration: timedelta | float | None = None) -> list[ClaimedRuntimeJob]:
+    """``claim_runtime_batch_with_aging`` without aging."""
+    return _claim(ctx, tx, queue, max_batch, ms(deadline_duration), 0)
+
+
+def claim_job_batch(ctx: StorageContext, tx: Transactions, queue: str, max_batch: int,
+                    deadline_duration: timedelta | float | None = None) -> list[JobRow]:
+    """``claim_runtime_batch``, returning the claimed jobs' rows only."""
+    return [j.job for j in _claim(ctx, tx, queue, max_batch, ms(deadline_duration), 0)]
+
+
+def claim_batch(ctx: StorageContext, conn: Connection, queue: str, max_batch: int) -> list[ClaimedEntry]:
+    """Benchmark path: claim across all stripes in one transaction, no deadline or aging;
+    returns the claims' entries only. Runtime code uses ``claim_runtime_batch``."""
+    out: list[ClaimedRuntimeJob] = []
+    for q in stripes_for(queue, ctx.config.queue_stripe_count, next(ctx.stripe_probe)):
+        out += claim_physical(conn, ctx.schema, q, max_batch - len(out), 0, 0)
+        if len(out) >= max_batch:
+            break
+    return [j.claim for j in out]
+
+
+# -- bounded claimers -----------------------------------------------------------------------------
+def acquire_queue_claimer(ctx: StorageContext, conn: Connection, queue: str, instance_id: uuid.UUID,
+                          max_claimers: int, lease_ttl: timedelta | float,
+                          idle_threshold: timedelta | float) -> QueueClaimerLease | None:
+    """This instance's claimer slot for ``queue`` (kept, taken over or inserted), or None
+    when ``max_claimers`` <= 0 or every slot is busy."""
+    return control.claimer_acquire(conn, ctx.schema, queue, instance_id, max_claimers, seconds(lease_ttl),
+                                   seconds(idle_threshold))
+
+
+def mark_queue_claimer_active(ctx: StorageContext, conn: Connection, queue: str, instance_id: uuid.UUID,
+                              lease: QueueClaimerLease, lease_ttl: timedelta | float) -> bool:
+    """Refresh the slot; False means it was lost (taken over by another instance)."""
+    return control.claimer_mark_active(conn, ctx.schema, queue, instance_id, lease, seconds(lease_ttl))
+
+
+def claim_runtime_batch_with_aging_for_instance(
+        ctx: StorageContext, tx: Transactions, queue: str, max_batch: int,
+        deadline_duration: timedelta | float | None, aging_interval: timedelta | float | None,
+        instance_id: uuid.UUID, max_claimers: int, lease_ttl: timedelta | float,
+        idle_threshold: timedelta | float) -> list[ClaimedRuntimeJob]:
+    """Claim only while holding one of the queue's (adaptive, <= ``max_claimers``) claimer
+    slots; returns [] when no slot is free. With an Engine: the slot, the claim (per stripe)
+    and the slot's refresh are separate transactions, and a failed refresh is logged, never
+    raised over committed claims."""
+    sch = ctx.schema
+    ttl, idle = seconds(lease_ttl), seconds(idle_threshold)
+    physical = stripes_for(queue, sch.config.queue_stripe_count)
+    with tx.unit() as conn:
+        goal = control.claimer_target(conn, sch, queue, physical, max_claimers) if max_claimers > 0 else 0
+        lease = control.claimer_acquire(conn, sch, queue, instance_id, goal, ttl, idle)
+    if lease is None:
+        return []
+    jobs = _claim(ctx, tx, queue, max_batch, ms(deadline_duration), ms(aging_interval))
+    if jobs:
+        try:
+            with tx.unit() as conn:
+                if control.claimer_needs_refresh(conn, sch, queue, instance_id, lease, ttl, idle):
+                    control.claimer_mark_active(conn, sch, queue, instance_id, lease, ttl)
+        except Exception:
+            # the claims are committed: losing them to a failed refresh would leave live
+            # attempts nobody works on; an unrefreshed slot only expires sooner
+            if not tx.owned:
+                raise
+            log.warning("qstore: claimer slot refresh failed after a claim", exc_info=True)
+    return jobs

@@ -3,10 +3,9 @@
 Fast path (``complete_runtime_batch`` for plain receipt-only attempts): one call of the
 server function ``complete_receipts`` locks the receipts, appends closures (``ON CONFLICT DO
 NOTHING`` — a rescue or cancel that closed first wins), narrow done rows from the claim-time
-receipt and the claim-time kind (the worker sends ``(claim_slot, job_id, run_lease, kind)``)
-and grouped count deltas.
-Everything else (materialised leases, heartbeated receipts, unique-key transitions) takes
-the general path of :mod:`qstore.storage.attempts`. Stale entries are absent from results.
+receipt and kind, and grouped count deltas. Everything else (materialised leases,
+heartbeated receipts, unique-key transitions) takes the general path: take → decide →
+write. Stale attempts are absent from results.
 """
 
 from __future__ import annotations
@@ -15,31 +14,37 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, Integer, Text, column, select
+from sqlalchemy import BigInteger, Connection, Integer, Select, Text, column, select
 
 from qstore.errors import PartialCommitError
 from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobState
 from qstore.schema import StorageSchema
-from qstore.storage._tx import Target, owns_transaction, single_statement, transaction
-from qstore.storage.attempts import take_attempts
-from qstore.storage.enqueue import LaneRouter
+from qstore.storage import destinations
+from qstore.storage.bodies import Body
+from qstore.storage.context import StorageContext
+from qstore.storage.decide import Decision, Destination
 from qstore.storage.jobs import holds_key
-from qstore.storage.statements import packed_array_param, schema_func
-from qstore.storage.transitions import Decision, apply
-from qstore.storage.writers import Body
+from qstore.storage.planes.execution import Closure, take_attempts
+from qstore.storage.sql import packed_array_param, schema_func
+from qstore.storage.targets import Transactions
 
-__all__ = ["complete_pairs", "complete_runtime", "complete_runtime_on"]
-
-# Completion never re-enqueues, so it needs no lane routing state of its own.
-_NO_REENQUEUE = LaneRouter()
+__all__ = [
+    "complete_batch",
+    "complete_claimed_batch",
+    "complete_job_batch_by_id",
+    "complete_pairs",
+    "complete_runtime_batch",
+    "complete_runtime_batch_slow_in_tx",
+]
 
 _ARRAYS: dict[str, type[Any]] = {"claim_slots": Integer, "job_ids": BigInteger, "run_leases": BigInteger,
                                  "kinds": Text}
+_COMPLETED = Decision(Destination.TERMINAL, JobState.COMPLETED, clear_progress=True)
 
 
 @functools.lru_cache(maxsize=64)
-def _fast_stmt(sch: StorageSchema) -> Any:
-    """``SELECT * FROM <schema>.complete_receipts(:arrays…)`` (see schema/functions.py)."""
+def _fast_stmt(sch: StorageSchema) -> Select[Any]:
+    """``SELECT * FROM <schema>.complete_receipts(:claim_slots, :job_ids, :run_leases, :kinds)``."""
     fn = schema_func(sch, "complete_receipts", *(packed_array_param(n, t) for n, t in _ARRAYS.items()))
     return select(fn.table_valued(column("job_id", BigInteger()), column("run_lease", BigInteger())))
 
@@ -52,17 +57,17 @@ def _fast_candidate(job: ClaimedRuntimeJob) -> bool:
     return job.job.unique_key is None or holds_key(states, JobState.RUNNING) == holds_key(states, JobState.COMPLETED)
 
 
-def complete_pairs(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def complete_pairs(conn: Connection, ctx: StorageContext, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """General path: complete whichever of ``pairs`` are live (receipt or lease). Progress is
     dropped from the terminal payload; metadata, tags and errors stay as enqueued."""
-    taken = take_attempts(conn, sch, pairs, "completed")
-    done = Decision("terminal", JobState.COMPLETED, clear_progress=True)
-    apply(conn, sch, _NO_REENQUEUE, [(Body.from_taken(t), done, t.old_state) for t in taken],
-          ready_payloads={t.job_id: t.payload for t in taken})
+    taken = take_attempts(conn, ctx.schema, pairs, Closure.COMPLETED)
+    destinations.apply(conn, ctx, [(Body.from_taken(t), _COMPLETED, t.old_state) for t in taken],
+                       ready_payloads={t.job_id: t.payload for t in taken})
     return [(t.job_id, t.run_lease) for t in taken]
 
 
-def _complete_fast(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def _complete_fast(conn: Connection, sch: StorageSchema,
+                   claimed: Sequence[ClaimedRuntimeJob]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """One ``complete_receipts`` call for the fast candidates among ``claimed``. Returns the
     pairs it completed, in input order, and the pairs left for the general path
     (non-candidates, and candidates whose receipt was materialised or already closed)."""
@@ -82,7 +87,7 @@ def _complete_fast(conn: Connection, sch: StorageSchema, claimed: Sequence[Claim
         "claim_slots": [x.claim_slot for x in e], "job_ids": [x.job_id for x in e],
         "run_leases": [x.run_lease for x in e], "kinds": [j.job.kind for j in fast.values()],
     }).all()
-    finished = set(map(tuple, rows))
+    finished = {(r[0], r[1]) for r in rows}
     if len(finished) == len(fast):
         done = list(fast)
     else:
@@ -97,38 +102,58 @@ def _in_input_order(done: list[tuple[int, int]], claimed: Sequence[ClaimedRuntim
     return sorted(done, key=lambda pr: order.get(pr, 0))
 
 
-def complete_runtime(conn: Connection, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
-    """Complete each claimed attempt at most once, in one transaction; returns the pairs
-    that completed, in input order."""
-    done, rest = _complete_fast(conn, sch, claimed)
-    if not rest:
-        return done
-    return _in_input_order(done + complete_pairs(conn, sch, rest), claimed)
+def complete_runtime_batch(ctx: StorageContext, tx: Transactions,
+                           claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
+    """Complete each claimed attempt at most once; returns the ``(job_id, run_lease)`` pairs
+    that completed, in input order (stale, rescued or already-closed attempts are absent).
 
-
-def complete_runtime_on(target: Target, sch: StorageSchema, claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
-    """:func:`complete_runtime` under the transaction contract of ``target``.
-
-    Connection and Session targets run everything in the caller's transaction. With an
-    ``Engine``: when every attempt can take the fast path, its one statement commits on its
-    own (one round trip); any attempt it turns out not to finish (a receipt materialised by
-    a heartbeat or callback since the claim) then takes the general path in a second
-    transaction, and if that one fails the error is a
-    :class:`~qstore.errors.PartialCommitError` whose ``committed`` lists the attempts the
-    first transaction completed. When some attempts need the general path from the start,
-    both parts run in one transaction. Each attempt completes at most once; only attempts
-    that completed are returned.
+    In a caller's transaction everything runs there. With an ``Engine``: when every attempt
+    can take the fast path, its one statement commits on its own (one round trip); any
+    attempt it turns out not to finish (a receipt materialised by a heartbeat or callback
+    since the claim) then takes the general path in a second transaction, and if that one
+    fails the error is a :class:`~qstore.errors.PartialCommitError` whose ``committed`` lists
+    the attempts the first transaction completed. When some attempts need the general path
+    from the start, both parts run in one transaction.
     """
-    if not owns_transaction(target) or not all(_fast_candidate(j) for j in claimed):
-        with transaction(target) as conn:
-            return complete_runtime(conn, sch, claimed)
-    with single_statement(target) as conn:
-        done, rest = _complete_fast(conn, sch, claimed)
+    if not claimed:
+        return []
+    if not tx.owned or not all(_fast_candidate(j) for j in claimed):
+        with tx.unit() as conn:
+            done, rest = _complete_fast(conn, ctx.schema, claimed)
+            if not rest:
+                return done
+            return _in_input_order(done + complete_pairs(conn, ctx, rest), claimed)
+    with tx.statement() as conn:
+        done, rest = _complete_fast(conn, ctx.schema, claimed)
     if not rest:
         return done
     try:
-        with transaction(target) as conn:
-            done += complete_pairs(conn, sch, rest)
+        with tx.unit() as conn:
+            done += complete_pairs(conn, ctx, rest)
     except Exception as err:
         raise PartialCommitError(err, _in_input_order(done, claimed), rest) from err
     return _in_input_order(done, claimed)
+
+
+def complete_runtime_batch_slow_in_tx(ctx: StorageContext, conn: Connection,
+                                      claimed: Sequence[ClaimedRuntimeJob]) -> list[tuple[int, int]]:
+    """The general completion path (receipts and leases), on the caller's transaction."""
+    return complete_pairs(conn, ctx, [(j.job.id, j.job.run_lease) for j in claimed])
+
+
+def complete_job_batch_by_id(ctx: StorageContext, conn: Connection,
+                             completions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Complete by ``(job_id, run_lease)``: materialised leases and receipt-only attempts
+    alike; returns the pairs that completed."""
+    return complete_pairs(conn, ctx, completions) if completions else []
+
+
+def complete_claimed_batch(ctx: StorageContext, conn: Connection,
+                           claimed: Sequence[ClaimedEntry]) -> list[tuple[int, int]]:
+    """Complete claims identified by their entries (receipts and leases)."""
+    return complete_pairs(conn, ctx, [(c.job_id, c.run_lease) for c in claimed]) if claimed else []
+
+
+def complete_batch(ctx: StorageContext, conn: Connection, claimed: Sequence[ClaimedEntry]) -> int:
+    """``complete_claimed_batch``, returning how many completed."""
+    return len(complete_claimed_batch(ctx, conn, claimed))

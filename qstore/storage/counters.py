@@ -31,45 +31,28 @@ set), a ``done_entries`` scan otherwise.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    SmallInteger,
-    bindparam,
-    delete,
-    func,
-    insert,
-    literal,
-    or_,
-    select,
-    update,
-)
+from sqlalchemy import Connection, Insert, Select, bindparam, func, literal, or_, select
 from sqlalchemy import column as sa_column
-from sqlalchemy import exc as sa_exc
 from sqlalchemy import table as sa_table
 from sqlalchemy.dialects.postgresql import INTERVAL
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from qstore.errors import QueueStorageError, ValidationError
+from qstore.errors import ValidationError
 from qstore.model import TerminalDeltaRollupOutcome
 from qstore.schema import StorageSchema
-from qstore.schema.types import COUNTER_BUCKETS
-from qstore.storage._tx import Target, owns_transaction, transaction
-from qstore.storage.maintenance import (
-    BLOCKED,
-    generation,
-    guarded,
-    lock_exclusive,
-    lock_ring,
-    slot_generation,
-    truncate_tables,
-)
-from qstore.storage.statements import receipt_closed
+from qstore.storage.context import StorageContext
+from qstore.storage.planes import control, upkeep
+from qstore.storage.planes.upkeep import BLOCKED, slot_generation
+from qstore.storage.sql import receipt_closed
+from qstore.storage.targets import Transactions
 
 __all__ = [
+    "PINNED_AFTER",
     "REBUILD_LOCK_PREFIX",
     "mvcc_horizon_pinned",
     "rebuild_terminal_counters",
@@ -77,9 +60,13 @@ __all__ = [
     "terminal_counter_trusted",
 ]
 
+log = logging.getLogger("qstore.storage")
+
 #: Transaction advisory lock key prefix of :func:`rebuild_terminal_counters`.
 REBUILD_LOCK_PREFIX = "qstore.rebuild_terminal_counters:"
 _KEY = ("ready_slot", "queue", "priority", "enqueue_shard", "counter_bucket")
+#: A snapshot held longer than this pins the horizon for the rollup (see the module doc).
+PINNED_AFTER = timedelta(seconds=5)
 
 _activity = sa_table(
     "pg_stat_activity",
@@ -110,43 +97,20 @@ def mvcc_horizon_pinned(conn: Connection, pinned_after: timedelta = PINNED_AFTER
     return bool(conn.execute(_PINNED, {"pinned_after": pinned_after}).scalar())
 
 
-@functools.lru_cache(maxsize=64)
-def _statements(sch: StorageSchema) -> dict[str, Any]:
-    cs = sch.counter_state
-    d, live, rollups, ledger = sch.done.parent, sch.live_counts, sch.rollups, sch.rollup_ledger
-    bucket = (d.c.job_id % COUNTER_BUCKETS).cast(SmallInteger)
-    group = (d.c.ready_slot, d.c.queue, d.c.priority, d.c.enqueue_shard, bucket)
-    moved = delete(ledger).returning(ledger.c.queue, ledger.c.priority,
-                                     ledger.c.pruned_count).cte("moved")
-    total = func.sum(moved.c.pruned_count)
-    fold = pg_insert(rollups).from_select(
-        ["queue", "priority", "pruned_completed_count"],
-        select(moved.c.queue, moved.c.priority, total).group_by(moved.c.queue, moved.c.priority)
-        .order_by(moved.c.queue, moved.c.priority),
-    )
-    fold = fold.on_conflict_do_update(
-        index_elements=[rollups.c.queue, rollups.c.priority],
-        set_={"pruned_completed_count": func.greatest(
-            0, rollups.c.pruned_completed_count + fold.excluded.pruned_completed_count)},
-    )
-    return {
-        "trusted": select(cs.c.terminal_counter_trusted_at.isnot(None)),
-        "rebuild": insert(live).from_select(
-            [*_KEY, "live_terminal_count"],
-            select(*group, func.count()).group_by(*group).order_by(*group),
-        ),
-        "mark_trusted": update(cs).values(terminal_counter_trusted_at=func.now()),
-        "live_rows": select(func.count()).select_from(live),
-        "has_ledger": select(select(literal(1)).select_from(ledger).exists()),
-        "fold_ledger": fold,
-    }
+@dataclass(frozen=True)
+class SlotRollup:
+    """The statements that fold one sealed slot's deltas."""
+
+    has_deltas: Select[Any]
+    active: Select[Any]
+    stats: Select[Any]
+    upsert: Insert
 
 
 @functools.lru_cache(maxsize=4096)
-def _slot_statements(sch: StorageSchema, k: int) -> dict[str, Any]:
+def _slot_rollup(sch: StorageSchema, k: int) -> SlotRollup:
     dl, live = sch.deltas.children[k], sch.live_counts
     le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
-    closed = receipt_closed(cl, c)
     total = func.sum(dl.c.terminal_delta)
     grouped = (
         select(*(dl.c[n] for n in _KEY), total.label("delta"))
@@ -163,21 +127,20 @@ def _slot_statements(sch: StorageSchema, k: int) -> dict[str, Any]:
     )
     upsert = upsert.on_conflict_do_update(
         index_elements=[live.c[n] for n in _KEY],
-        set_={"live_terminal_count": func.greatest(
-            0, live.c.live_terminal_count + upsert.excluded.live_terminal_count)},
+        set_={"live_terminal_count": func.greatest(0, live.c.live_terminal_count + upsert.excluded.live_terminal_count)},
     )
-    return {
-        "has_deltas": select(select(literal(1)).select_from(dl).exists()),
-        "active": select(or_(
+    return SlotRollup(
+        has_deltas=select(select(literal(1)).select_from(dl).exists()),
+        active=select(or_(
             select(literal(1)).select_from(le).where(le.c.ready_slot == k).exists(),
-            select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed).exists(),
+            select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~receipt_closed(cl, c)).exists(),
         )),
-        "stats": select(
+        stats=select(
             select(func.count()).select_from(dl).scalar_subquery(),
             select(func.count()).select_from(grouped).scalar_subquery(),
         ),
-        "upsert": upsert,
-    }
+        upsert=upsert,
+    )
 
 
 @dataclass(frozen=True)
@@ -187,12 +150,11 @@ class _SlotResult:
     grouped_keys: int = 0
 
 
-def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int,
-                 pinned_after: timedelta) -> _SlotResult:
-    st = _slot_statements(sch, k)
+def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int, pinned_after: timedelta) -> _SlotResult:
+    st = _slot_rollup(sch, k)
     ring = sch.queue_ring
-    lock_ring(conn, sch, ring)
-    now = generation(conn, sch, ring)
+    upkeep.lock_ring(conn, sch, ring)
+    now = upkeep.generation(conn, ring)
     if now % ring.slot_count == k:
         return _SlotResult("active")
     if slot_generation(now, k, ring.slot_count) != gen:
@@ -201,63 +163,54 @@ def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int,
         return _SlotResult("pinned")
 
     def body() -> _SlotResult:
-        lock_exclusive(conn, [sch.deltas.children[k]])
+        upkeep.lock_exclusive(conn, [sch.deltas.children[k]])
         if mvcc_horizon_pinned(conn, pinned_after):
             return _SlotResult("pinned")
-        if conn.execute(st["active"]).scalar():
+        if conn.execute(st.active).scalar():
             return _SlotResult("active")  # deltas may still arrive for this slot
-        delta_rows, keys = conn.execute(st["stats"]).one()
+        delta_rows, keys = conn.execute(st.stats).one()
         if delta_rows:
-            conn.execute(st["upsert"])
-            truncate_tables(conn, [sch.deltas.children[k]])
+            control.fold_slot_deltas(conn, st.upsert)
+            upkeep.truncate_tables(conn, [sch.deltas.children[k]])
         return _SlotResult("rolled", int(delta_rows), int(keys))
 
-    result = guarded(conn, body)
+    result = upkeep.guarded(conn, body)
     return _SlotResult("blocked") if result is BLOCKED else result  # type: ignore[return-value]
 
 
-def fold_rollup_ledger(conn: Connection, sch: StorageSchema) -> bool:
-    """Move the prune ledger's rows into ``queue_terminal_rollups`` (one statement; the sums
-    are unchanged). Returns whether there was anything to fold."""
-    s = _statements(sch)
-    if not conn.execute(s["has_ledger"]).scalar():
-        return False
-    conn.execute(s["fold_ledger"])
-    return True
-
-
-def rollup_terminal_count_deltas(target: Target, sch: StorageSchema, max_slots: int, *,
-                                 pinned_after: timedelta = PINNED_AFTER) -> TerminalDeltaRollupOutcome:
+def rollup_terminal_count_deltas(ctx: StorageContext, tx: Transactions, max_slots: int, *,
+                                 pinned_after: timedelta | None = None) -> TerminalDeltaRollupOutcome:
     """Fold the deltas of up to ``max_slots`` sealed slots into the live counters, then the
-    prune ledger into the rollups.
+    prune ledger into the rollups, standing down while a snapshot older than
+    ``pinned_after`` (default 5 s) pins the horizon.
 
     Candidates: sealed slots (not current, initialised) whose delta child has rows, oldest
-    generation first. Each slot is one transaction (with an Engine target; a caller's
-    Connection/Session runs them all in its transaction): the queue-ring lock; stand down
-    for the whole call if the horizon is pinned (``skipped_mvcc_pinned``, nothing touched);
-    ``lock_timeout`` 50 ms + ``ACCESS EXCLUSIVE`` on the delta child (``blocked_slots`` on
-    timeout); skip a slot still referenced by a lease or an open claim
-    (``skipped_active_slots``); add the non-zero sums per ``(ready_slot, queue, priority,
-    enqueue_shard, counter_bucket)`` into the live counts (floor 0) and truncate the delta
-    child. ``max_slots == 0`` folds no slot (the ledger is still folded).
+    generation first. Each slot is one unit (its own transaction with an Engine): the
+    queue-ring lock; stand down for the whole call if the horizon is pinned
+    (``skipped_mvcc_pinned``, nothing touched); ``lock_timeout`` 50 ms + ``ACCESS
+    EXCLUSIVE`` on the delta child (``blocked_slots`` on timeout); skip a slot still
+    referenced by a lease or an open claim (``skipped_active_slots``); add the non-zero sums
+    per ``(ready_slot, queue, priority, enqueue_shard, counter_bucket)`` into the live counts
+    (floor 0) and truncate the delta child. ``max_slots == 0`` folds no slot (the ledger is
+    still folded).
 
-    With an Engine, every slot commits on its own: if a later slot fails, the error is
-    swallowed and the outcome reports the slots already folded (their folds stand and the
-    counts are exact either way); an error before anything was folded is raised.
+    With an Engine, if a later slot fails, the error is logged and the outcome reports the
+    slots already folded (their folds stand and the counts are exact either way); an error
+    before anything was folded is raised.
     """
-    if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 0:
-        raise ValidationError("max_slots", max_slots, "must be a non-negative integer")
-    if not isinstance(pinned_after, timedelta) or pinned_after < timedelta(0):
+    if pinned_after is None:
+        pinned_after = PINNED_AFTER
+    elif not isinstance(pinned_after, timedelta) or pinned_after < timedelta(0):
         raise ValidationError("pinned_after", pinned_after, "must be a non-negative timedelta")
+    sch = ctx.schema
     ring = sch.queue_ring
     n = ring.slot_count
-    with transaction(target) as conn:
-        now = generation(conn, sch, ring)
+    with tx.unit() as conn:
+        now = upkeep.generation(conn, ring)
         cur = now % n
         candidates = [
             (slot, slot_generation(now, slot, n)) for slot in ((cur + i) % n for i in range(1, n))
-            if slot_generation(now, slot, n) >= 0
-            and conn.execute(_slot_statements(sch, slot)["has_deltas"]).scalar()
+            if slot_generation(now, slot, n) >= 0 and conn.execute(_slot_rollup(sch, slot).has_deltas).scalar()
         ]
     rolled = delta_rows = keys = active = blocked = 0
     pinned = False
@@ -265,7 +218,7 @@ def rollup_terminal_count_deltas(target: Target, sch: StorageSchema, max_slots: 
         for slot, gen in candidates:
             if rolled >= max_slots:
                 break
-            with transaction(target) as conn:
+            with tx.unit() as conn:
                 res = _rollup_slot(conn, sch, slot, gen, pinned_after)
             if res.kind == "pinned":
                 pinned = True
@@ -279,50 +232,42 @@ def rollup_terminal_count_deltas(target: Target, sch: StorageSchema, max_slots: 
             elif res.kind == "blocked":
                 blocked += 1
         if not pinned:
-            with transaction(target) as conn:
-                lock_ring(conn, sch, ring)
+            with tx.unit() as conn:
+                upkeep.lock_ring(conn, sch, ring)
                 if mvcc_horizon_pinned(conn, pinned_after):
                     pinned = True
                 else:
-                    fold_rollup_ledger(conn, sch)
-    except QueueStorageError:
-        if not rolled or not owns_transaction(target):
+                    control.fold_ledger(conn, sch)
+    except Exception:
+        if not rolled or not tx.owned:
             raise
-    except sa_exc.SQLAlchemyError:
-        if not rolled or not owns_transaction(target):
-            raise
+        log.warning("qstore: counter rollup failed after folding %d slots", rolled, exc_info=True)
     return TerminalDeltaRollupOutcome(
         rolled_slots=rolled, delta_rows=delta_rows, grouped_keys=keys,
         skipped_active_slots=active, blocked_slots=blocked, skipped_mvcc_pinned=pinned,
     )
 
 
-def rebuild_terminal_counters(target: Target, sch: StorageSchema) -> int:
+def rebuild_terminal_counters(ctx: StorageContext, conn: Connection) -> int:
     """Recompute ``queue_terminal_live_counts`` from ``done_entries`` and mark the counters
     trusted; returns the number of counter rows written.
 
     Under the transaction advisory lock ``qstore.rebuild_terminal_counters:<schema>`` and
-    the queue ring-state row lock, ``done_entries``, the delta ledger and the live counts are
-    locked ``ACCESS EXCLUSIVE`` (no timeout: completions wait until the rebuild commits), the
-    live counts and every delta child are truncated and the live counts re-aggregated by
-    ``(ready_slot, queue, priority, enqueue_shard, job_id % COUNTER_BUCKETS)``. Rollups of pruned slots
-    are left as they are.
-    """
-    s = _statements(sch)
+    the queue-ring lock, ``done_entries``, the delta ledger and the live counts are locked
+    ``ACCESS EXCLUSIVE`` (no timeout: completions wait until the rebuild commits), the live
+    counts and every delta child are truncated and the live counts re-aggregated. Pruned
+    history (rollups, ledger) is left as it is."""
+    sch = ctx.schema
     key = f"{REBUILD_LOCK_PREFIX}{sch.config.schema}"
-    with transaction(target) as conn:
-        conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
-        lock_ring(conn, sch, sch.queue_ring)
-        lock_exclusive(conn, [sch.done.parent, sch.deltas.parent, sch.live_counts])
-        truncate_tables(conn, [sch.live_counts, sch.deltas.parent])
-        conn.execute(s["rebuild"])
-        conn.execute(s["mark_trusted"])
-        # the table was truncated above, so its size is exactly what was written
-        return int(conn.execute(s["live_rows"]).scalar_one())
+    conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
+    upkeep.lock_ring(conn, sch, sch.queue_ring)
+    upkeep.lock_exclusive(conn, [sch.done.parent, sch.deltas.parent, sch.live_counts])
+    upkeep.truncate_tables(conn, [sch.live_counts, sch.deltas.parent])
+    # the table was truncated above, so its size is exactly what was written
+    return control.rebuild_live_counts(conn, sch)
 
 
-def terminal_counter_trusted(target: Target, sch: StorageSchema) -> bool:
-    """True when ``counter_state.terminal_counter_trusted_at`` is set (False if the row
-    is missing)."""
-    with transaction(target) as conn:
-        return bool(conn.execute(_statements(sch)["trusted"]).scalar())
+def terminal_counter_trusted(ctx: StorageContext, conn: Connection) -> bool:
+    """True when ``counter_state.terminal_counter_trusted_at`` is set (False if the row is
+    missing)."""
+    return control.counters_trusted(conn, ctx.schema)

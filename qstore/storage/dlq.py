@@ -2,70 +2,68 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import replace
-from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, select, tuple_
+from sqlalchemy import Connection, select, tuple_
 
 from qstore.errors import ValidationError
 from qstore.model import JobRow, JobState, ListDlqFilter, RetryFromDlqOpts
-from qstore.schema import StorageSchema
-from qstore.storage import history, unique
-from qstore.storage.claim import stripes_for
-from qstore.storage.enqueue import LaneRouter
-from qstore.storage.jobs import validate_priority, validate_queue
-from qstore.storage.transitions import Decision, apply
-from qstore.storage.writers import Body, job_row, now, write_dlq
+from qstore.storage import destinations
+from qstore.storage.bodies import Body, job_row
+from qstore.storage.context import StorageContext
+from qstore.storage.decide import Decision, Destination
+from qstore.storage.jobs import stripes_for
+from qstore.storage.planes import control
+from qstore.storage.planes import queue as queue_plane
 
-__all__ = ["bulk_move_failed", "bulk_retry", "discard_failed_by_kind", "move_failed", "retry_from_dlq"]
+__all__ = ["bulk_move_failed_to_dlq", "bulk_retry_from_dlq", "discard_failed_by_kind", "move_failed_to_dlq",
+           "retry_from_dlq"]
 
 
-def _move(conn: Connection, sch: StorageSchema, rows: Sequence[Any], reason: str) -> list[JobRow]:
+def _move(ctx: StorageContext, conn: Connection, rows: Sequence[Any], reason: str) -> list[JobRow]:
     if not rows:
         return []
-    history.delete_done(conn, sch, rows)
-    bodies = history.done_bodies(rows)
-    at = now(conn)
-    write_dlq(conn, sch, [(b, reason, b.run_lease) for b in bodies], at)
+    sch = ctx.schema
+    queue_plane.delete_done(conn, sch, rows)
+    bodies = [Body.from_snapshot(r) for r in rows]
+    at = destinations.now(conn)
+    queue_plane.write_dlq(conn, sch, [(b, reason, b.run_lease) for b in bodies], at)
     return [job_row(b, JobState.FAILED, finalized_at=at) for b in bodies]
 
 
-def move_failed(conn: Connection, sch: StorageSchema, job_id: int, reason: str) -> JobRow | None:
+def move_failed_to_dlq(ctx: StorageContext, conn: Connection, job_id: int, dlq_reason: str) -> JobRow | None:
+    """Move the job's newest failed terminal row into the DLQ; None when it has none."""
+    sch = ctx.schema
     d = sch.done.parent
-    rows = conn.execute(history.select_done(sch, d.c.job_id == job_id, d.c.state == "failed",
-                                            newest_per_job=True, limit=1)).all()
-    moved = _move(conn, sch, rows, reason)
+    rows = conn.execute(queue_plane.select_done(sch, d.c.job_id == job_id, d.c.state == "failed",
+                                          newest_per_job=True, limit=1)).all()
+    moved = _move(ctx, conn, rows, dlq_reason)
     return moved[0] if moved else None
 
 
-def bulk_move_failed(conn: Connection, sch: StorageSchema, kind: str | None, queue: str | None, reason: str) -> int:
+def bulk_move_failed_to_dlq(ctx: StorageContext, conn: Connection, kind: str | None, queue: str | None,
+                            dlq_reason: str) -> int:
+    """Move every failed terminal row (of ``kind`` and/or ``queue`` when given) into the
+    DLQ, one row per job (its newest); returns how many jobs moved."""
+    sch = ctx.schema
     d = sch.done.parent
     where = [d.c.state == "failed"]
     if kind is not None:
         where.append(d.c.kind == kind)
     if queue is not None:
-        where.append(d.c.queue.in_(stripes_for(queue, sch.config.queue_stripe_count, 0)))
-    rows = conn.execute(history.select_done(sch, *where)).all()
-    # one DLQ row per job: keep the newest failed row of each job
+        where.append(d.c.queue.in_(stripes_for(queue, sch.config.queue_stripe_count)))
+    rows = conn.execute(queue_plane.select_done(sch, *where)).all()
     newest: dict[int, Any] = {}
     for r in rows:
         if r.job_id not in newest or r.finalized_at > newest[r.job_id].finalized_at:
             newest[r.job_id] = r
-    return len(_move(conn, sch, list(newest.values()), reason))
+    return len(_move(ctx, conn, list(newest.values()), dlq_reason))
 
 
-@functools.lru_cache(maxsize=64)
-def _statements(sch: StorageSchema) -> dict[str, Any]:
-    q = sch.dlq
-    return {"take": q.delete().where(q.c.job_id == bindparam("job_id")).returning(*q.c)}
-
-
-def _retry_rows(conn: Connection, sch: StorageSchema, router: LaneRouter, rows: Sequence[Any],
-                opts: RetryFromDlqOpts) -> list[JobRow]:
-    at = now(conn)
+def _retry_rows(ctx: StorageContext, conn: Connection, rows: Sequence[Any], opts: RetryFromDlqOpts) -> list[JobRow]:
+    at = destinations.now(conn)
     items = []
     for r in rows:
         body = replace(Body.from_snapshot(r), attempt=0, progress=None, attempted_at=None)
@@ -74,43 +72,36 @@ def _retry_rows(conn: Connection, sch: StorageSchema, router: LaneRouter, rows: 
         if opts.priority is not None:
             body = replace(body, priority=opts.priority)
         if opts.run_at is not None and opts.run_at > at:
-            d = Decision("deferred", JobState.SCHEDULED, delay=opts.run_at - at, clear_progress=True)
+            d = Decision(Destination.DEFERRED, JobState.SCHEDULED, delay=opts.run_at - at, clear_progress=True)
         else:
-            d = Decision("ready", clear_progress=True)
+            d = Decision(Destination.READY, clear_progress=True)
         items.append((body, d, JobState.FAILED))
-    return apply(conn, sch, router, items)
+    return destinations.apply(conn, ctx, items)
 
 
-def retry_from_dlq(conn: Connection, sch: StorageSchema, router: LaneRouter, job_id: int,
-                   opts: RetryFromDlqOpts) -> JobRow | None:
+def retry_from_dlq(ctx: StorageContext, conn: Connection, job_id: int,
+                   opts: RetryFromDlqOpts | None = None) -> JobRow | None:
     """Take the DLQ row and re-insert the job (attempt 0, run_lease kept, progress cleared);
-    a future ``run_at`` schedules it. A unique conflict raises and (the caller rolling back)
-    keeps the DLQ row."""
-    if opts.queue is not None:
-        validate_queue(opts.queue)
-    if opts.priority is not None:
-        validate_priority(opts.priority)
-    if opts.run_at is not None and (not isinstance(opts.run_at, datetime) or opts.run_at.tzinfo is None):
-        raise ValidationError("run_at", opts.run_at, "must be a timezone-aware datetime")
-    rows = conn.execute(_statements(sch)["take"], {"job_id": job_id}).all()
+    a future ``run_at`` schedules it. A unique conflict raises and leaves the DLQ row."""
+    rows = queue_plane.take_dlq(conn, ctx.schema, job_id)
     if not rows:
         return None
-    return _retry_rows(conn, sch, router, rows, opts)[0]
+    return _retry_rows(ctx, conn, rows, opts or RetryFromDlqOpts())[0]
 
 
-def bulk_retry(conn: Connection, sch: StorageSchema, router: LaneRouter, flt: ListDlqFilter) -> int:
+def bulk_retry_from_dlq(ctx: StorageContext, conn: Connection, filter: ListDlqFilter) -> int:
     """Retry every DLQ row matching the filter (at least one criterion required), oldest
     first, at most ``limit`` rows when given. All-or-nothing on a unique conflict."""
+    flt = filter
     if all(getattr(flt, f) is None for f in ("kind", "queue", "tag", "before_id", "before_dlq_at")):
         raise ValidationError("filter", flt, "bulk_retry_from_dlq needs at least one filter")
-    if flt.limit is not None and (not isinstance(flt.limit, int) or flt.limit <= 0):
-        raise ValidationError("filter.limit", flt.limit, "must be a positive integer")
+    sch = ctx.schema
     q = sch.dlq
     where = []
     if flt.kind is not None:
         where.append(q.c.kind == flt.kind)
     if flt.queue is not None:
-        where.append(q.c.queue.in_(stripes_for(flt.queue, sch.config.queue_stripe_count, 0)))
+        where.append(q.c.queue.in_(stripes_for(flt.queue, sch.config.queue_stripe_count)))
     if flt.tag is not None:
         where.append(q.c.payload["tags"].contains([flt.tag]))
     if flt.before_id is not None and flt.before_dlq_at is not None:
@@ -122,18 +113,18 @@ def bulk_retry(conn: Connection, sch: StorageSchema, router: LaneRouter, flt: Li
     pick = select(q.c.job_id).where(*where).order_by(q.c.dlq_at, q.c.job_id).with_for_update(skip_locked=True)
     if flt.limit is not None:
         pick = pick.limit(flt.limit)
-    rows = conn.execute(q.delete().where(q.c.job_id.in_(pick.scalar_subquery())).returning(*q.c)).all()
-    return len(_retry_rows(conn, sch, router, rows, RetryFromDlqOpts()))
+    rows = queue_plane.take_dlq_where(conn, sch, pick)
+    return len(_retry_rows(ctx, conn, rows, RetryFromDlqOpts()))
 
 
-def discard_failed_by_kind(conn: Connection, sch: StorageSchema, kind: str) -> int:
-    """Delete failed terminal rows (-1 deltas) and DLQ rows of ``kind``; release their keys."""
-    d, q = sch.done.parent, sch.dlq
-    rows = conn.execute(history.select_done(sch, d.c.state == "failed", d.c.kind == kind)).all()
-    history.delete_done(conn, sch, rows)
-    dl = conn.execute(q.delete().where(q.c.kind == kind).returning(q.c.job_id, q.c.unique_key)).all()
-    unique.release(conn, sch, [(r.unique_key, r.job_id) for r in rows if r.unique_key is not None]
-                   + [(r.unique_key, r.job_id) for r in dl if r.unique_key is not None])
+def discard_failed_by_kind(ctx: StorageContext, conn: Connection, kind: str) -> int:
+    """Delete failed terminal rows (-1 deltas) and DLQ rows of ``kind``; release their keys.
+    Returns how many rows went."""
+    sch = ctx.schema
+    d = sch.done.parent
+    rows = conn.execute(queue_plane.select_done(sch, d.c.state == "failed", d.c.kind == kind)).all()
+    queue_plane.delete_done(conn, sch, rows)
+    dl = queue_plane.discard_dlq_kind(conn, sch, kind)
+    control.release_keys(conn, sch, [(r.unique_key, r.job_id) for r in rows if r.unique_key is not None]
+                         + [(r.unique_key, r.job_id) for r in dl if r.unique_key is not None])
     return len(rows) + len(dl)
-
-

@@ -29,6 +29,7 @@ __all__ = [
     "prepare_jobs",
     "shard_for_ordering_key",
     "stripe_of",
+    "stripes_for",
     "unique_states_mask",
     "validate_aware_datetime",
     "validate_id",
@@ -191,6 +192,15 @@ def stripe_of(logical: str, stripes: int, index: int, unique_key: bytes | None) 
         return logical
     pick = int.from_bytes(hashlib.blake2b(unique_key, digest_size=8).digest(), "little") if unique_key else index
     return f"{logical}{STRIPE_SEP}{pick % stripes}"
+
+
+def stripes_for(queue: str, stripe_count: int, start: int = 0) -> list[str]:
+    """The physical queues of logical ``queue``, starting at the rotating probe ``start``
+    (a stripe name is its own only physical queue)."""
+    if stripe_count <= 1 or is_stripe(queue):
+        return [queue]
+    k = start % stripe_count
+    return [f"{queue}{STRIPE_SEP}{(k + i) % stripe_count}" for i in range(stripe_count)]
 
 
 def shard_for_ordering_key(key: bytes, shards: int) -> int:

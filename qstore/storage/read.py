@@ -1,27 +1,40 @@
-"""Reads: ``load_job`` (newest view across every plane) and queue counts (exact and fast)."""
+"""Reads: ``load_job`` (the newest view of a job across every plane) and queue counts
+(exact and fast)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, column, func, select, table
+from sqlalchemy import Connection, Select, and_, bindparam, case, column, func, select, table
 from sqlalchemy.types import BigInteger, Text
 
 from qstore.model import JobRow, JobState, QueueCounts
 from qstore.schema import StorageSchema
-from qstore.storage.claim import stripes_for
-from qstore.storage.statements import attempt_leased, receipt_closed
+from qstore.storage.context import StorageContext
+from qstore.storage.jobs import stripes_for
+from qstore.storage.sql import attempt_leased, receipt_closed
 
 __all__ = ["load_job", "queue_counts", "queue_counts_fast"]
 
-_RANK = {JobState.RUNNING: 4, JobState.WAITING_EXTERNAL: 4, JobState.RETRYABLE: 3,
-         JobState.SCHEDULED: 3, JobState.AVAILABLE: 2}
+
+@dataclass(frozen=True)
+class ReadStatements:
+    ready: Select[Any]
+    tombstoned: Select[Any]
+    deferred: Select[Any]
+    dlq: Select[Any]
+    leases: Select[Any]
+    open_claims: Select[Any]
+    terminal: Select[Any]
+    counts: Select[Any]
+    fast_counts: Select[Any]
 
 
 @functools.lru_cache(maxsize=64)
-def _statements(sch: StorageSchema) -> dict[str, Any]:
+def _statements(sch: StorageSchema) -> ReadStatements:
     r, t, cr = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent
     c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
     job = bindparam("job_id", type_=BigInteger())
@@ -42,40 +55,45 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
     h = sch.claim_heads
 
     def total(col: Any) -> Any:
-        return func.coalesce(select(func.sum(col)).where(col.table.c.queue.in_(queues))
-                             .scalar_subquery(), 0)
+        return func.coalesce(select(func.sum(col)).where(col.table.c.queue.in_(queues)).scalar_subquery(), 0)
+
+    def count(rows: Any) -> Any:
+        return rows.with_only_columns(func.count()).scalar_subquery()
 
     # pruned history: permanent rollups plus the ledger prunes append to until it is folded
     pruned = total(sch.rollups.c.pruned_completed_count) + total(sch.rollup_ledger.c.pruned_count)
     live = total(sch.live_counts.c.live_terminal_count)
     deltas = total(sch.deltas.parent.c.terminal_delta)
+    scanned = count(select(sch.done.parent.c.job_id).where(sch.done.parent.c.queue.in_(queues)))
+    trusted = select(sch.counter_state.c.terminal_counter_trusted_at.isnot(None)).scalar_subquery()
     last = lambda seq: func.coalesce(func.pg_sequence_last_value(seq), 0)  # noqa: E731
-    return {
-        "ready": select(r).where(r.c.job_id == job),
-        "tombstoned": select(t.c.lane_seq, t.c.ready_slot, t.c.queue, t.c.priority, t.c.enqueue_shard).where(t.c.job_id == job),
-        "deferred": select(sch.deferred).where(sch.deferred.c.job_id == job),
-        "dlq": select(sch.dlq).where(sch.dlq.c.job_id == job),
-        "leases": select(le, st.c.progress, st.c.heartbeat_at.label("state_heartbeat_at"))
+    return ReadStatements(
+        ready=select(r).where(r.c.job_id == job),
+        tombstoned=select(t.c.lane_seq, t.c.ready_slot, t.c.queue, t.c.priority, t.c.enqueue_shard)
+        .where(t.c.job_id == job),
+        deferred=select(sch.deferred).where(sch.deferred.c.job_id == job),
+        dlq=select(sch.dlq).where(sch.dlq.c.job_id == job),
+        leases=select(le, st.c.progress, st.c.heartbeat_at.label("state_heartbeat_at"))
         .select_from(le.outerjoin(st, and_(st.c.job_id == le.c.job_id, st.c.run_lease == le.c.run_lease)))
         .where(le.c.job_id == job),
-        "open_claims": select(c, st.c.progress, st.c.heartbeat_at.label("state_heartbeat_at"))
+        open_claims=select(c, st.c.progress, st.c.heartbeat_at.label("state_heartbeat_at"))
         .select_from(c.outerjoin(st, and_(st.c.job_id == c.c.job_id, st.c.run_lease == c.c.run_lease)))
         .where(c.c.job_id == job, ~closed, ~leased),
-        "terminal": select(tj).where(tj.c.job_id == job),
-        "available": select(func.count()).select_from(r).where(r.c.queue.in_(queues), ~tombstoned, ~claimed),
-        "running": select(
-            select(func.count()).select_from(le).where(le.c.queue.in_(queues), le.c.state == "running").scalar_subquery()
-            + select(func.count()).select_from(c).where(c.c.queue.in_(queues), ~closed, ~leased).scalar_subquery()
+        terminal=select(tj).where(tj.c.job_id == job),
+        # one statement, so the three counts come from one snapshot
+        counts=select(
+            count(select(r.c.job_id).where(r.c.queue.in_(queues), ~tombstoned, ~claimed)),
+            count(select(le.c.job_id).where(le.c.queue.in_(queues), le.c.state == "running"))
+            + count(select(c.c.job_id).where(c.c.queue.in_(queues), ~closed, ~leased)),
+            case((func.coalesce(trusted, False), pruned + live + deltas), else_=pruned + scanned),
         ),
-        "terminal_count": select(pruned + live + deltas),
-        "terminal_scan": select(pruned + select(func.count()).select_from(sch.done.parent)
-                                .where(sch.done.parent.c.queue.in_(queues)).scalar_subquery()),
-        "trusted": select(sch.counter_state.c.terminal_counter_trusted_at.isnot(None)),
-        "fast_available": select(func.coalesce(func.sum(func.greatest(last(h.c.enqueue_seq) - last(h.c.claim_seq), 0)), 0))
-        .where(h.c.queue.in_(queues)),
-        "fast_running": select(func.count()).select_from(le).where(le.c.queue.in_(queues), le.c.state == "running"),
-        "fast_terminal": select(pruned),
-    }
+        fast_counts=select(
+            select(func.coalesce(func.sum(func.greatest(last(h.c.enqueue_seq) - last(h.c.claim_seq), 0)), 0))
+            .where(h.c.queue.in_(queues)).scalar_subquery(),
+            count(select(le.c.job_id).where(le.c.queue.in_(queues), le.c.state == "running")),
+            pruned,
+        ),
+    )
 
 
 def _payload_fields(payload: dict[str, Any] | None) -> dict[str, Any]:
@@ -93,15 +111,15 @@ def _snapshot_row(d: Any) -> JobRow:
                   unique_key=d.unique_key, unique_states=d.unique_states, **_payload_fields(d.payload))
 
 
-def load_job(conn: Connection, sch: StorageSchema, job_id: int) -> JobRow | None:
+def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | None:
     """Newest view of ``job_id`` across ready, deferred, running, terminal and DLQ rows:
     greatest ``(run_lease, transition time, state rank)``. None once its history is pruned."""
-    s = _statements(sch)
+    s = _statements(ctx.schema)
     arg = {"job_id": job_id}
     cands: list[tuple[tuple[int, datetime, int], JobRow]] = []
-    tomb = {(x.ready_slot, x.queue, x.priority, x.enqueue_shard, x.lane_seq) for x in conn.execute(s["tombstoned"], arg)}
+    tomb = {(x.ready_slot, x.queue, x.priority, x.enqueue_shard, x.lane_seq) for x in conn.execute(s.tombstoned, arg)}
     ready_by_key = {}
-    for r in conn.execute(s["ready"], arg):
+    for r in conn.execute(s.ready, arg):
         ready_by_key[(r.ready_slot, r.queue, r.priority, r.enqueue_shard, r.lane_seq)] = r
         if (r.ready_slot, r.queue, r.priority, r.enqueue_shard, r.lane_seq) in tomb:
             continue
@@ -111,10 +129,10 @@ def load_job(conn: Connection, sch: StorageSchema, job_id: int) -> JobRow | None
                      attempted_at=r.attempted_at, unique_key=r.unique_key,
                      unique_states=r.unique_states, **_payload_fields(r.payload))
         cands.append(((r.run_lease, r.run_at, 2), row))
-    for d in conn.execute(s["deferred"], arg):
+    for d in conn.execute(s.deferred, arg):
         cands.append(((d.run_lease, d.finalized_at or d.run_at, 3), _snapshot_row(d)))
     for kind in ("leases", "open_claims"):
-        for x in conn.execute(s[kind], arg):
+        for x in conn.execute(getattr(s, kind), arg):
             body = ready_by_key.get((x.ready_slot, x.queue, x.priority, x.enqueue_shard, x.lane_seq))
             if body is None:
                 continue
@@ -136,45 +154,30 @@ def load_job(conn: Connection, sch: StorageSchema, job_id: int) -> JobRow | None
                          callback_timeout_at=getattr(x, "callback_timeout_at", None) if is_lease else None,
                          **fields)
             cands.append(((x.run_lease, hb or attempted or body.run_at, 4), row))
-    for d in conn.execute(s["terminal"], arg):
+    for d in conn.execute(s.terminal, arg):
         cands.append(((d.run_lease, d.finalized_at, 1), _snapshot_row(d)))
-    for d in conn.execute(s["dlq"], arg):
+    for d in conn.execute(s.dlq, arg):
         cands.append(((d.run_lease, d.dlq_at, 1), _snapshot_row(d)))
     if not cands:
         return None
     return max(cands, key=lambda c: c[0])[1]
 
 
-def _queues(sch: StorageSchema, queue: str) -> list[str]:
-    return stripes_for(queue, sch.config.queue_stripe_count, 0)
+def queue_counts(ctx: StorageContext, conn: Connection, queue: str) -> QueueCounts:
+    """Exact counts over all stripes of ``queue``, read in one statement (one snapshot):
+    available = untombstoned ready rows not covered by a claim range; running = running
+    leases + receipt-only open claims; terminal = pruned history (rollups and the prune
+    ledger) + live counters and deltas (trusted) or a done-row scan."""
+    queues = stripes_for(queue, ctx.config.queue_stripe_count)
+    available, running, terminal = conn.execute(_statements(ctx.schema).counts, {"queues": queues}).one()
+    return QueueCounts(available=int(available), running=int(running), terminal=int(terminal))
 
 
-def queue_counts(conn: Connection, sch: StorageSchema, queue: str) -> QueueCounts:
-    """Exact counts over all stripes of ``queue``: available = untombstoned ready rows not
-    covered by a claim range; running = running leases + receipt-only open claims;
-    terminal = pruned history (rollups and the prune ledger) + live counters and deltas
-    (trusted) or a done-row scan."""
-    s = _statements(sch)
-    arg = {"queues": _queues(sch, queue)}
-    trusted = bool(conn.execute(s["trusted"]).scalar())
-    return QueueCounts(
-        available=int(conn.execute(s["available"], arg).scalar_one()),
-        running=int(conn.execute(s["running"], arg).scalar_one()),
-        terminal=int(conn.execute(s["terminal_count" if trusted else "terminal_scan"], arg).scalar_one()),
-    )
-
-
-def queue_counts_fast(conn: Connection, sch: StorageSchema, queue: str) -> QueueCounts:
+def queue_counts_fast(ctx: StorageContext, conn: Connection, queue: str) -> QueueCounts:
     """Head-table arithmetic only. ``available`` is an upper bound (Σ enqueue - claim cursor:
     counts in-flight reservations, aborted gaps, tombstones and up to one claim batch per
     lane whose cursor hint has not caught up); ``running`` omits receipt-only attempts;
     ``terminal`` counts pruned history only (a lower bound)."""
-    s = _statements(sch)
-    arg = {"queues": _queues(sch, queue)}
-    return QueueCounts(
-        available=int(conn.execute(s["fast_available"], arg).scalar_one()),
-        running=int(conn.execute(s["fast_running"], arg).scalar_one()),
-        terminal=int(conn.execute(s["fast_terminal"], arg).scalar_one()),
-    )
-
-
+    queues = stripes_for(queue, ctx.config.queue_stripe_count)
+    available, running, terminal = conn.execute(_statements(ctx.schema).fast_counts, {"queues": queues}).one()
+    return QueueCounts(available=int(available), running=int(running), terminal=int(terminal))

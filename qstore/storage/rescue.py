@@ -1,37 +1,55 @@
-"""Maintenance that moves work along: rescue of stale / overdue / timed-out attempts and
+"""Upkeep that moves work along: rescue of stale / overdue / timed-out attempts, and
 promotion of due deferred jobs.
 
-Rescue closes the old attempt first (closure + lease delete by ``(job_id, run_lease)``), so a
-late write from the rescued worker is stale; it respects exhaustion (trap T9): an exhausted
+Rescue closes the old attempt first (closure + lease delete by ``(job_id, run_lease)``),
+so a late write from the rescued worker is stale; it respects exhaustion: an exhausted
 attempt ends failed — or in the DLQ when its queue's policy says so — instead of looping.
+These automatic paths never stall on a unique-key conflict: a job that would take a key
+another job owns ends failed, naming the owner, and the others go on.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Integer, and_, bindparam, delete, func, select
+from sqlalchemy import Connection, Integer, Select, and_, bindparam, delete, func, select
 from sqlalchemy.dialects.postgresql import INTERVAL
+from sqlalchemy.sql.dml import ReturningDelete
 
 from qstore.model import JobRow, JobState
 from qstore.schema import StorageSchema
-from qstore.storage.attempts import take_attempts
-from qstore.storage.enqueue import LaneRouter
-from qstore.storage.jobs import logical_queue
-from qstore.storage.statements import attempt_leased, receipt_closed
-from qstore.storage.transitions import Decision, apply, dlq_enabled, exhausted
-from qstore.storage.writers import Body
+from qstore.storage import destinations
+from qstore.storage.bodies import Body
+from qstore.storage.checks import seconds
+from qstore.storage.context import StorageContext
+from qstore.storage.decide import Decision, Destination, exhausted, rescue_decision
+from qstore.storage.destinations import UniqueConflicts
+from qstore.storage.planes import execution, queue
+from qstore.storage.planes.execution import Closure
+from qstore.storage.sql import attempt_leased, receipt_closed
 
-__all__ = ["RESCUE_LIMIT", "promote_due", "rescue"]
+__all__ = ["RESCUE_LIMIT", "promote_due", "rescue_expired_callbacks", "rescue_expired_deadlines",
+           "rescue_stale_heartbeats"]
 
 RESCUE_LIMIT = 500
 
 
+@dataclass(frozen=True)
+class RescueStatements:
+    stale_leases: Select[Any]
+    stale_claims: Select[Any]
+    overdue_leases: Select[Any]
+    overdue_claims: Select[Any]
+    timed_out: Select[Any]
+    take_due: ReturningDelete[Any]
+
+
 @functools.lru_cache(maxsize=64)
-def _statements(sch: StorageSchema) -> dict[str, Any]:
+def _statements(sch: StorageSchema) -> RescueStatements:
     c, cl, le, st, d, m = (sch.claims.parent, sch.closures.parent, sch.leases.parent,
                            sch.attempt_state, sch.deferred, sch.queue_meta)
     now = func.clock_timestamp()
@@ -44,84 +62,89 @@ def _statements(sch: StorageSchema) -> dict[str, Any]:
     paused = select(m.c.queue).where(m.c.queue == func.regexp_replace(d.c.queue, "#[0-9]+$", ""), m.c.paused).exists()
     due = (select(d.c.job_id).where(d.c.state == bindparam("state"), d.c.run_at <= now, ~paused)
            .order_by(d.c.run_at, d.c.priority, d.c.job_id).limit(limit).with_for_update(skip_locked=True))
-    return {
-        "stale_leases": select(le.c.job_id, le.c.run_lease).select_from(
+    return RescueStatements(
+        stale_leases=select(le.c.job_id, le.c.run_lease).select_from(
             le.outerjoin(st_l, and_(st_l.c.job_id == le.c.job_id, st_l.c.run_lease == le.c.run_lease)))
-        .where(le.c.state == "running", func.coalesce(st_l.c.heartbeat_at, le.c.heartbeat_at, le.c.attempted_at) < cutoff)
+        .where(le.c.state == "running",
+               func.coalesce(st_l.c.heartbeat_at, le.c.heartbeat_at, le.c.attempted_at) < cutoff)
         .limit(limit).with_for_update(of=le, skip_locked=True),
-        "stale_claims": select(c.c.job_id, c.c.run_lease).select_from(
+        stale_claims=select(c.c.job_id, c.c.run_lease).select_from(
             c.outerjoin(st_c, and_(st_c.c.job_id == c.c.job_id, st_c.c.run_lease == c.c.run_lease)))
         .where(~closed, ~leased, func.coalesce(st_c.c.heartbeat_at, c.c.claimed_at) < cutoff)
         .limit(limit).with_for_update(of=c, skip_locked=True),
-        "overdue_leases": select(le.c.job_id, le.c.run_lease).where(le.c.state == "running", le.c.deadline_at < now)
+        overdue_leases=select(le.c.job_id, le.c.run_lease).where(le.c.state == "running", le.c.deadline_at < now)
         .limit(limit).with_for_update(skip_locked=True),
-        "overdue_claims": select(c.c.job_id, c.c.run_lease).where(~closed, ~leased, c.c.deadline_at < now)
+        overdue_claims=select(c.c.job_id, c.c.run_lease).where(~closed, ~leased, c.c.deadline_at < now)
         .limit(limit).with_for_update(of=c, skip_locked=True),
-        "timed_out": select(le.c.job_id, le.c.run_lease).where(
+        timed_out=select(le.c.job_id, le.c.run_lease).where(
             le.c.state == "waiting_external", le.c.callback_timeout_at < now)
         .limit(limit).with_for_update(skip_locked=True),
-        "take_due": delete(d).where(d.c.job_id.in_(due.scalar_subquery())).returning(*d.c),
-    }
+        take_due=delete(d).where(d.c.job_id.in_(due.scalar_subquery())).returning(*d.c),
+    )
 
 
-def _rescue_pairs(conn: Connection, sch: StorageSchema, router: LaneRouter, pairs: Sequence[tuple[int, int]],
-                  label: str, error: str, lease_states: Sequence[str]) -> list[JobRow]:
-    taken = take_attempts(conn, sch, pairs, label, lease_states)
+def _rescue(ctx: StorageContext, conn: Connection, pairs: Sequence[tuple[int, int]], closure: Closure,
+            error: str, lease_states: Sequence[str] = ("running",)) -> list[JobRow]:
+    taken = execution.take_attempts(conn, ctx.schema, pairs, closure, lease_states)
     if not taken:
         return []
     bodies = [Body.from_taken(t) for t in taken]
-    dlq_queues = dlq_enabled(conn, sch, {b.queue for b in bodies if exhausted(b)})
-    items = []
-    for t, b in zip(taken, bodies, strict=True):
-        if not exhausted(b):
-            d = Decision("deferred", JobState.RETRYABLE, error=error)
-        elif logical_queue(b.queue) in dlq_queues:
-            d = Decision("dlq", reason=label, error=error, terminal_error=True)
-        else:
-            d = Decision("terminal", JobState.FAILED, error=error, terminal_error=True)
-        items.append((b, d, t.old_state))
-    return apply(conn, sch, router, items, ready_payloads={t.job_id: t.payload for t in taken},
-                 unique_conflicts="fail")
+    dlq_on = destinations.dlq_queues(conn, ctx.schema, [b for b in bodies if exhausted(b)])
+    items = [(b, rescue_decision(b, dlq_on=destinations.logical(b) in dlq_on, label=closure.value, error=error),
+              t.old_state) for t, b in zip(taken, bodies, strict=True)]
+    return destinations.apply(conn, ctx, items, ready_payloads={t.job_id: t.payload for t in taken},
+                              unique_conflicts=UniqueConflicts.FAIL_JOB)
 
 
-def rescue(conn: Connection, sch: StorageSchema, router: LaneRouter, kind: str,
-           staleness: timedelta | None = None) -> list[JobRow]:
-    """``kind``: "heartbeat" (running attempts silent for ``staleness``), "deadline" (past
-    ``deadline_at``) or "callback" (waiting past ``callback_timeout_at``). At most
-    ``RESCUE_LIMIT`` attempts per family per call; rows locked by others are skipped."""
-    s = _statements(sch)
-    arg: dict[str, Any] = {"limit": RESCUE_LIMIT}
-    if kind == "heartbeat":
-        arg["staleness"] = staleness
-        leases = [tuple(r) for r in conn.execute(s["stale_leases"], arg)]
-        claims = [tuple(r) for r in conn.execute(s["stale_claims"], arg)]
-        return (_rescue_pairs(conn, sch, router, leases, "rescued", "heartbeat stale", ("running",))
-                + _rescue_pairs(conn, sch, router, claims, "rescued", "receipt claim stale", ("running",)))
-    if kind == "deadline":
-        pairs = [tuple(r) for r in conn.execute(s["overdue_leases"], arg)]
-        pairs += [tuple(r) for r in conn.execute(s["overdue_claims"], arg)]
-        return _rescue_pairs(conn, sch, router, pairs, "deadline_expired", "hard deadline exceeded", ("running",))
-    if kind == "callback":
-        pairs = [tuple(r) for r in conn.execute(s["timed_out"], arg)]
-        return _rescue_pairs(conn, sch, router, pairs, "callback_timeout", "callback timed out", ("waiting_external",))
-    raise ValueError(kind)
+def _pairs(conn: Connection, stmt: Select[Any], params: dict[str, Any]) -> list[tuple[int, int]]:
+    return [(r[0], r[1]) for r in conn.execute(stmt, params)]
 
 
-def promote_due(conn: Connection, sch: StorageSchema, router: LaneRouter, state: JobState, batch_size: int) -> int:
-    """Move up to ``batch_size`` due deferred rows of ``state`` (scheduled or retryable) of
-    unpaused queues into the ready ring (attempt and run_lease kept); NOTIFY on commit.
-    Returns how many became available.
+def rescue_stale_heartbeats(ctx: StorageContext, conn: Connection, staleness: timedelta | float) -> list[JobRow]:
+    """Running attempts silent for ``staleness`` (effective heartbeat: attempt state, lease,
+    else claim time) end: retryable after backoff, or failed / DLQ when exhausted. At most
+    ``RESCUE_LIMIT`` leases and as many receipts per call; rows locked by others are
+    skipped."""
+    s = _statements(ctx.schema)
+    arg: dict[str, Any] = {"limit": RESCUE_LIMIT, "staleness": seconds(staleness)}
+    leases = _pairs(conn, s.stale_leases, arg)
+    claims = _pairs(conn, s.stale_claims, arg)
+    return (_rescue(ctx, conn, leases, Closure.RESCUED, "heartbeat stale")
+            + _rescue(ctx, conn, claims, Closure.RESCUED, "receipt claim stale"))
+
+
+def rescue_expired_deadlines(ctx: StorageContext, conn: Connection) -> list[JobRow]:
+    """Running attempts past their ``deadline_at`` end as in stale rescue."""
+    s = _statements(ctx.schema)
+    arg = {"limit": RESCUE_LIMIT}
+    pairs = _pairs(conn, s.overdue_leases, arg) + _pairs(conn, s.overdue_claims, arg)
+    return _rescue(ctx, conn, pairs, Closure.DEADLINE_EXPIRED, "hard deadline exceeded")
+
+
+def rescue_expired_callbacks(ctx: StorageContext, conn: Connection) -> list[JobRow]:
+    """Attempts waiting past their ``callback_timeout_at`` end as in stale rescue."""
+    pairs = _pairs(conn, _statements(ctx.schema).timed_out, {"limit": RESCUE_LIMIT})
+    return _rescue(ctx, conn, pairs, Closure.CALLBACK_TIMEOUT, "callback timed out", ("waiting_external",))
+
+
+def promote_due(ctx: StorageContext, conn: Connection, state: JobState | str, batch_size: int) -> int:
+    """Move up to ``batch_size`` due deferred rows of ``state`` (scheduled or retryable; any
+    other state, or a ``batch_size`` of 0 or less, moves nothing) of unpaused queues into the
+    ready ring, attempt and run_lease kept; NOTIFY on commit. Returns how many became
+    available.
 
     A job whose unique key another job took meanwhile (its ``unique_states`` released the
     key while it waited) does not become available: it ends ``failed`` with an error entry
     naming the key's owner, and the rest of the batch is promoted (two due jobs of one
     batch wanting the same key: the first in promotion order wins)."""
-    if state not in (JobState.SCHEDULED, JobState.RETRYABLE) or batch_size <= 0:
+    st = JobState(state)
+    if st not in (JobState.SCHEDULED, JobState.RETRYABLE) or batch_size <= 0:
         return 0
-    taken = conn.execute(_statements(sch)["take_due"], {"state": state.value, "limit": batch_size}).all()
+    taken = queue.take_due(conn, ctx.schema, _statements(ctx.schema).take_due,
+                           {"state": st.value, "limit": batch_size})
     if not taken:
         return 0
     rows = sorted(taken, key=lambda r: (r.run_at, r.priority, r.job_id))  # RETURNING keeps no order
-    out = apply(conn, sch, router, [(Body.from_snapshot(r), Decision("ready"), state) for r in rows],
-                unique_conflicts="fail")
+    out = destinations.apply(conn, ctx, [(Body.from_snapshot(r), Decision(Destination.READY), st) for r in rows],
+                             unique_conflicts=UniqueConflicts.FAIL_JOB)
     return sum(1 for r in out if r.state == JobState.AVAILABLE)

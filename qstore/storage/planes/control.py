@@ -1,0 +1,441 @@
+"""Control plane: the only Python writer of lanes (through the install's ``reserve_lanes``
+function), unique-key ownership, queue options, claimer slots, the terminal counters and
+the backend registry.
+
+* **Lanes**: ``reserve_lanes`` creates a lane on first use and hands out consecutive
+  positions under a transaction-scoped lock held until the enqueue commits, so "position
+  N+1 visible" implies "position N committed or aborted".
+* **Unique keys**: a job owns its key while its state's bit is set in its
+  ``unique_states`` mask; every transition syncs ownership (acquire first, then release).
+* **Counters**: deltas are appended by the queue plane; here the rollup folds them into
+  the live counts, prunes append their ground-truth folds to the ledger, and the ledger is
+  folded into the permanent rollups.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Delete,
+    Insert,
+    Integer,
+    Select,
+    SmallInteger,
+    Text,
+    bindparam,
+    case,
+    delete,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import INTERVAL, UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.postgresql.dml import Insert as PgInsert
+from sqlalchemy.sql.dml import Update
+
+from qstore.errors import UniqueConflictError, ValidationError
+from qstore.model import JobState, QueueClaimerLease
+from qstore.schema import StorageSchema
+from qstore.schema.types import COUNTER_BUCKETS
+from qstore.storage.jobs import holds_key
+from qstore.storage.sql import packed_array_param, schema_func
+
+__all__ = [
+    "BACKEND",
+    "ControlStatements",
+    "Transition",
+    "acquire_keys",
+    "release_keys",
+    "reserve_lanes",
+    "statements",
+    "sync_keys",
+    "takes_key",
+    "try_acquire_keys",
+]
+
+BACKEND = "queue_storage"
+#: How long a shared claimer target stays fresh before one claimer recomputes it.
+TARGET_REFRESH = timedelta(milliseconds=500)
+_COUNTER_KEY = ("ready_slot", "queue", "priority", "enqueue_shard", "counter_bucket")
+
+
+@dataclass(frozen=True)
+class ControlStatements:
+    """The control plane's statements for one install, built once."""
+
+    reserve: Select[Any]
+    shards: Select[Any]
+    lock_head: Select[Any]
+    meta_dlq: Select[Any]
+    claimer_owned: Select[Any]
+    claimer_take: Update
+    claimer_insert: Insert
+    claimer_mark: Update
+    claimer_needs_refresh: Select[Any]
+    claimer_state: Select[Any]
+    claimer_available: Select[Any]
+    claimer_upsert_state: PgInsert
+    counters_trusted: Select[Any]
+    counters_mark_trusted: Update
+    counters_rebuild: Insert
+    counters_live_rows: Select[Any]
+    ledger_nonempty: Select[Any]
+    ledger_fold: Insert
+
+
+@functools.lru_cache(maxsize=64)
+def statements(sch: StorageSchema) -> ControlStatements:
+    h, m = sch.claim_heads, sch.queue_meta
+    t, st = sch.claimer_leases, sch.claimer_state
+    now = func.clock_timestamp()
+    q = bindparam("q_name", type_=Text())
+    me = bindparam("me", type_=UUID(as_uuid=True))
+    slot = bindparam("q_slot", type_=SmallInteger())
+    ttl = bindparam("ttl", type_=INTERVAL())
+    idle = bindparam("idle", type_=INTERVAL())
+    last = lambda seq: func.coalesce(func.pg_sequence_last_value(seq), 0)  # noqa: E731
+    cs, d, live = sch.counter_state, sch.done.parent, sch.live_counts
+    rollups, ledger = sch.rollups, sch.rollup_ledger
+    bucket = (d.c.job_id % COUNTER_BUCKETS).cast(SmallInteger)
+    group = (d.c.ready_slot, d.c.queue, d.c.priority, d.c.enqueue_shard, bucket)
+    moved = delete(ledger).returning(ledger.c.queue, ledger.c.priority, ledger.c.pruned_count).cte("moved")
+    total = func.sum(moved.c.pruned_count)
+    fold = pg_insert(rollups).from_select(
+        ["queue", "priority", "pruned_completed_count"],
+        select(moved.c.queue, moved.c.priority, total).group_by(moved.c.queue, moved.c.priority)
+        .order_by(moved.c.queue, moved.c.priority),
+    )
+    fold = fold.on_conflict_do_update(
+        index_elements=[rollups.c.queue, rollups.c.priority],
+        set_={"pruned_completed_count": func.greatest(
+            0, rollups.c.pruned_completed_count + fold.excluded.pruned_completed_count)},
+    )
+    return ControlStatements(
+        reserve=select(schema_func(
+            sch, "reserve_lanes",
+            packed_array_param("queues", Text()), packed_array_param("logicals", Text()),
+            packed_array_param("priorities", SmallInteger()), packed_array_param("shards", SmallInteger()),
+            packed_array_param("counts", Integer()),
+        )),
+        shards=select(m.c.queue, m.c.enqueue_shards).where(m.c.queue.in_(bindparam("logicals", expanding=True))),
+        lock_head=select(h.c.queue).where(h.c.queue == bindparam("k_queue"), h.c.priority == bindparam("k_priority"),
+                                          h.c.enqueue_shard == bindparam("k_shard")).with_for_update(),
+        meta_dlq=select(m.c.queue).where(m.c.queue.in_(bindparam("queues", expanding=True)), m.c.dlq_enabled),
+        claimer_owned=select(t.c.claimer_slot, t.c.lease_epoch).where(
+            t.c.queue == q, t.c.owner_instance_id == me, t.c.expires_at > now,
+            t.c.claimer_slot < bindparam("max", type_=Integer())).order_by(t.c.claimer_slot).limit(1),
+        claimer_take=update(t).where(
+            t.c.queue == q, t.c.claimer_slot == slot,
+            or_(t.c.owner_instance_id == me, t.c.expires_at <= now, t.c.last_claimed_at <= now - idle),
+        ).values(
+            lease_epoch=t.c.lease_epoch + case((t.c.owner_instance_id != me, 1), else_=0),
+            owner_instance_id=me, leased_at=now, last_claimed_at=now, expires_at=now + ttl,
+        ).returning(t.c.claimer_slot, t.c.lease_epoch),
+        claimer_insert=pg_insert(t).values(
+            queue=q, claimer_slot=slot, owner_instance_id=me, lease_epoch=0, leased_at=now,
+            last_claimed_at=now, expires_at=now + ttl,
+        ).on_conflict_do_nothing().returning(t.c.claimer_slot, t.c.lease_epoch),
+        claimer_mark=update(t).where(
+            t.c.queue == q, t.c.claimer_slot == slot, t.c.owner_instance_id == me,
+            t.c.lease_epoch == bindparam("q_epoch"),
+        ).values(last_claimed_at=now, expires_at=now + ttl),
+        claimer_needs_refresh=select(or_(t.c.last_claimed_at <= now - idle, t.c.expires_at <= now + ttl)).where(
+            t.c.queue == q, t.c.claimer_slot == slot, t.c.owner_instance_id == me),
+        claimer_state=select(st.c.target_claimers,
+                             st.c.updated_at > now - literal(TARGET_REFRESH, INTERVAL())).where(st.c.queue == q),
+        claimer_available=select(func.coalesce(func.sum(func.greatest(last(h.c.enqueue_seq) - last(h.c.claim_seq), 0)), 0))
+        .where(h.c.queue.in_(bindparam("queues", expanding=True))),
+        claimer_upsert_state=pg_insert(st).values(
+            queue=q, target_claimers=bindparam("q_target", type_=SmallInteger()), updated_at=now),
+        counters_trusted=select(cs.c.terminal_counter_trusted_at.isnot(None)),
+        counters_mark_trusted=update(cs).values(terminal_counter_trusted_at=func.now()),
+        counters_rebuild=insert(live).from_select(
+            [*_COUNTER_KEY, "live_terminal_count"],
+            select(*group, func.count()).group_by(*group).order_by(*group)),
+        counters_live_rows=select(func.count()).select_from(live),
+        ledger_nonempty=select(select(literal(1)).select_from(ledger).exists()),
+        ledger_fold=fold,
+    )
+
+
+# -- lanes ------------------------------------------------------------------------------------
+def reserve_lanes(conn: Connection, sch: StorageSchema,
+                  lanes: Sequence[tuple[str, str, int, int, int]]) -> list[int]:
+    """Reserve positions in each ``(queue, logical queue, priority, shard, count)`` lane, in
+    the given (sorted) order; returns each lane's first position. Lanes are created on
+    first use; each lane's reservation lock is held until the transaction ends."""
+    return list(conn.execute(statements(sch).reserve, {
+        "queues": [q for q, _, _, _, _ in lanes], "logicals": [lq for _, lq, _, _, _ in lanes],
+        "priorities": [p for _, _, p, _, _ in lanes], "shards": [s for _, _, _, s, _ in lanes],
+        "counts": [n for _, _, _, _, n in lanes],
+    }).scalar_one())
+
+
+def read_shards(conn: Connection, sch: StorageSchema, logicals: list[str]) -> dict[str, int]:
+    """``queue_meta.enqueue_shards`` of the given logical queues that have a row."""
+    return {q: int(n) for q, n in conn.execute(statements(sch).shards, {"logicals": logicals})}
+
+
+def lock_lane_head(conn: Connection, sch: StorageSchema, queue: str, priority: int, shard: int) -> None:
+    """Lock a lane's claim head (``FOR UPDATE``): no claim of the lane runs until the
+    transaction ends."""
+    conn.execute(statements(sch).lock_head, {"k_queue": queue, "k_priority": priority, "k_shard": shard}).first()
+
+
+def dlq_enabled(conn: Connection, sch: StorageSchema, logicals: set[str]) -> set[str]:
+    """Those of ``logicals`` whose DLQ policy is on."""
+    if not logicals:
+        return set()
+    return set(conn.execute(statements(sch).meta_dlq, {"queues": sorted(logicals)}).scalars())
+
+
+def set_queue_options(conn: Connection, sch: StorageSchema, queue: str, values: dict[str, Any]) -> None:
+    """Upsert the logical queue's ``queue_meta`` row with ``values`` (none: ensure it exists)."""
+    m = sch.queue_meta
+    stmt = pg_insert(m).values(queue=queue, **values)
+    conn.execute(stmt.on_conflict_do_update(index_elements=[m.c.queue], set_=values) if values
+                 else stmt.on_conflict_do_nothing())
+
+
+# -- unique keys -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Transition:
+    job_id: int
+    unique_key: bytes | None
+    unique_states: str | None
+    old: JobState | None  # None = the job is new
+    new: JobState | None  # None = the job is gone, or does not hold its key
+
+
+def takes_key(tr: Transition) -> bool:
+    """Whether ``tr`` makes its job take its unique key (held in the new state, not the old)."""
+    return (tr.unique_key is not None and tr.new is not None and holds_key(tr.unique_states, tr.new)
+            and not (tr.old is not None and holds_key(tr.unique_states, tr.old)))
+
+
+def _claim_keys(sch: StorageSchema, owners: dict[bytes, int]) -> Any:
+    t = sch.unique_claims
+    ins = pg_insert(t).values([{"unique_key": k, "job_id": j} for k, j in owners.items()])
+    return ins.on_conflict_do_update(
+        index_elements=[t.c.unique_key],
+        set_={"job_id": ins.excluded.job_id},
+        where=t.c.job_id == ins.excluded.job_id,
+    ).returning(t.c.unique_key)
+
+
+def acquire_keys(conn: Connection, sch: StorageSchema, owners: Sequence[tuple[bytes, int]]) -> None:
+    """Take ``(key, job_id)`` ownership; a key owned by another job (or named twice in one
+    batch) raises :class:`UniqueConflictError` (the caller's transaction must not commit)."""
+    if not owners:
+        return
+    seen: dict[bytes, int] = {}
+    for key, job_id in owners:
+        if seen.setdefault(key, job_id) != job_id:
+            raise UniqueConflictError("job_unique_claims", f"duplicate unique key {key.hex()} in one batch")
+    got = set(conn.execute(_claim_keys(sch, seen)).scalars())
+    missing = [k for k in seen if k not in got]
+    if missing:
+        t = sch.unique_claims
+        owner = conn.execute(select(t.c.job_id).where(t.c.unique_key == missing[0])).scalar()
+        raise UniqueConflictError("job_unique_claims", f"unique key {missing[0].hex()} is owned by job {owner}")
+
+
+def try_acquire_keys(conn: Connection, sch: StorageSchema, owners: Sequence[tuple[bytes, int]]) -> dict[int, int]:
+    """Take ``(key, job_id)`` ownership where the key is free (or already the job's); never
+    raises for a key owned by another job. Returns ``{job_id: owning job_id}`` (-1: owner
+    unknown) for the jobs that did not get their key; within ``owners`` the first job naming
+    a key wins it."""
+    lost: dict[int, int] = {}
+    first: dict[bytes, int] = {}
+    for key, job_id in owners:
+        winner = first.setdefault(key, job_id)
+        if winner != job_id:
+            lost[job_id] = winner
+    if not first:
+        return lost
+    got = set(conn.execute(_claim_keys(sch, first)).scalars())
+    missing = [k for k in first if k not in got]
+    if missing:
+        t = sch.unique_claims
+        owner = dict(conn.execute(select(t.c.unique_key, t.c.job_id).where(t.c.unique_key.in_(missing))).all())
+        for key in missing:
+            lost[first[key]] = owner.get(key, -1)
+    return lost
+
+
+def release_keys(conn: Connection, sch: StorageSchema, owners: Iterable[tuple[bytes, int]]) -> None:
+    """Give up ``(key, job_id)`` ownership (only where that job still owns the key)."""
+    pairs = list(owners)
+    if not pairs:
+        return
+    t = sch.unique_claims
+    conn.execute(delete(t).where(tuple_(t.c.unique_key, t.c.job_id).in_(pairs)))
+
+
+def release_keys_where(conn: Connection, sch: StorageSchema, owners: Any) -> None:
+    """Give up the ownership of the ``(unique_key, job_id)`` rows of the subquery ``owners``
+    (only where those jobs still own those keys)."""
+    u = sch.unique_claims
+    conn.execute(delete(u).where(u.c.unique_key == owners.c.unique_key, u.c.job_id == owners.c.job_id))
+
+
+def sync_keys(conn: Connection, sch: StorageSchema, transitions: Iterable[Transition]) -> None:
+    """Apply the ownership changes ``transitions`` imply (acquire first, then release)."""
+    take: list[tuple[bytes, int]] = []
+    drop: list[tuple[bytes, int]] = []
+    for tr in transitions:
+        if tr.unique_key is None:
+            continue
+        had = tr.old is not None and holds_key(tr.unique_states, tr.old)
+        has = tr.new is not None and holds_key(tr.unique_states, tr.new)
+        if has and not had:
+            take.append((tr.unique_key, tr.job_id))
+        elif had and not has:
+            drop.append((tr.unique_key, tr.job_id))
+    acquire_keys(conn, sch, take)
+    release_keys(conn, sch, drop)
+
+
+# -- claimer slots ----------------------------------------------------------------------------
+def claimer_acquire(conn: Connection, sch: StorageSchema, queue: str, instance_id: uuid.UUID, max_claimers: int,
+                    lease_ttl: timedelta, idle_threshold: timedelta) -> QueueClaimerLease | None:
+    """Keep this instance's unexpired slot, else take over an expired/idle one (epoch + 1
+    on owner change) or insert a free one; None when every slot is busy."""
+    if max_claimers <= 0:
+        return None
+    s = statements(sch)
+    base = {"q_name": queue, "me": instance_id}
+    row = conn.execute(s.claimer_owned, {**base, "max": max_claimers}).first()
+    if row is not None:
+        return QueueClaimerLease(row.claimer_slot, row.lease_epoch)
+    start = (instance_id.int ^ int(time.time() * 1000)) % max_claimers
+    args = {**base, "ttl": lease_ttl, "idle": idle_threshold}
+    for i in range(max_claimers):
+        slot = (start + i) % max_claimers
+        row = conn.execute(s.claimer_take, {**args, "q_slot": slot}).first()
+        if row is None:
+            row = conn.execute(s.claimer_insert, {**args, "q_slot": slot}).first()
+        if row is not None:
+            return QueueClaimerLease(row.claimer_slot, row.lease_epoch)
+    return None
+
+
+def claimer_mark_active(conn: Connection, sch: StorageSchema, queue: str, instance_id: uuid.UUID,
+                        lease: QueueClaimerLease, lease_ttl: timedelta) -> bool:
+    """Refresh the slot if slot, owner and epoch still match (False = the slot was lost)."""
+    res = conn.execute(statements(sch).claimer_mark, {
+        "q_name": queue, "q_slot": lease.claimer_slot, "me": instance_id, "q_epoch": lease.lease_epoch,
+        "ttl": lease_ttl,
+    })
+    return res.rowcount == 1
+
+
+def claimer_needs_refresh(conn: Connection, sch: StorageSchema, queue: str, instance_id: uuid.UUID,
+                          lease: QueueClaimerLease, lease_ttl: timedelta, idle_threshold: timedelta) -> bool:
+    """Whether the slot is half-way to idle or to expiry (then the claim refreshes it)."""
+    return bool(conn.execute(statements(sch).claimer_needs_refresh, {
+        "q_name": queue, "q_slot": lease.claimer_slot, "me": instance_id,
+        "idle": idle_threshold / 2, "ttl": lease_ttl / 2,
+    }).scalar())
+
+
+def desired_claimers(current: int, available: int, max_claimers: int) -> int:
+    """Hysteresis on the current target: grow with the backlog, shrink when it drains."""
+    if current >= 4:
+        want = 4 if available >= 16 else 2 if available >= 4 else 1
+    elif current >= 2:
+        want = 4 if available >= 64 else 2 if available >= 2 else 1
+    else:
+        want = 4 if available >= 32 else 2 if available >= 4 else 1
+    return max(1, min(want, max_claimers))
+
+
+def claimer_target(conn: Connection, sch: StorageSchema, queue: str, physical: list[str], max_claimers: int) -> int:
+    """The shared claimer target for ``queue``: the stored one while fresh, else recomputed
+    from Σ(enqueue - claim cursor) over its ``physical`` queues and upserted (one
+    refresher wins)."""
+    s = statements(sch)
+    row = conn.execute(s.claimer_state, {"q_name": queue}).first()
+    if row is not None and row[1]:
+        return max(1, min(int(row[0]), max_claimers))
+    available = int(conn.execute(s.claimer_available, {"queues": physical}).scalar_one())
+    target = desired_claimers(int(row[0]) if row is not None else 1, available, max_claimers)
+    st = sch.claimer_state
+    stmt = s.claimer_upsert_state
+    conn.execute(stmt.on_conflict_do_update(
+        index_elements=[st.c.queue],
+        set_={"target_claimers": stmt.excluded.target_claimers, "updated_at": stmt.excluded.updated_at},
+        where=st.c.updated_at <= func.clock_timestamp() - literal(TARGET_REFRESH, INTERVAL()),
+    ), {"q_name": queue, "q_target": target})
+    return target
+
+
+# -- terminal counters ------------------------------------------------------------------------
+def counters_trusted(conn: Connection, sch: StorageSchema) -> bool:
+    return bool(conn.execute(statements(sch).counters_trusted).scalar())
+
+
+def rebuild_live_counts(conn: Connection, sch: StorageSchema) -> int:
+    """Recompute the live counts from ``done_entries`` (tables already truncated and locked)
+    and mark the counters trusted; returns the number of counter rows written."""
+    s = statements(sch)
+    conn.execute(s.counters_rebuild)
+    conn.execute(s.counters_mark_trusted)
+    return int(conn.execute(s.counters_live_rows).scalar_one())
+
+
+def fold_ledger(conn: Connection, sch: StorageSchema) -> bool:
+    """Move the prune ledger's rows into ``queue_terminal_rollups`` (one statement; the sums
+    are unchanged). Returns whether there was anything to fold."""
+    s = statements(sch)
+    if not conn.execute(s.ledger_nonempty).scalar():
+        return False
+    conn.execute(s.ledger_fold)
+    return True
+
+
+def append_prune_fold(conn: Connection, sch: StorageSchema, fold: Insert, drop_live: Delete) -> None:
+    """At a queue-ring prune: append the slot's ground-truth terminal counts to the ledger
+    (``fold``) and drop the slot's live counts (``drop_live``), in the prune's transaction."""
+    conn.execute(fold)
+    conn.execute(drop_live)
+
+
+def fold_slot_deltas(conn: Connection, upsert: Insert) -> None:
+    """At a counter rollup: add a sealed slot's grouped deltas into the live counts."""
+    conn.execute(upsert)
+
+
+# -- the backend registry ---------------------------------------------------------------------
+def activate(conn: Connection, sch: StorageSchema) -> None:
+    """Register the install as the active queue-storage backend (idempotent)."""
+    stmt = pg_insert(sch.backends).values(backend=BACKEND, schema_name=sch.config.schema)
+    conn.execute(stmt.on_conflict_do_update(
+        index_elements=[sch.backends.c.backend],
+        set_={"schema_name": stmt.excluded.schema_name, "updated_at": func.clock_timestamp()},
+    ))
+    res = conn.execute(
+        update(sch.transition)
+        .where(sch.transition.c.singleton.is_(True))
+        .values(
+            state="active",
+            current_engine=BACKEND,
+            transition_epoch=sch.transition.c.transition_epoch + case((sch.transition.c.state != "active", 1), else_=0),
+            updated_at=func.clock_timestamp(),
+        )
+    )
+    if res.rowcount == 0:
+        raise ValidationError("storage_transition_state", None, "transition singleton is missing; reinstall the schema")

@@ -1,0 +1,363 @@
+"""Execution plane: the only Python writer of leases, claim receipts and closures, and the
+per-attempt mutable state (``attempt_state``).
+
+Every way of ending an attempt (complete, retry, snooze, cancel, fail, DLQ, rescue, callback
+resolution) goes through :func:`take_attempts`. Order of locks: claim rows (``FOR UPDATE``,
+sorted) → leases → closures. A materialised lease is found and deleted by ``(job_id,
+run_lease)``; every lease deletion closes the attempt's receipt in the same transaction, and
+a receipt is closed without a lease only when no lease exists for the attempt. The closure
+primary key makes finishing an attempt at-most-once; anything stale is simply not returned.
+
+Mutable per-attempt state is created only when an attempt heartbeats, reports progress or
+waits for a callback; a heartbeat sets the receipt's ``materialized_at`` at most once and
+never rewrites it.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    BindParameter,
+    Connection,
+    Insert,
+    Integer,
+    Select,
+    SmallInteger,
+    Text,
+    and_,
+    bindparam,
+    delete,
+    func,
+    literal,
+    null,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.postgresql.dml import Insert as PgInsert
+from sqlalchemy.sql.dml import ReturningDelete, Update
+
+from qstore.errors import InvariantError
+from qstore.model import JobState
+from qstore.schema import StorageSchema
+from qstore.storage.bodies import Taken
+from qstore.storage.sql import attempt_leased, receipt_closed, unnest_rows
+
+__all__ = ["Closure", "ExecutionStatements", "statements", "take_attempts"]
+
+PAIR = {"job_id": BigInteger(), "run_lease": BigInteger()}
+LIVE = ("running", "waiting_external")
+
+
+class Closure(str, enum.Enum):
+    """Labels written to ``lease_claim_closures.outcome`` (informational: only a closure's
+    existence matters)."""
+
+    COMPLETED = "completed"
+    RETRYABLE = "retryable"
+    SCHEDULED = "scheduled"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    DLQ = "dlq"
+    RESCUED = "rescued"
+    DEADLINE_EXPIRED = "deadline_expired"
+    CALLBACK_TIMEOUT = "callback_timeout"
+    RETRIED = "retried"
+
+
+@dataclass(frozen=True)
+class ExecutionStatements:
+    """The execution plane's statements for one install, built once."""
+
+    lock_claims: Select[Any]
+    delete_leases: ReturningDelete[Any]
+    close: Insert
+    bodies: Select[Any]
+    drop_state: ReturningDelete[Any]
+    hb_lock: Select[Any]
+    hb_open: Select[Any]
+    hb_leased: Select[Any]
+    hb_materialize: Update
+    cb_lock_claim: Select[Any]
+    cb_insert_lease: Insert
+    cb_mark_materialized: Update
+    cb_set_token: Update
+    cb_clear_token: Update
+    cb_enter_wait: Update
+    cb_locked_by_token: Select[Any]
+    cb_resume: Update
+    cb_extend: Update
+    cb_store_result: PgInsert
+    cb_consume_result: Update
+    cb_clear_cel: Update
+
+
+@functools.lru_cache(maxsize=64)
+def statements(sch: StorageSchema) -> ExecutionStatements:
+    c, le, cl = sch.claims.parent, sch.leases.parent, sch.closures.parent
+    r, st, lrs = sch.ready.parent, sch.attempt_state, sch.lease_ring.state
+    p = unnest_rows("p", **PAIR)
+    on_pair = lambda t: and_(t.c.job_id == p.c.job_id, t.c.run_lease == p.c.run_lease)  # noqa: E731
+    no_lease = ~select(le.c.job_id).where(le.c.job_id == c.c.job_id, le.c.run_lease == c.c.run_lease).exists()
+    k = unnest_rows("k", ready_slot=Integer(), queue=Text(), priority=SmallInteger(),
+                    enqueue_shard=SmallInteger(), lane_seq=BigInteger())
+    hp = unnest_rows("p", job_id=BigInteger(), run_lease=BigInteger(), progress=JSONB())
+    on_c = and_(c.c.job_id == hp.c.job_id, c.c.run_lease == hp.c.run_lease)
+    closed = receipt_closed(cl, c)
+    has_lease = attempt_leased(le, c)
+    now = func.clock_timestamp()
+    job, lease = bindparam("b_job", type_=BigInteger()), bindparam("b_lease", type_=BigInteger())
+    token: BindParameter[Any] = bindparam("b_token")
+    lease_cols = ["lease_slot", "lease_generation", "ready_slot", "ready_generation", "job_id", "queue",
+                  "state", "priority", "effective_priority", "attempt", "run_lease", "max_attempts",
+                  "lane_seq", "enqueue_shard", "claim_slot", "heartbeat_at", "deadline_at", "attempted_at"]
+    return ExecutionStatements(
+        lock_claims=select(c).select_from(c.join(p, on_pair(c)))
+        .order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),
+        delete_leases=delete(le).where(on_pair(le), le.c.state.in_(bindparam("states", expanding=True)))
+        .returning(*le.c),
+        close=pg_insert(cl).from_select(
+            ["claim_slot", "job_id", "run_lease", "outcome"],
+            select(c.c.claim_slot, c.c.job_id, c.c.run_lease, bindparam("outcome", type_=Text()))
+            .select_from(c.join(p, on_pair(c))).where(no_lease),
+        ).on_conflict_do_nothing().returning(cl.c.job_id, cl.c.run_lease),
+        bodies=select(r).select_from(r.join(k, and_(
+            r.c.ready_slot == k.c.ready_slot, r.c.queue == k.c.queue, r.c.priority == k.c.priority,
+            r.c.enqueue_shard == k.c.enqueue_shard, r.c.lane_seq == k.c.lane_seq))),
+        drop_state=delete(st).where(on_pair(st)).returning(st.c.job_id, st.c.run_lease, st.c.progress,
+                                                           st.c.heartbeat_at),
+        # lock open receipts first, so the later statements see every committed closure
+        hb_lock=select(c.c.claim_slot, c.c.job_id, c.c.run_lease, c.c.materialized_at)
+        .select_from(c.join(hp, on_c)).where(~closed).order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),
+        hb_open=select(c.c.job_id, c.c.run_lease).select_from(c.join(hp, on_c)).where(~closed),
+        hb_leased=select(le.c.job_id, le.c.run_lease).select_from(
+            le.join(hp, and_(le.c.job_id == hp.c.job_id, le.c.run_lease == hp.c.run_lease)))
+        .where(le.c.state.in_(bindparam("states", expanding=True))),
+        hb_materialize=update(c).where(
+            c.c.job_id == bindparam("b_job_id"), c.c.run_lease == bindparam("b_run_lease"),
+            c.c.claim_slot == bindparam("b_claim_slot"), c.c.materialized_at.is_(None),
+        ).values(materialized_at=now),
+        cb_lock_claim=select(c).where(c.c.job_id == job, c.c.run_lease == lease).with_for_update(),
+        cb_insert_lease=pg_insert(le).from_select(lease_cols, select(
+            lrs.c.current_slot, lrs.c.generation, c.c.ready_slot, c.c.ready_generation, c.c.job_id,
+            c.c.queue, literal("running").cast(le.c.state.type), c.c.priority, c.c.effective_priority,
+            c.c.attempt, c.c.run_lease, c.c.max_attempts, c.c.lane_seq, c.c.enqueue_shard, c.c.claim_slot,
+            now, c.c.deadline_at, c.c.claimed_at,
+        ).select_from(c.join(lrs, literal(True))).where(
+            c.c.job_id == job, c.c.run_lease == lease, ~closed, ~has_lease)),
+        cb_mark_materialized=update(c).where(c.c.job_id == job, c.c.run_lease == lease,
+                                             c.c.materialized_at.is_(None)).values(materialized_at=now),
+        cb_set_token=update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.state == "running")
+        .values(callback_id=token, callback_timeout_at=now + bindparam("timeout", type_=INTERVAL()))
+        .returning(le.c.job_id),
+        cb_clear_token=update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.state == "running",
+                                        le.c.callback_id.isnot(None))
+        .values(callback_id=None, callback_timeout_at=None).returning(le.c.job_id),
+        cb_enter_wait=update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.callback_id == token,
+                                       le.c.state == "running")
+        .values(state="waiting_external", heartbeat_at=None, deadline_at=None).returning(le.c.job_id),
+        cb_locked_by_token=select(le.c.job_id, le.c.run_lease, le.c.state).where(
+            le.c.callback_id == token, le.c.state.in_(bindparam("states", expanding=True)))
+        .order_by(le.c.run_lease.desc()).with_for_update(),
+        cb_resume=update(le).where(le.c.callback_id == token, le.c.state.in_(LIVE),
+                                   le.c.job_id == job, le.c.run_lease == lease)
+        .values(state="running", callback_id=None, callback_timeout_at=None, heartbeat_at=now)
+        .returning(le.c.job_id, le.c.run_lease),
+        cb_extend=update(le).where(le.c.callback_id == token, le.c.state == "waiting_external")
+        .values(callback_timeout_at=now + bindparam("timeout", type_=INTERVAL()))
+        .returning(le.c.job_id),
+        cb_store_result=pg_insert(st).values(job_id=job, run_lease=lease,
+                                             callback_result=bindparam("result", type_=JSONB(none_as_null=False)),
+                                             updated_at=now),
+        # SQL NULL, not JSON null: a consumed result must read as absent
+        cb_consume_result=update(st).where(st.c.job_id == job, st.c.run_lease == lease)
+        .values(callback_result=null(), updated_at=now),
+        cb_clear_cel=update(st).where(st.c.job_id == job, st.c.run_lease == lease).values(
+            callback_filter=None, callback_on_complete=None, callback_on_fail=None, callback_transform=None),
+    )
+
+
+# -- taking attempts out of running -------------------------------------------------------------
+def take_attempts(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[int, int]], outcome: Closure,
+                  lease_states: Sequence[str] = ("running",)) -> list[Taken]:
+    """End the live attempts among ``pairs`` (others are stale and skipped): close each
+    receipt with ``outcome``, delete leases and attempt state; returns the hydrated
+    attempts in input order. Runs on ``conn``'s transaction."""
+    pairs = list(dict.fromkeys((int(j), int(r)) for j, r in pairs))
+    if not pairs:
+        return []
+    s = statements(sch)
+    arg = {"job_id": [j for j, _ in pairs], "run_lease": [r for _, r in pairs]}
+    claims = {(row.job_id, row.run_lease): row for row in conn.execute(s.lock_claims, arg)}
+    leases = {(row.job_id, row.run_lease): row
+              for row in conn.execute(s.delete_leases, {**arg, "states": list(lease_states)})}
+    closed: set[tuple[int, int]] = set()
+    if claims:
+        closed = {(row[0], row[1]) for row in conn.execute(s.close, {**arg, "outcome": outcome.value})}
+    taken_keys = [pr for pr in pairs if pr in leases or pr in closed]
+    if not taken_keys:
+        return []
+    refs = {pr: (leases.get(pr) or claims[pr]) for pr in taken_keys}
+    bodies = {
+        (b.ready_slot, b.queue, b.priority, b.enqueue_shard, b.lane_seq): b
+        for b in conn.execute(s.bodies, {
+            "ready_slot": [x.ready_slot for x in refs.values()],
+            "queue": [x.queue for x in refs.values()],
+            "priority": [x.priority for x in refs.values()],
+            "enqueue_shard": [x.enqueue_shard for x in refs.values()],
+            "lane_seq": [x.lane_seq for x in refs.values()],
+        })
+    }
+    state = {(row.job_id, row.run_lease): row for row in conn.execute(s.drop_state, {
+        "job_id": [j for j, _ in taken_keys], "run_lease": [r for _, r in taken_keys]})}
+    out = []
+    for pr in taken_keys:
+        ref = refs[pr]
+        body = bodies.get((ref.ready_slot, ref.queue, ref.priority, ref.enqueue_shard, ref.lane_seq))
+        if body is None:  # cannot happen while the ready row is retained (the prune gates)
+            raise InvariantError(f"the ready body of job {pr[0]} is missing while its attempt is live")
+        lease = leases.get(pr)
+        st = state.get(pr)
+        out.append(Taken(
+            job_id=pr[0], run_lease=pr[1], attempt=ref.attempt, max_attempts=ref.max_attempts,
+            queue=ref.queue, priority=ref.priority, effective_priority=ref.effective_priority,
+            enqueue_shard=ref.enqueue_shard, lane_seq=ref.lane_seq, ready_slot=ref.ready_slot,
+            ready_generation=ref.ready_generation, kind=body.kind, args=body.args,
+            payload=body.payload, run_at=body.run_at, created_at=body.created_at,
+            attempted_at=lease.attempted_at if lease is not None else ref.claimed_at,
+            heartbeat_at=(st.heartbeat_at if st is not None else None)
+            or (lease.heartbeat_at if lease is not None else None),
+            deadline_at=ref.deadline_at, unique_key=body.unique_key,
+            unique_states=body.unique_states,
+            progress=st.progress if st is not None else None,
+            old_state=JobState(lease.state) if lease is not None else JobState.RUNNING,
+        ))
+    return out
+
+
+# -- heartbeats and progress ----------------------------------------------------------------------
+def _upsert_state(conn: Connection, sch: StorageSchema, rows: Sequence[tuple[int, int, Any]],
+                  *, heartbeat: bool, progress: bool) -> None:
+    st = sch.attempt_state
+    now = func.clock_timestamp()
+    stmt = pg_insert(st).values([
+        {"job_id": j, "run_lease": r, **({"heartbeat_at": now} if heartbeat else {}),
+         **({"progress": pg} if progress else {}), "updated_at": now}
+        for j, r, pg in rows
+    ])
+    sets: dict[str, Any] = {"updated_at": stmt.excluded.updated_at}
+    if heartbeat:
+        sets["heartbeat_at"] = stmt.excluded.heartbeat_at
+    if progress:
+        sets["progress"] = stmt.excluded.progress
+    conn.execute(stmt.on_conflict_do_update(index_elements=[st.c.job_id, st.c.run_lease], set_=sets))
+
+
+def heartbeat(conn: Connection, sch: StorageSchema, items: Sequence[tuple[int, int, Any]], *,
+              with_heartbeat: bool, with_progress: bool, lease_states: Sequence[str] = ("running",)) -> int:
+    """Record heartbeats and/or progress for the live attempts among ``items``
+    (``(job_id, run_lease, progress)``); returns how many were live."""
+    items = list({(int(j), int(r)): (int(j), int(r), pg) for j, r, pg in items}.values())
+    if not items:
+        return 0
+    s = statements(sch)
+    arg = {"job_id": [i[0] for i in items], "run_lease": [i[1] for i in items],
+           "progress": [i[2] for i in items]}
+    locked = conn.execute(s.hb_lock, arg).all()
+    leased = {(r[0], r[1]) for r in conn.execute(s.hb_leased, {**arg, "states": list(lease_states)})}
+    open_now = {(r[0], r[1]) for r in conn.execute(s.hb_open, arg)} if locked else set()
+    # receipts-off installs have no claims: the lease alone identifies the live attempt
+    live = [i for i in items if (i[0], i[1]) in open_now or (i[0], i[1]) in leased]
+    if not live:
+        return 0
+    for r in locked:
+        if r.materialized_at is None and (r.job_id, r.run_lease) in open_now:
+            conn.execute(s.hb_materialize, {"b_job_id": r.job_id, "b_run_lease": r.run_lease,
+                                            "b_claim_slot": r.claim_slot})
+    _upsert_state(conn, sch, live, heartbeat=with_heartbeat, progress=with_progress)
+    return len(live)
+
+
+# -- callback tokens --------------------------------------------------------------------------------
+def materialize(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int) -> None:
+    """Give an open receipt a lease row (claim row locked first; no-op if already leased,
+    closed or absent). The receipt stays open until the lease leaves."""
+    s = statements(sch)
+    arg = {"b_job": job_id, "b_lease": run_lease}
+    if conn.execute(s.cb_lock_claim, arg).first() is None:
+        return
+    if conn.execute(s.cb_insert_lease, arg).rowcount:
+        conn.execute(s.cb_mark_materialized, arg)
+
+
+def set_token(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int, token: uuid.UUID,
+              timeout: timedelta) -> bool:
+    """Give the running lease ``token`` with a timeout; False when it is not running."""
+    arg = {"b_job": job_id, "b_lease": run_lease}
+    if conn.execute(statements(sch).cb_set_token, {**arg, "b_token": token, "timeout": timeout}).first() is None:
+        return False
+    clear_cel(conn, sch, job_id, run_lease)
+    return True
+
+
+def clear_token(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int) -> bool:
+    arg = {"b_job": job_id, "b_lease": run_lease}
+    done = conn.execute(statements(sch).cb_clear_token, arg).first() is not None
+    if done:
+        clear_cel(conn, sch, job_id, run_lease)
+    return done
+
+
+def clear_cel(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int) -> None:
+    conn.execute(statements(sch).cb_clear_cel, {"b_job": job_id, "b_lease": run_lease})
+
+
+def enter_wait(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int, token: uuid.UUID) -> bool:
+    return conn.execute(statements(sch).cb_enter_wait, {
+        "b_job": job_id, "b_lease": run_lease, "b_token": token}).first() is not None
+
+
+def lock_by_token(conn: Connection, sch: StorageSchema, token: uuid.UUID, run_lease: int | None,
+                  states: Sequence[str]) -> tuple[int, int] | None:
+    """Lock the newest lease holding ``token`` in one of ``states`` (matching ``run_lease``
+    when given); its ``(job_id, run_lease)`` or None."""
+    for r in conn.execute(statements(sch).cb_locked_by_token, {"b_token": token, "states": list(states)}):
+        if run_lease is None or r.run_lease == run_lease:
+            return (r.job_id, r.run_lease)
+    return None
+
+
+def resume(conn: Connection, sch: StorageSchema, pair: tuple[int, int], token: uuid.UUID, payload: Any) -> bool:
+    """Hand ``payload`` back to the attempt holding ``token``: waiting/running → running,
+    token cleared, the result stored for the handler. False when the token moved on."""
+    s = statements(sch)
+    arg = {"b_job": pair[0], "b_lease": pair[1]}
+    if conn.execute(s.cb_resume, {**arg, "b_token": token}).first() is None:
+        return False
+    st = sch.attempt_state
+    stmt = s.cb_store_result
+    conn.execute(stmt.on_conflict_do_update(
+        index_elements=[st.c.job_id, st.c.run_lease],
+        set_={"callback_result": stmt.excluded.callback_result, "updated_at": stmt.excluded.updated_at},
+    ), {**arg, "result": payload})
+    clear_cel(conn, sch, *pair)
+    return True
+
+
+def extend(conn: Connection, sch: StorageSchema, token: uuid.UUID, timeout: timedelta) -> int | None:
+    """Push the waiting attempt's callback timeout ``timeout`` from now; its job id or None."""
+    row = conn.execute(statements(sch).cb_extend, {"b_token": token, "timeout": timeout}).first()
+    return int(row.job_id) if row is not None else None
+
+
+def consume_result(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int) -> None:
+    conn.execute(statements(sch).cb_consume_result, {"b_job": job_id, "b_lease": run_lease})

@@ -1,0 +1,216 @@
+"""Upkeep of the rings as a whole: ring cursors, slot emptiness, exclusive locks and
+``TRUNCATE``.
+
+A ring's cursor is a sequence holding its generation; the current slot is
+``generation % slot_count``. Rotating is a ``setval`` (no row is updated, so it leaves no
+dead tuple) and a slot's generation follows from the ring's. Rotate, prune and the counter
+rollup of one ring serialise on a transaction-scoped advisory lock of that ring.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Select,
+    Table,
+    bindparam,
+    cast,
+    func,
+    literal,
+    select,
+    text,
+)
+from sqlalchemy import Sequence as SaSequence
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import REGCLASS
+
+from qstore.model import BusyCounts
+from qstore.schema import Ring, StorageSchema
+
+__all__ = [
+    "BLOCKED",
+    "BUSY_COUNT_CAP",
+    "LOCK_TIMEOUT",
+    "Blocked",
+    "advance",
+    "bounded_count",
+    "busy",
+    "generation",
+    "guarded",
+    "is_lock_failure",
+    "lock_exclusive",
+    "lock_ring",
+    "pristine",
+    "slot_generation",
+    "truncate_tables",
+]
+
+#: ``lock_timeout`` for every ``ACCESS EXCLUSIVE`` request of prune and delta rollup.
+LOCK_TIMEOUT = "50ms"
+#: Row counts reported in ``BusyCounts`` / ``SkippedActive.count`` saturate here, so a
+#: maintenance tick over a huge backlog stays cheap. Any non-zero count blocks all the same.
+BUSY_COUNT_CAP = 10_000
+_LOCK_FAILURES = frozenset({"55P03", "40P01"})  # lock_not_available, deadlock_detected
+_BUSY_FIELD = {
+    "ready_entries": "queue_ready",
+    "ready_tombstones": "queue_tombstones",
+    "ready_claim_ranges": "queue_claim_ranges",
+    "done_entries": "queue_done",
+    "queue_terminal_count_deltas": "queue_terminal_deltas",
+    "leases": "leases",
+    "lease_claims": "claims",
+    "lease_claim_closures": "closures",
+}
+_PG = postgresql.dialect()
+
+T = TypeVar("T")
+
+
+class Blocked:
+    """Sentinel type: a lock request of a guarded section timed out."""
+
+    def __repr__(self) -> str:
+        return "BLOCKED"
+
+
+BLOCKED = Blocked()
+
+
+def is_lock_failure(err: BaseException) -> bool:
+    """True for a driver error meaning "could not get the lock in time" (55P03 / 40P01)."""
+    if not isinstance(err, sa_exc.DBAPIError):
+        return False
+    orig = err.orig
+    return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) in _LOCK_FAILURES
+
+
+def guarded(conn: Connection, body: Callable[[], T]) -> T | Blocked:
+    """Run ``body`` in a SAVEPOINT with ``lock_timeout = 50ms``.
+
+    Returns ``body()``'s result, or :data:`BLOCKED` when a lock wait inside it timed out (the
+    savepoint is rolled back: nothing ``body`` wrote survives, the outer transaction stays
+    usable). Any other error rolls the savepoint back and propagates. On success the
+    previous ``lock_timeout`` is restored before the savepoint is released.
+    """
+    previous = conn.execute(select(func.current_setting("lock_timeout"))).scalar_one()
+    savepoint = conn.begin_nested()
+    try:
+        conn.execute(select(func.set_config("lock_timeout", LOCK_TIMEOUT, True)))
+        result = body()
+        conn.execute(select(func.set_config("lock_timeout", previous, True)))
+    except BaseException as err:
+        if savepoint.is_active:
+            savepoint.rollback()
+        if is_lock_failure(err):
+            return BLOCKED
+        raise
+    savepoint.commit()
+    return result
+
+
+def _qualified(conn: Connection, tables: Sequence[Table]) -> str:
+    prep = conn.dialect.identifier_preparer
+    return ", ".join(prep.format_table(t) for t in tables)
+
+
+def lock_exclusive(conn: Connection, tables: Sequence[Table]) -> None:
+    """``LOCK TABLE … IN ACCESS EXCLUSIVE MODE`` (identifiers quoted by the dialect)."""
+    conn.execute(text(f"LOCK TABLE {_qualified(conn, tables)} IN ACCESS EXCLUSIVE MODE"))
+
+
+def truncate_tables(conn: Connection, tables: Sequence[Table]) -> None:
+    """One ``TRUNCATE`` statement for all ``tables``."""
+    conn.execute(text(f"TRUNCATE {_qualified(conn, tables)}"))
+
+
+def vacuum(conn: Connection, tables: Sequence[Table]) -> None:
+    """``VACUUM`` ``tables`` (``conn`` must be in autocommit: outside a transaction block)."""
+    conn.execute(text(f"VACUUM {_qualified(conn, tables)}"))
+
+
+def regclass(t: Table | SaSequence) -> Any:
+    """``'<schema>.<name>'::regclass`` of a table or sequence (quoted by the dialect)."""
+    prep = _PG.identifier_preparer
+    assert t.schema is not None, t  # every storage table and sequence is schema-qualified
+    return cast(literal(f"{prep.quote_schema(t.schema)}.{prep.quote(t.name)}"), REGCLASS)
+
+
+def bounded_count(rows: Select[Any], cap: int = BUSY_COUNT_CAP) -> Select[Any]:
+    """``count(*)`` of ``rows``, saturating at ``cap``."""
+    return select(func.count()).select_from(rows.limit(cap).subquery())
+
+
+def lock_ring(conn: Connection, sch: StorageSchema, ring: Ring) -> None:
+    """Serialise rotate, prune and counter rollup of one ring: a transaction-scoped
+    advisory lock (no row is locked or updated, so holding it leaves nothing behind)."""
+    key = f"qstore.ring:{sch.config.schema}:{ring.name}"
+    conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
+
+
+@dataclass(frozen=True)
+class CursorStatements:
+    generation: Select[Any]
+    advance: Select[Any]
+
+
+@functools.lru_cache(maxsize=192)
+def _cursor(ring: Ring) -> CursorStatements:
+    return CursorStatements(
+        generation=select(ring.state.c.generation),
+        advance=select(func.setval(regclass(ring.generation), bindparam("gen", type_=BigInteger()), True)),
+    )
+
+
+def generation(conn: Connection, ring: Ring) -> int:
+    """The ring's current generation (its current slot is ``generation % slot_count``)."""
+    return int(conn.execute(_cursor(ring).generation).scalar_one())
+
+
+def advance(conn: Connection, ring: Ring, to: int) -> None:
+    """Move the ring's cursor to generation ``to``. A sequence move: no row is updated, so
+    it leaves no dead tuple; a rollback of the surrounding transaction does not undo it."""
+    conn.execute(_cursor(ring).advance, {"gen": to})
+
+
+def slot_generation(gen: int, slot: int, slot_count: int) -> int:
+    """The generation ``slot`` last had when the ring is at ``gen`` (negative: never
+    initialised). Rotation moves one slot and one generation at a time from (0, 0), so
+    slot k was last current at the greatest generation <= ``gen`` congruent to k."""
+    return gen - (gen - slot) % slot_count
+
+
+@dataclass(frozen=True)
+class SlotProbes:
+    sizes: Select[Any]
+    counts: Select[Any]
+
+
+@functools.lru_cache(maxsize=4096)
+def _slot_probes(ring: Ring, slot: int) -> SlotProbes:
+    kids = ring.children(slot)
+    return SlotProbes(
+        sizes=select(*(func.pg_relation_size(regclass(c)) for c in kids)),
+        counts=select(*(
+            bounded_count(select(literal(1)).select_from(c)).scalar_subquery().label(f.name)
+            for f, c in zip(ring.families, kids, strict=True)
+        )),
+    )
+
+
+def pristine(conn: Connection, ring: Ring, slot: int) -> bool:
+    """True when nothing was ever written to ``slot``'s children since they were created or
+    last truncated (every heap is zero bytes; rolled-back writes count as written)."""
+    return not any(conn.execute(_slot_probes(ring, slot).sizes).one())
+
+
+def busy(conn: Connection, ring: Ring, slot: int) -> BusyCounts:
+    """Live rows in each of ``slot``'s children (saturating at :data:`BUSY_COUNT_CAP`)."""
+    row = conn.execute(_slot_probes(ring, slot).counts).one()._mapping
+    return BusyCounts(**{_BUSY_FIELD[name]: int(n) for name, n in row.items()})

@@ -1,0 +1,317 @@
+"""Ring maintenance: rotate and prune the queue, lease and claim rings.
+
+The operations run on a connection in the transaction their policy gives them (one of their
+own with an Engine, the caller's otherwise).
+
+Guarantees
+----------
+* **Nothing upkeep does leaves a dead tuple per tick.** A ring's cursor is a sequence
+  holding its generation (current slot = ``generation % slot_count``): rotation is a
+  ``setval``; a slot's generation follows from the ring's; a pruned slot is recognised by
+  its empty children. Rotate, prune and the counter rollup of one ring serialise on a
+  transaction-scoped advisory lock of that ring, not on a row.
+* **Rotate** (all rings) moves the ring only into a slot whose children hold no live row
+  (else ``SkippedBusy`` with the counts found), and not at all when nothing was written to
+  the current slot since it was (re)initialised (``SkippedIdle``). "Nothing written" is
+  judged by the physical size of the current slot's children (``pg_relation_size = 0``),
+  so a lease slot whose rows were all deleted still counts as written and rotates away,
+  letting prune reclaim its dead tuples by ``TRUNCATE``.
+* **Prune** takes the ring lock, runs the cheap gates *without* the exclusive lock (a busy
+  slot never queues an ``ACCESS EXCLUSIVE`` request in front of hot readers), then
+  ``lock_timeout = 50ms`` + ``LOCK … IN ACCESS EXCLUSIVE MODE`` on every child of the slot,
+  re-checks what could have changed while the lock was awaited, and truncates all children
+  in one ``TRUNCATE``. The locked section runs in a SAVEPOINT: a lock timeout (SQLSTATE
+  55P03, or a deadlock 40P01) rolls the savepoint back and is reported as
+  ``PruneOutcome(kind="blocked")`` — never raised — and the caller's transaction stays
+  usable. The 50 ms timeout is restored before the savepoint is released, so it never
+  leaks into a caller's transaction.
+* **Queue-ring gates** count every physical row of the slot regardless of its generation
+  (a late writer's row is legal anywhere) and use the committed claim-range chain as the
+  claim truth:
+
+  - G1 ``QUEUE_ACTIVE_LEASES``: leases (any lease slot) with ``ready_slot = k``;
+  - G2 ``QUEUE_PENDING_READY``: ready rows of slot k neither tombstoned nor covered by a
+    ``ready_claim_ranges`` row of their lane;
+  - G3 ``QUEUE_OPEN_CLAIMS``: claims (any claim slot) with ``ready_slot = k`` and no closure.
+
+  A slot whose jobs were claimed and then completed, retried, rescued, cancelled or moved to
+  the DLQ therefore becomes prunable as soon as no attempt references it. Once the gates
+  pass, only a new ready row can make them fail again (a row found spent stays spent), so
+  under the exclusive lock the gates are re-run only if the slot's ready-row count moved:
+  the lock is held for a count, the fold and the ``TRUNCATE``.
+* **Queue-ring prune** folds ground truth before destroying it: ``count(done_k)`` by
+  ``(queue, priority)`` is appended to ``queue_terminal_rollup_ledger`` (no row updated)
+  and the slot's ``queue_terminal_live_counts`` rows are deleted in the same transaction as
+  the ``TRUNCATE`` (the slot's unrolled deltas go with it), so exact ``terminal`` counts
+  survive pruning.
+* **Unique keys**: unique claims owned by the jobs whose done rows are truncated are
+  released in the same transaction (only when that job still owns the key). *Window*: a
+  job whose ``unique_states`` keeps its key while completed/failed/cancelled owns it only as
+  long as its terminal history is retained — roughly ``queue_slot_count`` rotations after
+  the slot it was enqueued in was sealed. After that, an enqueue with the same key succeeds.
+* **Late writers**: a writer that read the queue-ring cursor before a rotation can still
+  insert into a slot that was sealed — even one that was just pruned (the COPY enqueue path
+  reads the cursor one statement early). Such a row keeps the slot non-empty, so rotation
+  into it reports ``SkippedBusy``, prune targets it again (it is no longer empty), and the
+  generation-agnostic gates keep the late row alive until it is spent.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Delete,
+    Insert,
+    Select,
+    and_,
+    delete,
+    false,
+    func,
+    insert,
+    literal,
+    select,
+)
+
+from qstore.model import PruneOutcome, RotateOutcome, SkipReason
+from qstore.schema import Ring, StorageSchema
+from qstore.storage.context import StorageContext
+from qstore.storage.planes import control, upkeep
+from qstore.storage.planes.upkeep import Blocked, bounded_count
+from qstore.storage.sql import receipt_closed
+
+__all__ = ["oldest_initialised_slot", "prune_oldest", "prune_oldest_claims", "prune_oldest_leases", "rotate",
+           "rotate_claims", "rotate_leases", "vacuum_leases"]
+
+
+@dataclass(frozen=True)
+class QueueGates:
+    """Gates G1-G3 and the fold/release statements of one queue slot."""
+
+    active_leases: Select[Any]
+    pending_ready: Select[Any]
+    open_claims: Select[Any]
+    ready_rows: Select[Any]
+    fold: Insert
+    owners: Any
+    drop_live: Delete
+
+
+@functools.lru_cache(maxsize=4096)
+def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
+    r, t, crk, d, _dl = sch.queue_ring.children(k)
+    crp = sch.claim_ranges.parent
+    le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
+    ledger, live = sch.rollup_ledger, sch.live_counts
+
+    def same_lane(x: Any) -> Any:
+        return and_(x.c.queue == r.c.queue, x.c.priority == r.c.priority,
+                    x.c.enqueue_shard == r.c.enqueue_shard)
+
+    def covered(cr: Any) -> Any:
+        # Ranges of a lane are disjoint (a claim consumes positions once), so the covering
+        # range, if any, is the one with the greatest first_seq <= lane_seq: one index probe.
+        # Were ranges ever to overlap this could only report a spent row as pending (safe).
+        last = (select(cr.c.last_seq).where(same_lane(cr), cr.c.first_seq <= r.c.lane_seq)
+                .order_by(cr.c.first_seq.desc()).limit(1).scalar_subquery())
+        return func.coalesce(last >= r.c.lane_seq, false())
+
+    tombstoned = select(t.c.lane_seq).where(same_lane(t), t.c.lane_seq == r.c.lane_seq).exists()
+    closed = receipt_closed(cl, c)
+    # The slot's own range child first (where ranges live); the parent only for rows it
+    # does not cover, so the common case costs one probe per row.
+    pending = select(literal(1)).select_from(r).where(~tombstoned, ~covered(crk), ~covered(crp))
+    # ground truth of the slot's terminal history, appended to the ledger (no row updated)
+    n = func.count()
+    fold = insert(ledger).from_select(
+        ["queue", "priority", "pruned_count"],
+        select(d.c.queue, d.c.priority, n).group_by(d.c.queue, d.c.priority).having(n > 0)
+        .order_by(d.c.queue, d.c.priority),
+    )
+    key = func.coalesce(d.c.unique_key, r.c.unique_key)
+    owners = (
+        select(key.label("unique_key"), d.c.job_id)
+        .select_from(d.outerjoin(r, and_(
+            r.c.ready_slot == d.c.ready_slot, r.c.queue == d.c.queue, r.c.priority == d.c.priority,
+            r.c.enqueue_shard == d.c.enqueue_shard, r.c.lane_seq == d.c.lane_seq)))
+        .where(key.isnot(None))
+        .subquery("owners")
+    )
+    return QueueGates(
+        active_leases=bounded_count(select(literal(1)).select_from(le).where(le.c.ready_slot == k)),
+        pending_ready=bounded_count(pending),
+        open_claims=bounded_count(select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed)),
+        ready_rows=select(func.count()).select_from(r),
+        fold=fold,
+        owners=owners,
+        drop_live=delete(live).where(live.c.ready_slot == k),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _derived_gate(sch: StorageSchema, ring_name: str, k: int) -> Select[Any]:
+    """Lease ring: live leases in slot ``k``; claim ring: claims of slot ``k`` without a
+    closure in the same slot."""
+    if ring_name == "lease":
+        return bounded_count(select(literal(1)).select_from(sch.leases.children[k]))
+    c, cl = sch.claims.children[k], sch.closures.children[k]
+    return bounded_count(select(literal(1)).select_from(c).where(~receipt_closed(cl, c)))
+
+
+# -- rotate ----------------------------------------------------------------------------------
+def _rotate(conn: Connection, sch: StorageSchema, ring: Ring) -> RotateOutcome:
+    n = ring.slot_count
+    upkeep.lock_ring(conn, sch, ring)
+    gen = upkeep.generation(conn, ring)
+    cur = gen % n
+    if upkeep.pristine(conn, ring, cur):
+        return RotateOutcome.skipped_idle(cur, gen)
+    nxt = (cur + 1) % n
+    busy = upkeep.busy(conn, ring, nxt)
+    if busy.total():
+        return RotateOutcome.skipped_busy(nxt, busy)
+    # not undone by a rollback of the surrounding transaction, which is harmless: the
+    # incoming slot was just found empty under the ring lock
+    upkeep.advance(conn, ring, gen + 1)
+    return RotateOutcome.rotated(nxt, gen + 1)
+
+
+def rotate(ctx: StorageContext, conn: Connection) -> RotateOutcome:
+    """Queue ring: move to ``(current+1) % N`` with ``generation+1`` if every child of the
+    incoming slot (ready, tombstones, claim ranges, done, deltas) is empty. ``SkippedBusy``
+    (with counts, saturating at ``BUSY_COUNT_CAP``) otherwise; ``SkippedIdle`` when the
+    current slot was never written."""
+    return _rotate(conn, ctx.schema, ctx.schema.queue_ring)
+
+
+def rotate_leases(ctx: StorageContext, conn: Connection) -> RotateOutcome:
+    """Lease ring rotation; the incoming lease child must hold no live lease (dead tuples
+    are fine)."""
+    return _rotate(conn, ctx.schema, ctx.schema.lease_ring)
+
+
+def rotate_claims(ctx: StorageContext, conn: Connection) -> RotateOutcome:
+    """Claim ring rotation; incoming claim and closure children empty."""
+    return _rotate(conn, ctx.schema, ctx.schema.claim_ring)
+
+
+# -- prune: queue ring -----------------------------------------------------------------------
+def _queue_gate_failure(conn: Connection, gates: QueueGates, k: int) -> PruneOutcome | None:
+    for stmt, reason in ((gates.active_leases, SkipReason.QUEUE_ACTIVE_LEASES),
+                         (gates.pending_ready, SkipReason.QUEUE_PENDING_READY),
+                         (gates.open_claims, SkipReason.QUEUE_OPEN_CLAIMS)):
+        n = int(conn.execute(stmt).scalar_one())
+        if n:
+            return PruneOutcome.skipped_active(k, reason, n)
+    return None
+
+
+def _prune_queue_slot(conn: Connection, sch: StorageSchema, k: int) -> PruneOutcome:
+    gates = _queue_gates(sch, k)
+    early = _queue_gate_failure(conn, gates, k)
+    if early is not None:
+        return early
+    ready_rows = int(conn.execute(gates.ready_rows).scalar_one())
+    upkeep.lock_exclusive(conn, sch.queue_ring.children(k))
+    # Under the lock, every row committed while it was awaited is visible. Once the gates
+    # pass they can only fail again through a ready row that arrived since (a late writer
+    # that read the ring cursor before a rotation): ready rows are never deleted, so an
+    # unchanged count proves the early gates still hold and keeps the lock short.
+    if int(conn.execute(gates.ready_rows).scalar_one()) != ready_rows:
+        late = _queue_gate_failure(conn, gates, k)
+        if late is not None:
+            return late
+    control.append_prune_fold(conn, sch, gates.fold, gates.drop_live)
+    control.release_keys_where(conn, sch, gates.owners)
+    upkeep.truncate_tables(conn, sch.queue_ring.children(k))
+    return PruneOutcome.pruned(k)
+
+
+def prune_oldest(ctx: StorageContext, conn: Connection) -> PruneOutcome:
+    """Prune the oldest sealed queue slot that holds anything (slots are taken oldest
+    generation first; a slot already pruned and not written since is passed over).
+    ``Noop`` when no sealed slot holds rows; ``SkippedActive`` with the first failing gate
+    (G1 → G2 → G3) and its count; ``Blocked`` when the exclusive lock was not granted
+    within 50 ms; else ``Pruned`` after appending the slot's terminal counts to the rollup
+    ledger, releasing its jobs' unique keys and truncating its children."""
+    sch = ctx.schema
+    ring = sch.queue_ring
+    n = ring.slot_count
+    upkeep.lock_ring(conn, sch, ring)
+    cur = upkeep.generation(conn, ring) % n
+    k = next((slot for slot in ((cur + i) % n for i in range(1, n)) if not upkeep.pristine(conn, ring, slot)), None)
+    if k is None:
+        return PruneOutcome.noop()
+    result = upkeep.guarded(conn, lambda: _prune_queue_slot(conn, sch, k))
+    return PruneOutcome.blocked(k) if isinstance(result, Blocked) else result
+
+
+# -- prune: lease and claim rings ------------------------------------------------------------
+_CURRENT = {"lease": SkipReason.LEASE_CURRENT, "claim": SkipReason.CLAIM_CURRENT}
+_ACTIVE = {"lease": SkipReason.LEASE_ACTIVE, "claim": SkipReason.CLAIM_OPEN}
+
+
+def oldest_initialised_slot(current: int, generation: int, slot_count: int) -> int | None:
+    """The oldest initialised slot of a ring at ``(current, generation)``, or None when
+    only the current slot was ever initialised."""
+    initialised = min(generation + 1, slot_count)
+    if slot_count <= 1 or initialised <= 1:
+        return None
+    return (current - (initialised - 1)) % slot_count
+
+
+def _prune_derived_slot(conn: Connection, sch: StorageSchema, ring: Ring, k: int) -> PruneOutcome:
+    gate = _derived_gate(sch, ring.name, k)
+    n = int(conn.execute(gate).scalar_one())
+    if n:
+        return PruneOutcome.skipped_active(k, _ACTIVE[ring.name], n)
+    if upkeep.pristine(conn, ring, k):
+        return PruneOutcome.noop()  # already truncated, nothing written since
+    upkeep.lock_exclusive(conn, ring.children(k))
+    n = int(conn.execute(gate).scalar_one())
+    if n:
+        return PruneOutcome.skipped_active(k, _ACTIVE[ring.name], n)
+    upkeep.truncate_tables(conn, ring.children(k))
+    return PruneOutcome.pruned(k)
+
+
+def _prune_derived(conn: Connection, sch: StorageSchema, ring: Ring) -> PruneOutcome:
+    n = ring.slot_count
+    upkeep.lock_ring(conn, sch, ring)
+    gen = upkeep.generation(conn, ring)
+    cur = gen % n
+    k = oldest_initialised_slot(cur, gen, n)
+    if k is None:
+        # Only the current slot was ever initialised: nothing to do if it is pristine,
+        # otherwise its rows/dead tuples can only be reclaimed after a rotation.
+        if upkeep.pristine(conn, ring, cur):
+            return PruneOutcome.noop()
+        return PruneOutcome.skipped_active(cur, _CURRENT[ring.name], 0)
+    result = upkeep.guarded(conn, lambda: _prune_derived_slot(conn, sch, ring, k))
+    return PruneOutcome.blocked(k) if isinstance(result, Blocked) else result
+
+
+def prune_oldest_leases(ctx: StorageContext, conn: Connection) -> PruneOutcome:
+    """Truncate the oldest initialised lease slot if it is not current (``LEASE_CURRENT``)
+    and holds no lease (``LEASE_ACTIVE``, count). ``Noop`` when nothing needs reclaiming
+    (never rotated and pristine, or the oldest slot is already truncated); ``Blocked`` on a
+    lock timeout."""
+    return _prune_derived(conn, ctx.schema, ctx.schema.lease_ring)
+
+
+def prune_oldest_claims(ctx: StorageContext, conn: Connection) -> PruneOutcome:
+    """Truncate the oldest initialised claim slot (claims + closures, one statement) if it
+    is not current (``CLAIM_CURRENT``) and every claim in it has a closure in the same slot
+    (``CLAIM_OPEN``, count of open claims)."""
+    return _prune_derived(conn, ctx.schema, ctx.schema.claim_ring)
+
+
+def vacuum_leases(ctx: StorageContext, conn: Connection) -> None:
+    """``VACUUM <schema>.leases`` (all lease partitions), outside any transaction block.
+
+    Fallback for a pinned lease ring (e.g. a long ``waiting_external`` lease keeps rotation
+    from reaching its slot, so deleted leases accumulate)."""
+    upkeep.vacuum(conn, [ctx.schema.leases.parent])

@@ -626,3 +626,32 @@ def test_slow_enqueue_does_not_block_other_queues(engine, storage):
         storage.enqueue_params_batch(engine, [job(queue="fast")])
         assert time.monotonic() - start < 2
         a.commit()
+
+
+# -- single-job enqueue and enqueue with ids --------------------------------------------------
+
+
+def test_enqueue_returns_the_new_jobs_id(engine, storage):
+    job_id = storage.enqueue(engine, job("one", {"n": 1}))
+    loaded = storage.load_job(engine, job_id)
+    assert loaded is not None and loaded.kind == "one" and loaded.args == {"n": 1}
+
+
+def test_enqueue_many_returns_ids_in_batch_order(engine, storage):
+    ids = storage.enqueue_many(engine, [job("a", {"i": i}) for i in range(5)])
+    assert [storage.load_job(engine, i).args for i in ids] == [{"i": i} for i in range(5)]
+
+
+def test_enqueue_names_the_bad_field_of_the_single_job_and_writes_nothing(engine, storage):
+    before = census(engine, storage)
+    with pytest.raises(ValidationError) as info:
+        storage.enqueue(engine, job("", {}))
+    assert info.value.field == "job.kind"
+    assert census(engine, storage) == before
+
+
+def test_enqueue_in_a_rolled_back_caller_transaction_leaves_nothing(engine, storage):
+    with engine.connect() as conn:
+        job_id = storage.enqueue(conn, job())
+        conn.rollback()
+    assert storage.load_job(engine, job_id) is None

@@ -33,13 +33,13 @@ from qstore.storage import (
     complete,
     counters,
     dlq,
-    enqueue,
     lifecycle,
     outcomes,
     read,
     rescue,
     rings,
 )
+from qstore.storage import enqueue as enqueuing
 from qstore.storage.context import StorageContext
 from qstore.storage.operations import Operation, SyncFace, op
 from qstore.storage.targets import Policy, Target, run
@@ -61,9 +61,11 @@ class Operations:
     reset = op(JOIN, lifecycle.reset)
 
     # -- enqueue -----------------------------------------------------------------------------
-    enqueue_params_batch = op(ATOMIC, enqueue.enqueue_params_batch, jobs=C.items)
-    enqueue_params_copy = op(ATOMIC, enqueue.enqueue_params_copy, jobs=C.items)
-    enqueue_batch = op(ATOMIC, enqueue.enqueue_batch, queue=C.queue, priority=C.priority, count=C.batch)
+    enqueue = op(ATOMIC, enqueuing.enqueue)
+    enqueue_many = op(ATOMIC, enqueuing.enqueue_many, jobs=C.items)
+    enqueue_params_batch = op(ATOMIC, enqueuing.enqueue_params_batch, jobs=C.items)
+    enqueue_params_copy = op(ATOMIC, enqueuing.enqueue_params_copy, jobs=C.items)
+    enqueue_batch = op(ATOMIC, enqueuing.enqueue_batch, queue=C.queue, priority=C.priority, count=C.batch)
 
     # -- claim ---------------------------------------------------------------------------------
     claim_runtime_batch_with_aging = op(UNITS, claim.claim_runtime_batch_with_aging, queue=C.queue,

@@ -20,7 +20,7 @@ from qstore.storage.jobs import InsertOpts, InsertParams, PreparedJob, holds_key
 from qstore.storage.lanes import assign_lanes
 from qstore.storage.planes import control, queue
 
-__all__ = ["enqueue_batch", "enqueue_params_batch", "enqueue_params_copy", "write_jobs"]
+__all__ = ["enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch", "enqueue_params_copy", "write_jobs"]
 
 
 def write_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob], *, use_copy: bool) -> int:
@@ -40,6 +40,21 @@ def write_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob
         queue.insert_deferred(conn, sch, deferred)
     queue.notify_queues(conn, sch, {r.logical for r in ready})
     return len(rows)
+
+
+def enqueue(ctx: StorageContext, conn: Connection, job: InsertParams) -> int:
+    """Write one job and return its id (a unique conflict raises and writes nothing)."""
+    rows = prepare_jobs([job], ctx.config.queue_stripe_count, field="job")
+    write_jobs(conn, ctx, rows, use_copy=False)
+    assert rows[0].job_id is not None
+    return rows[0].job_id
+
+
+def enqueue_many(ctx: StorageContext, conn: Connection, jobs: Sequence[InsertParams]) -> list[int]:
+    """Write ``jobs`` like ``enqueue_params_batch`` and return their ids, in batch order."""
+    rows = prepare_jobs(jobs, ctx.config.queue_stripe_count)
+    write_jobs(conn, ctx, rows, use_copy=False)
+    return [r.job_id for r in rows if r.job_id is not None]
 
 
 def enqueue_params_batch(ctx: StorageContext, conn: Connection, jobs: Sequence[InsertParams]) -> int:

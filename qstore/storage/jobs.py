@@ -324,33 +324,35 @@ def _check_tags(tags: object, field_name: str) -> list[str]:
     return list(tags)
 
 
-def prepare_jobs(jobs: Sequence[InsertParams], stripes: int) -> list[PreparedJob]:
+def prepare_jobs(jobs: Sequence[InsertParams], stripes: int, field: str = "jobs") -> list[PreparedJob]:
     """Validate every row before anything is written; raise ``ValidationError`` naming the
-    first bad value (with its batch index)."""
+    first bad value (``<field>[<index>].<name>``; with ``field="job"`` a single job's values
+    are named ``job.<name>``)."""
     out: list[PreparedJob] = []
     for i, job in enumerate(jobs):
+        at = field if field == "job" else f"{field}[{i}]"
         if not isinstance(job, InsertParams):
-            raise ValidationError(f"jobs[{i}]", job, "expected InsertParams")
+            raise ValidationError(at, job, "expected InsertParams")
         opts = job.opts
         if not isinstance(opts, InsertOpts):
-            raise ValidationError(f"jobs[{i}].opts", opts, "expected InsertOpts")
-        validate_kind(job.kind, f"jobs[{i}].kind")
-        validate_queue(opts.queue, f"jobs[{i}].queue")
-        validate_priority(opts.priority, f"jobs[{i}].priority")
+            raise ValidationError(f"{at}.opts", opts, "expected InsertOpts")
+        validate_kind(job.kind, f"{at}.kind")
+        validate_queue(opts.queue, f"{at}.queue")
+        validate_priority(opts.priority, f"{at}.priority")
         ma = opts.max_attempts
         if isinstance(ma, bool) or not isinstance(ma, int) or not 1 <= ma <= 32767:
-            raise ValidationError(f"jobs[{i}].max_attempts", ma, "must be an integer between 1 and 32767")
-        run_at = None if opts.run_at is None else validate_aware_datetime(opts.run_at, f"jobs[{i}].run_at")
-        _check_json(job.args, f"jobs[{i}].args")
+            raise ValidationError(f"{at}.max_attempts", ma, "must be an integer between 1 and 32767")
+        run_at = None if opts.run_at is None else validate_aware_datetime(opts.run_at, f"{at}.run_at")
+        _check_json(job.args, f"{at}.args")
         if not isinstance(opts.metadata, Mapping):
-            raise ValidationError(f"jobs[{i}].metadata", opts.metadata, "must be a JSON object")
-        _check_json(dict(opts.metadata), f"jobs[{i}].metadata")
-        tags = _check_tags(opts.tags, f"jobs[{i}].tags")
+            raise ValidationError(f"{at}.metadata", opts.metadata, "must be a JSON object")
+        _check_json(dict(opts.metadata), f"{at}.metadata")
+        tags = _check_tags(opts.tags, f"{at}.tags")
         if opts.ordering_key is not None and not isinstance(opts.ordering_key, bytes | bytearray):
-            raise ValidationError(f"jobs[{i}].ordering_key", opts.ordering_key, "must be bytes")
+            raise ValidationError(f"{at}.ordering_key", opts.ordering_key, "must be bytes")
         key = states = None
         if opts.unique is not None:
-            unique = _check_unique(opts.unique, f"jobs[{i}].unique")
+            unique = _check_unique(opts.unique, f"{at}.unique")
             key = unique_key_for(job.kind, opts.queue, job.args, unique)
             states = unique_states_mask(unique.states)
         physical = stripe_of(opts.queue, stripes, i, key)

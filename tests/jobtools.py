@@ -1,13 +1,35 @@
 """Small helpers shared by the attempt-lifecycle test modules: enqueue one job, claim it,
-read a job's state, count rows of a table, count the relation locks a session holds and
-take a census of every table family."""
+read a job's state, count rows of a table, count the relation locks a session holds, take
+a census of every table family, and run a test in both receipt modes."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from sqlalchemy import text
 
 from qstore.model import ClaimedRuntimeJob, JobState
 from qstore.storage.jobs import InsertOpts, InsertParams
+
+
+def both_receipt_modes(fixture: str = "st") -> pytest.MarkDecorator:
+    """Run the test twice: ``fixture`` (a module's install fixture built with
+    :func:`install_in_mode`) is an install with receipts on, then one with receipts off,
+    where every claim writes a lease."""
+    return pytest.mark.parametrize(fixture, [True, False], ids=["receipts", "leases"], indirect=True)
+
+
+def install_in_mode(request: pytest.FixtureRequest, make_storage: Any) -> Any:
+    """``make_storage(lease_claim_receipts=...)``: the mode :func:`both_receipt_modes` gave
+    the test, receipts on when it gave none."""
+    return make_storage(lease_claim_receipts=getattr(request, "param", True))
+
+
+def attempt_table(s) -> str:
+    """The table a claim records its attempt in: receipts (``lease_claims``), or ``leases``
+    on an install without receipts."""
+    return "lease_claims" if s.lease_claim_receipts() else "leases"
 
 
 def params(kind: str = "k", args: object = None, **opts: object) -> InsertParams:

@@ -10,7 +10,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from jobtools import relation_locks, requeue
+from jobtools import attempt_table, both_receipt_modes, install_in_mode, relation_locks, requeue
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -20,7 +20,7 @@ from qstore.storage.jobs import InsertOpts, InsertParams
 
 UTC = timezone.utc
 ORIGINAL_PRIORITY = "_qstore_original_priority"
-AGING = timedelta(milliseconds=100)
+AGING = timedelta(milliseconds=20)
 
 
 def job(args: object = None, **opts: object) -> InsertParams:
@@ -32,6 +32,13 @@ def count_rows(engine, storage, table: str, where: str = "true", **params) -> in
     with engine.connect() as c:
         return c.execute(text(f'SELECT count(*) FROM "{storage.schema()}".{table} WHERE {where}'),
                          params).scalar_one()
+
+
+@pytest.fixture
+def storage(request, make_storage):
+    """A default install; in tests marked ``both_receipt_modes("storage")``, one with
+    receipts on, then one with receipts off (every attempt a lease)."""
+    return install_in_mode(request, make_storage)
 
 
 def pause(engine, storage, queue: str, paused: bool = True) -> None:
@@ -102,6 +109,7 @@ def aged_pair(engine, storage):
     return storage
 
 
+@both_receipt_modes("storage")
 def test_aging_promotes_old_low_priority_work(engine, aged_pair):
     storage = aged_pair
     first = storage.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
@@ -110,6 +118,7 @@ def test_aging_promotes_old_low_priority_work(engine, aged_pair):
     assert [j.job.args["who"] for j in first + second] == ["old", "new"]
 
 
+@both_receipt_modes("storage")
 def test_aged_claim_reports_effective_priority_and_original_in_metadata(engine, aged_pair):
     (old,) = aged_pair.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
 
@@ -117,11 +126,13 @@ def test_aged_claim_reports_effective_priority_and_original_in_metadata(engine, 
     assert old.job.metadata == {"m": "x", ORIGINAL_PRIORITY: 4}
     assert old.claim.priority == 4  # the lane priority, the join key back to the ready row
     s = aged_pair.schema()
+    table = attempt_table(aged_pair)  # the receipt, or the lease when receipts are off
     with engine.connect() as c:
-        assert c.execute(text(f'SELECT priority, effective_priority FROM "{s}".lease_claims '
+        assert c.execute(text(f'SELECT priority, effective_priority FROM "{s}".{table} '
                               "WHERE job_id = :j"), {"j": old.job.id}).one() == (4, 1)
 
 
+@both_receipt_modes("storage")
 def test_unaged_claim_has_no_original_priority_marker(engine, aged_pair):
     aged_pair.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
     (new,) = aged_pair.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
@@ -129,6 +140,7 @@ def test_unaged_claim_has_no_original_priority_marker(engine, aged_pair):
     assert ORIGINAL_PRIORITY not in new.job.metadata
 
 
+@both_receipt_modes("storage")
 def test_load_job_of_aged_running_attempt_shows_effective_priority(engine, aged_pair):
     (old,) = aged_pair.claim_runtime_batch_with_aging(engine, "q", 1, None, AGING)
     loaded = aged_pair.load_job(engine, old.job.id)
@@ -137,6 +149,7 @@ def test_load_job_of_aged_running_attempt_shows_effective_priority(engine, aged_
     assert loaded.metadata[ORIGINAL_PRIORITY] == 4
 
 
+@both_receipt_modes("storage")
 def test_completed_aged_job_carries_its_lane_priority(engine, storage):
     storage.enqueue_params_batch(engine, [job({"who": "fast"}, priority=4),
                                           job({"who": "by_id"}, priority=4)])
@@ -154,6 +167,7 @@ def test_completed_aged_job_carries_its_lane_priority(engine, storage):
         assert count_rows(engine, storage, "done_entries", "job_id = :j AND priority = 4", j=c.job.id) == 1
 
 
+@both_receipt_modes("storage")
 def test_without_aging_the_old_low_priority_job_waits(engine, aged_pair):
     first = aged_pair.claim_runtime_batch(engine, "q", 1)
     assert [j.job.args["who"] for j in first] == ["new"]

@@ -8,7 +8,17 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from jobtools import add, census, claim, count, params, running, state
+from jobtools import (
+    add,
+    both_receipt_modes,
+    census,
+    claim,
+    count,
+    install_in_mode,
+    params,
+    running,
+    state,
+)
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -23,6 +33,11 @@ UTC = timezone.utc
 # -- helpers ----------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def st(request, make_storage):
+    """A default install; in tests marked ``both_receipt_modes()``, one with receipts on,
+    then one with receipts off (every attempt a lease)."""
+    return install_in_mode(request, make_storage)
 
 
 def newest_id(engine, s) -> int:
@@ -150,6 +165,7 @@ def test_complete_moves_running_to_completed(engine, st):
     assert row.finalized_at is not None
 
 
+@both_receipt_modes()
 def test_complete_twice_completes_once(engine, st):
     c = running(engine, st)
     assert st.complete_runtime_batch(engine, [c]) == [(c.job.id, 1)]
@@ -288,6 +304,7 @@ OUTCOMES = {
 
 
 @pytest.mark.parametrize("outcome", sorted(OUTCOMES))
+@both_receipt_modes()
 def test_outcome_on_a_completed_attempt_returns_none_and_changes_nothing(engine, st, outcome):
     c = running(engine, st)
     st.complete_runtime_batch(engine, [c])
@@ -298,6 +315,7 @@ def test_outcome_on_a_completed_attempt_returns_none_and_changes_nothing(engine,
 
 
 @pytest.mark.parametrize("outcome", sorted(OUTCOMES))
+@both_receipt_modes()
 def test_outcome_with_a_wrong_run_lease_returns_none_and_changes_nothing(engine, st, outcome):
     c = running(engine, st)
     before = census(engine, st)
@@ -308,6 +326,7 @@ def test_outcome_with_a_wrong_run_lease_returns_none_and_changes_nothing(engine,
 
 
 @pytest.mark.parametrize("outcome", sorted(OUTCOMES))
+@both_receipt_modes()
 def test_second_outcome_on_the_same_attempt_returns_none(engine, st, outcome):
     c = running(engine, st)
     assert st.retry_after(engine, c.job.id, c.job.run_lease, 3600) is not None
@@ -317,6 +336,7 @@ def test_second_outcome_on_the_same_attempt_returns_none(engine, st, outcome):
     assert state(engine, st, c.job.id) == JobState.RETRYABLE
 
 
+@both_receipt_modes()
 def test_outcome_of_an_unknown_job_returns_none(engine, st):
     assert st.fail_terminal(engine, 987654, 1, "x") is None
 
@@ -409,6 +429,7 @@ def test_retry_after_in_tx_on_a_session_and_follow_up_share_the_callers_fate(eng
     assert count(engine, st, "ready_entries", "queue = 'next'") == (1 if commit else 0)
 
 
+@both_receipt_modes()
 def test_stale_outcome_in_a_caller_transaction_returns_none_and_leaves_the_transaction_usable(engine, st):
     c = running(engine, st)
     st.complete_runtime_batch(engine, [c])

@@ -8,7 +8,7 @@ import time
 from datetime import timezone
 
 import pytest
-from jobtools import census, claim, count, running, state
+from jobtools import both_receipt_modes, census, claim, count, install_in_mode, running, state
 from sqlalchemy import text
 
 from qstore import ValidationError
@@ -20,18 +20,11 @@ UTC = timezone.utc
 # -- helpers ----------------------------------------------------------------------------------
 
 
-
-
-
-
-
-
-
-
-
-
-
-
+@pytest.fixture
+def st(request, make_storage):
+    """A default install; in tests marked ``both_receipt_modes()``, one with receipts on,
+    then one with receipts off (every attempt a lease)."""
+    return install_in_mode(request, make_storage)
 
 
 def rescue_heartbeat(engine, s, job_id: int) -> list:
@@ -116,8 +109,9 @@ def test_rescue_backoff_makes_the_job_due_later(engine, st):
 # -- stale writers after rescue (I3) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lease", [False, True], ids=["receipt", "lease"])
+@pytest.mark.parametrize("lease", [False, True], ids=["as_claimed", "callback_lease"])
 @pytest.mark.parametrize("kind", sorted(RESCUES))
+@both_receipt_modes()
 def test_rescued_workers_late_writes_change_nothing(engine, st, kind, lease):
     c = doomed(engine, st, kind, lease=lease)
     assert RESCUES[kind](engine, st, c.job.id)
@@ -144,6 +138,7 @@ def test_rescued_workers_late_writes_change_nothing(engine, st, kind, lease):
 
 
 @pytest.mark.parametrize("kind", sorted(RESCUES))
+@both_receipt_modes()
 def test_rescued_job_is_reclaimed_with_the_next_run_lease_and_completed_by_the_new_worker(engine, st, kind):
     old = doomed(engine, st, kind)
     RESCUES[kind](engine, st, old.job.id)
@@ -164,7 +159,7 @@ def test_rescued_job_is_reclaimed_with_the_next_run_lease_and_completed_by_the_n
 # -- exhaustion (T9) --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lease", [False, True], ids=["receipt", "lease"])
+@pytest.mark.parametrize("lease", [False, True], ids=["as_claimed", "callback_lease"])
 @pytest.mark.parametrize("kind", sorted(RESCUES))
 def test_rescue_of_an_exhausted_attempt_fails_the_job(engine, st, kind, lease):
     c = doomed(engine, st, kind, lease=lease, max_attempts=1)

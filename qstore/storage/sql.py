@@ -12,11 +12,13 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     DateTime,
     Exists,
     FromClause,
     Integer,
     LargeBinary,
+    Numeric,
     String,
     Text,
     bindparam,
@@ -50,6 +52,14 @@ def _quoted(value: str) -> str:
 def _int_element(value: Any) -> str:
     # operator.index refuses floats, strings and anything else that is not an integer
     return "NULL" if value is None else str(operator.index(value))
+
+
+def _bool_element(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if not isinstance(value, bool):
+        raise TypeError(f"expected bool, got {type(value).__name__}")
+    return "t" if value else "f"
 
 
 def _text_element(value: Any) -> str:
@@ -89,8 +99,11 @@ def _json_element(none_as_null: bool) -> Callable[[Any], str]:
 def _element_literal(item: TypeEngine[Any]) -> Callable[[Any], str]:
     if isinstance(item, JSON):
         return _json_element(bool(item.none_as_null))
-    for kind, element in ((Integer, _int_element), (String, _text_element),
-                          (DateTime, _timestamp_element), (LargeBinary, _bytes_element)):
+    # Integer before Numeric (an Integer is a Numeric); a Numeric element is an integer too
+    # (arbitrary size, e.g. a 64-bit unsigned hash)
+    for kind, element in ((Integer, _int_element), (Numeric, _int_element), (Boolean, _bool_element),
+                          (String, _text_element), (DateTime, _timestamp_element),
+                          (LargeBinary, _bytes_element)):
         if isinstance(item, kind):
             return element
     raise TypeError(f"no packed array literal for {item!r}")
@@ -102,7 +115,8 @@ class _PackedArray(TypeDecorator[Sequence[Any]]):
 
     psycopg adapts a list element by element in Python; joining the literal here costs a
     fraction of that, which matters on the hot paths (completion sends four arrays per call,
-    a batch enqueue fourteen arrays of batch length). Elements: ints (integer types), strs
+    an enqueue thirteen arrays of batch length). Elements: ints (integer and numeric types),
+    bools, strs
     (text), datetimes (timestamps), bytes (bytea), JSON-serialisable values (json/jsonb),
     ``None`` as SQL NULL (JSON null for a json type without ``none_as_null``).
     """

@@ -22,7 +22,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, Connection, Numeric, Select, column, select
+from sqlalchemy import BigInteger, Boolean, Connection, Numeric, column, select
 from sqlalchemy.dialects.postgresql import ARRAY, BYTEA
 
 from qstore.errors import UniqueConflictError
@@ -39,7 +39,8 @@ from qstore.storage.jobs import (
 from qstore.storage.lanes import assign_lanes
 from qstore.storage.planes import control, queue
 from qstore.storage.planes.queue import DEFERRED_COLUMNS, READY_COLUMNS
-from qstore.storage.sql import packed_array_param, schema_func
+from qstore.storage.sql import HotStatement, packed_array_param, schema_func
+from qstore.storage.targets import Runner
 
 __all__ = ["enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch", "enqueue_params_copy",
            "send_jobs", "write_jobs"]
@@ -55,12 +56,13 @@ _ARRAYS: dict[str, Any] = {
 
 
 @functools.lru_cache(maxsize=64)
-def _enqueue_stmt(sch: StorageSchema) -> Select[Any]:
+def _enqueue_stmt(sch: StorageSchema) -> HotStatement:
     """``SELECT * FROM <schema>.enqueue_jobs(<thirteen arrays>)``: one row, the new ids in
     batch order or the first conflicting key and its owner."""
     fn = schema_func(sch, "enqueue_jobs", *(packed_array_param(n, t) for n, t in _ARRAYS.items()))
-    return select(fn.table_valued(column("job_ids", ARRAY(BigInteger())), column("conflict_key", BYTEA()),
-                                  column("conflict_owner", BigInteger())))
+    return HotStatement(select(fn.table_valued(
+        column("job_ids", ARRAY(BigInteger())), column("conflict_key", BYTEA()),
+        column("conflict_owner", BigInteger()))))
 
 
 def _refuse_duplicate_keys(rows: Sequence[PreparedJob]) -> None:
@@ -85,8 +87,8 @@ def _parameters(sch: StorageSchema, rows: Sequence[PreparedJob]) -> dict[str, An
     }
 
 
-def send_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob]) -> list[int]:
-    """Write validated ``rows`` with one ``enqueue_jobs`` statement on ``conn``; returns the
+def send_jobs(run: Runner, ctx: StorageContext, rows: Sequence[PreparedJob]) -> list[int]:
+    """Write validated ``rows`` with one ``enqueue_jobs`` statement through ``run``; returns the
     new ids in batch order. A unique key owned by another job (or named twice in ``rows``)
     raises :class:`UniqueConflictError` and writes nothing (the statement itself succeeds,
     so a caller's transaction stays usable)."""
@@ -94,7 +96,7 @@ def send_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob]
         return []
     _refuse_duplicate_keys(rows)
     sch = ctx.schema
-    ids, key, owner = conn.execute(_enqueue_stmt(sch), _parameters(sch, rows)).one()
+    ((ids, key, owner),) = run.rows(_enqueue_stmt(sch), _parameters(sch, rows))
     if ids is None:
         what = f"unique key {key.hex()}" if key is not None else "a unique key"
         by = f"job {owner}" if owner is not None else "another job"
@@ -125,21 +127,21 @@ def write_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob
     return len(rows)
 
 
-def enqueue(ctx: StorageContext, conn: Connection, job: InsertParams) -> int:
+def enqueue(ctx: StorageContext, run: Runner, job: InsertParams) -> int:
     """Write one job and return its id: one statement (on an ``Engine``, one autocommitted
     round trip). A unique conflict raises and writes nothing."""
-    return send_jobs(conn, ctx, prepare_jobs([job], ctx.config.queue_stripe_count, field="job"))[0]
+    return send_jobs(run, ctx, prepare_jobs([job], ctx.config.queue_stripe_count, field="job"))[0]
 
 
-def enqueue_many(ctx: StorageContext, conn: Connection, jobs: Sequence[InsertParams]) -> list[int]:
+def enqueue_many(ctx: StorageContext, run: Runner, jobs: Sequence[InsertParams]) -> list[int]:
     """Write ``jobs`` in one statement and return their ids, in batch order. Every job is
     validated before anything is written; a unique conflict writes nothing."""
-    return send_jobs(conn, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count))
+    return send_jobs(run, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count))
 
 
-def enqueue_params_batch(ctx: StorageContext, conn: Connection, jobs: Sequence[InsertParams]) -> int:
+def enqueue_params_batch(ctx: StorageContext, run: Runner, jobs: Sequence[InsertParams]) -> int:
     """``enqueue_many`` returning the number of rows written."""
-    return len(send_jobs(conn, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count)))
+    return len(send_jobs(run, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count)))
 
 
 def enqueue_params_copy(ctx: StorageContext, conn: Connection, jobs: Sequence[InsertParams]) -> int:

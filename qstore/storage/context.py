@@ -20,18 +20,23 @@ SHARD_CACHE_TTL = 5.0
 
 
 class LaneRouter:
-    """Per-process lane routing for the COPY path: a short-lived cache of
-    ``queue_meta.enqueue_shards`` by *logical* queue.
+    """Per-process lane routing for the COPY path: the shard rotor (the key-less rows of one
+    batch share one pick) and a short-lived cache of ``queue_meta.enqueue_shards`` by
+    *logical* queue.
     The cache only keeps values read in transactions the storage itself owns (see
     :meth:`shard_counts`), so a caller's rolled-back option change is never kept."""
 
     def __init__(self) -> None:
+        self._rotor = itertools.count()
         self._shards: dict[str, tuple[float, int]] = {}
         self._lock = threading.Lock()
 
     def clear(self) -> None:
         with self._lock:
             self._shards.clear()
+
+    def next_rotor(self) -> int:
+        return next(self._rotor)
 
     def shard_counts(self, logicals: set[str], read: Callable[[list[str]], dict[str, int]],
                      keep: bool) -> dict[str, int]:

@@ -10,9 +10,10 @@ by default.
   the backlog, and queues the NOTIFY wake-ups. With an autocommitted connection a
   single-job enqueue is one round trip.
 * Lane choice: a row with an ordering key goes to ``ordering hash % shards``; the key-less
-  ready rows of one ``(queue, priority)`` in one call share the lane ``first id % shards``,
-  so consecutive single-job enqueues spread over the lanes (claims of one queue then run
-  on several lanes at once) while one batch stays FIFO in one lane.
+  ready rows of one call share the lane ``rotor % shards``, where ``rotor`` is one
+  ``nextval`` of the new sequence ``lane_rotor`` per call: consecutive enqueues (single
+  jobs or batches of any size) go round-robin over the lanes, so claims of one queue run
+  on several lanes at once, while one batch stays FIFO in one lane.
 * ``queue_meta.enqueue_shards`` defaults to 8, and a queue without a ``queue_meta`` row
   has 8 lanes per priority (``DEFAULT_SHARDS``). Existing rows keep their value.
 
@@ -53,6 +54,7 @@ DECLARE
   v_ls smallint[];
   v_lc integer[];
   v_starts bigint[];
+  v_rotor bigint;
 BEGIN
   IF v_n = 0 THEN
     RETURN QUERY SELECT '{{}}'::bigint[], NULL::bytea, NULL::bigint;
@@ -84,17 +86,20 @@ BEGIN
     END IF;
   END IF;
 
+  IF EXISTS (SELECT 1 FROM unnest(p_run_ats, p_order_hashes) AS u(run_at, hash)
+             WHERE u.run_at IS NULL AND u.hash IS NULL) THEN
+    v_rotor := nextval('{s}.lane_rotor'::regclass);
+  END IF;
   SELECT array_agg(x.ord ORDER BY x.ord), array_agg(x.shard ORDER BY x.ord)
     INTO v_ords, v_shards
   FROM (
     SELECT r.ord,
            (CASE WHEN r.shards <= 1 THEN 0
                  WHEN r.hash IS NOT NULL THEN r.hash % r.shards
-                 ELSE min(r.id) FILTER (WHERE r.hash IS NULL)
-                        OVER (PARTITION BY r.queue, r.priority) % r.shards
+                 ELSE v_rotor % r.shards
             END)::smallint AS shard
     FROM (
-      SELECT u.ord, u.queue, u.priority, u.hash, v_ids[u.ord] AS id,
+      SELECT u.ord, u.queue, u.priority, u.hash,
              coalesce(m.enqueue_shards, {DEFAULT_SHARDS}) AS shards
       FROM unnest(p_queues, p_logicals, p_priorities, p_order_hashes, p_run_ats)
              WITH ORDINALITY AS u(queue, logical, priority, hash, run_at, ord)
@@ -148,10 +153,12 @@ $$"""
 def upgrade(shape: Shape) -> list[str]:
     s = shape.schema
     return [f"ALTER TABLE {s}.queue_meta ALTER COLUMN enqueue_shards SET DEFAULT {DEFAULT_SHARDS}",
+            f"CREATE SEQUENCE {s}.lane_rotor AS bigint MINVALUE 0 START 0",
             enqueue_jobs(shape)]
 
 
 def downgrade(shape: Shape) -> list[str]:
     s = shape.schema
     return [f"DROP FUNCTION IF EXISTS {s}.{ENQUEUE_SIGNATURE}",
+            f"DROP SEQUENCE {s}.lane_rotor",
             f"ALTER TABLE {s}.queue_meta ALTER COLUMN enqueue_shards SET DEFAULT 1"]

@@ -55,9 +55,51 @@ DECLARE
   v_lc integer[];
   v_starts bigint[];
   v_rotor bigint;
+  v_id bigint;
+  v_shard_count integer;
+  v_shard smallint;
 BEGIN
   IF v_n = 0 THEN
     RETURN QUERY SELECT '{{}}'::bigint[], NULL::bytea, NULL::bigint;
+    RETURN;
+  END IF;
+
+  IF v_n = 1 THEN
+    -- one job: the same steps without the set-based machinery
+    v_id := nextval('{s}.job_id_seq'::regclass);
+    IF p_takes_key[1] THEN
+      INSERT INTO {s}.job_unique_claims (unique_key, job_id) VALUES (p_unique_keys[1], v_id)
+        ON CONFLICT (unique_key) DO NOTHING;
+      IF NOT FOUND THEN
+        RETURN QUERY SELECT NULL::bigint[], p_unique_keys[1],
+          (SELECT c.job_id FROM {s}.job_unique_claims c WHERE c.unique_key = p_unique_keys[1]);
+        RETURN;
+      END IF;
+    END IF;
+    IF p_run_ats[1] IS NULL THEN
+      v_shard_count := coalesce((SELECT m.enqueue_shards FROM {s}.queue_meta m
+                                 WHERE m.queue = p_logicals[1]), {DEFAULT_SHARDS});
+      v_shard := (CASE WHEN v_shard_count <= 1 THEN 0
+                       WHEN p_order_hashes[1] IS NOT NULL THEN p_order_hashes[1] % v_shard_count
+                       ELSE nextval('{s}.lane_rotor'::regclass) % v_shard_count END)::smallint;
+      v_starts := {s}.reserve_lanes(ARRAY[p_queues[1]], ARRAY[p_logicals[1]], ARRAY[p_priorities[1]],
+                                    ARRAY[v_shard], ARRAY[1]);
+      INSERT INTO {s}.ready_entries (ready_slot, ready_generation, job_id, kind, queue, args,
+                                     priority, max_attempts, lane_seq, enqueue_shard,
+                                     unique_key, unique_states, payload)
+      SELECT rs.current_slot, rs.generation, v_id, p_kinds[1], p_queues[1],
+             coalesce(p_args[1], '{{}}'::jsonb), p_priorities[1], p_max_attempts[1], v_starts[1],
+             v_shard, p_unique_keys[1], p_unique_states[1], p_payloads[1]
+      FROM {s}.queue_ring_state rs;
+    ELSE
+      INSERT INTO {s}.deferred_jobs (job_id, kind, queue, args, state, priority, max_attempts,
+                                     run_at, unique_key, unique_states, payload)
+      VALUES (v_id, p_kinds[1], p_queues[1], coalesce(p_args[1], '{{}}'::jsonb), 'scheduled',
+              p_priorities[1], p_max_attempts[1], p_run_ats[1], p_unique_keys[1],
+              p_unique_states[1], p_payloads[1]);
+    END IF;
+    PERFORM pg_notify(c.channel, '') FROM unnest(p_channels) AS c(channel);
+    RETURN QUERY SELECT ARRAY[v_id], NULL::bytea, NULL::bigint;
     RETURN;
   END IF;
   v_ids := ARRAY(SELECT nextval('{s}.job_id_seq'::regclass) FROM generate_series(1, v_n));

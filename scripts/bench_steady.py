@@ -126,7 +126,7 @@ class System:
 class QstoreSystem(System):
     name = "qstore"
 
-    def __init__(self, schema: str, shards: int, upkeep: str = "maintainer",
+    def __init__(self, schema: str, shards: int | None, upkeep: str = "maintainer",
                  schedule: MaintenanceSchedule | None = None) -> None:
         """``upkeep``: ``maintainer`` (the product's Maintainer, ``schedule`` or its
         default) or ``rings`` (:meth:`maintain`: rotate and prune the three rings)."""
@@ -142,7 +142,7 @@ class QstoreSystem(System):
     def install(self, engine: Engine) -> None:
         self.storage.reset(engine)
         self.storage.prepare_schema(engine)
-        if self.shards > 1:
+        if self.shards is not None:  # None: the install's default (eight lanes per priority)
             self.storage.set_queue_options(engine, QUEUE, enqueue_shards=self.shards)
 
     def drop(self, engine: Engine) -> None:
@@ -613,7 +613,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sample", type=float, default=5.0)
     p.add_argument("--vacuum-interval", type=float, default=10.0,
                    help="VACUUM both systems this often when server autovacuum is off (0: never)")
-    p.add_argument("--qstore-shards", type=int, default=1)
+    p.add_argument("--qstore-shards", type=int, default=None,
+                   help="enqueue shards of the benchmark queue (default: qstore's default, 8)")
     p.add_argument("--qstore-schema", default="steady_qstore")
     p.add_argument("--classic-schema", default="steady_classic")
     p.add_argument("--json", type=Path, default=Path("docs/steady.json"))

@@ -25,7 +25,7 @@ Then ratios and the targets of issue 3 (PASS/FAIL).
 ``natural`` — what a user's first worker loop does, qstore with its defaults. Per phase and
 system, on one fresh schema: (a) one thread enqueues single jobs back to back for
 ``--enqueue-seconds`` into a queue of their own, each its own transaction from the Engine
-(qstore ``enqueue_params_batch(engine, [job])``, the classic queue one autocommitted
+(qstore ``enqueue(engine, job)``, the classic queue one autocommitted
 ``INSERT``, no trigger); (b) N jobs are enqueued into the drained queue (COPY, not a
 target), the pool is warmed as in ``drain``, the horizon pinned in ``pinned``, and 16
 threads drain them: claim 10 from the Engine (qstore ``claim_runtime_batch(engine, queue,
@@ -215,7 +215,7 @@ class ClassicSystem:
 class QstoreSystem:
     name = "qstore"
 
-    def __init__(self, schema: str, shards: int = 1,
+    def __init__(self, schema: str, shards: int | None = None,
                  deadline: timedelta | None = timedelta(minutes=5)) -> None:
         """``deadline``: the attempt deadline every claim sets (None: the claim's default,
         no deadline)."""
@@ -240,7 +240,7 @@ class QstoreSystem:
         """Drop and reinstall the schema (every enqueue notifies, ``notify`` or not)."""
         self.storage.reset(engine)
         self.storage.prepare_schema(engine)
-        if self.shards > 1:  # a hot queue's lanes: claimers of one lane serialise on its head
+        if self.shards is not None:  # None: the install's default (eight lanes per priority)
             self.storage.set_queue_options(engine, QUEUE, enqueue_shards=self.shards)
 
     def drop(self, engine: Engine) -> None:
@@ -259,10 +259,10 @@ class QstoreSystem:
         return self.storage.enqueue_params_batch(conn, list(jobs))
 
     def enqueue_one(self, engine: Engine, i: int, queue: str = QUEUE) -> int:
-        """Job ``i`` alone: ``enqueue_params_batch(engine, [job])``, its own transaction."""
+        """Job ``i`` alone: ``enqueue(engine, job)``, one autocommitted statement."""
         _, kind, _, args = one_job(i)
         opts = self._opts if queue == QUEUE else self._opts_type(queue=queue, priority=PRIORITY)
-        return self.storage.enqueue_params_batch(engine, [self._params(kind, args, opts)])
+        return self.storage.enqueue(engine, self._params(kind, args, opts))
 
     @staticmethod
     def seq_of(claimed: Any) -> int:
@@ -882,8 +882,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phases", default=",".join(PHASES),
                    help="comma-separated subset of clean,pinned")
     p.add_argument("--qstore-schema", default="bench_qstore")
-    p.add_argument("--qstore-shards", type=int, default=1,
-                   help="enqueue shards of the benchmark queue (queue_meta.enqueue_shards)")
+    p.add_argument("--qstore-shards", type=int, default=None,
+                   help="enqueue shards of the benchmark queue (queue_meta.enqueue_shards; "
+                        "default: qstore's default, 8)")
     p.add_argument("--classic-schema", default="bench_classic")
     p.add_argument("--keep", action="store_true", help="keep the schemas after the run")
     p.add_argument("--json", type=Path, help="write the results here")

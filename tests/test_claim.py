@@ -53,6 +53,7 @@ def pause(engine, storage, queue: str, paused: bool = True) -> None:
 # -- order ----------------------------------------------------------------------------------
 
 def test_claims_within_a_lane_are_fifo(engine, storage):
+    storage.set_queue_options(engine, "q", enqueue_shards=1)  # every batch in one lane
     for b in range(4):
         storage.enqueue_params_batch(engine, [job({"n": b * 5 + i}) for i in range(5)])
 
@@ -491,6 +492,7 @@ def test_claim_continues_after_prune_removed_the_start_of_the_claim_chain(engine
 
 def test_claim_follows_a_lane_from_an_older_ring_slot_into_the_current_one(engine, make_storage):
     storage = make_storage(queue_slot_count=4)
+    storage.set_queue_options(engine, "q", enqueue_shards=1)  # both batches in one lane
     storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(3)])  # slot 0
     assert storage.rotate(engine).kind == "rotated"  # the current slot is 1 from here on
     storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(3, 6)])  # slot 1

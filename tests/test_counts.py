@@ -74,6 +74,7 @@ def test_counts_of_striped_queue_cover_all_stripes(engine, make_storage):
 
 
 def test_fast_available_counts_uncommitted_reservations_exact_does_not(engine, storage):
+    storage.set_queue_options(engine, "q", enqueue_shards=1)  # the reservation is in the committed lane
     storage.enqueue_params_batch(engine, [job()])
     with engine.connect() as conn:
         conn.begin()

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 
 import psycopg
 import pytest
-from sqlalchemy import make_url, text
+from sqlalchemy import event, make_url, text
 
 from qstore import QueueStorage, UniqueConflictError, ValidationError
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts, shard_for_ordering_key
@@ -339,6 +339,7 @@ def test_unknown_queue_is_created_on_first_use(engine, storage):
 # -- the app's transaction ----------------------------------------------------------------
 
 def test_rolled_back_enqueue_leaves_no_job_and_no_stranded_lane(engine, storage):
+    storage.set_queue_options(engine, "q", enqueue_shards=1)  # one lane: FIFO across calls
     storage.enqueue_params_batch(engine, [job(args={"before": 1})])
     with engine.connect() as conn:
         conn.begin()
@@ -438,7 +439,9 @@ class Producer(threading.Thread):
 
 def _warm_lane(engine, storage) -> int:
     """Create lane q/priority 2 and consume its first position, so later enqueues only
-    contend on the reservation lock (not on lane creation)."""
+    contend on the reservation lock (not on lane creation). One lane per priority, so
+    every producer of the queue meets the same lane."""
+    storage.set_queue_options(engine, "q", enqueue_shards=1)
     storage.enqueue_params_batch(engine, [job(args={"warm": 1})])
     warm = storage.claim_runtime_batch(engine, "q", 1)
     storage.complete_runtime_batch(engine, warm)
@@ -561,7 +564,7 @@ def test_enqueue_shards_spread_separate_batches_across_shards(engine, storage):
 
     shards = Counter(s for (s,) in rows(engine, storage, "ready_entries", ("enqueue_shard",)))
     assert set(shards) == {0, 1, 2, 3}
-    # One batch shares one rotor pick: each batch lands on a single shard.
+    # One batch shares one lane: each batch lands on a single shard.
     per_batch = {}
     for args, shard in rows(engine, storage, "ready_entries", ("args", "enqueue_shard")):
         per_batch.setdefault(args["b"], set()).add(shard)
@@ -655,3 +658,108 @@ def test_enqueue_in_a_rolled_back_caller_transaction_leaves_nothing(engine, stor
         job_id = storage.enqueue(conn, job())
         conn.rollback()
     assert storage.load_job(engine, job_id) is None
+
+
+# -- one statement per enqueue, lanes by default ----------------------------------------------
+
+class StatementLog:
+    """Every statement an Engine sends, with the driver connection's autocommit flag."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.sent: list[tuple[str, bool]] = []
+
+    def __enter__(self) -> StatementLog:
+        event.listen(self.engine, "before_cursor_execute", self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        event.remove(self.engine, "before_cursor_execute", self._record)
+
+    def _record(self, conn, cursor, statement, parameters, context, executemany) -> None:
+        self.sent.append((statement, conn.connection.driver_connection.autocommit))
+
+
+def test_single_job_enqueue_on_an_engine_is_one_autocommitted_statement(engine, storage):
+    storage.enqueue(engine, job())  # warm-up: compiled statement cached, lane created
+    with StatementLog(engine) as log:
+        job_id = storage.enqueue(engine, job(args={"n": 1}))
+    assert len(log.sent) == 1
+    statement, autocommit = log.sent[0]
+    assert "enqueue_jobs" in statement and autocommit
+    assert storage.load_job(engine, job_id).args == {"n": 1}  # committed: another connection sees it
+
+
+def test_single_job_enqueue_in_a_callers_transaction_is_one_statement_there(engine, storage):
+    with engine.connect() as conn:
+        conn.begin()
+        with StatementLog(engine) as log:
+            job_id = storage.enqueue(conn, job())
+        assert [autocommit for _, autocommit in log.sent] == [False]
+        assert storage.load_job(engine, job_id) is None  # not yet committed
+        conn.commit()
+    assert storage.load_job(engine, job_id) is not None
+
+
+def test_batch_enqueue_is_one_statement(engine, storage):
+    with StatementLog(engine) as log:
+        ids = storage.enqueue_many(engine, [job(args={"i": i}) for i in range(50)]
+                                   + [job(run_at=datetime.now(UTC) + timedelta(hours=1))])
+    assert len(ids) == 51 and len(log.sent) == 1
+
+
+def test_consecutive_single_job_enqueues_spread_over_eight_lanes_by_default(engine, storage):
+    for i in range(16):
+        storage.enqueue(engine, job(args={"i": i}))
+    shards = Counter(s for (s,) in rows(engine, storage, "ready_entries", ("enqueue_shard",)))
+    assert sorted(shards) == list(range(8)) and set(shards.values()) == {2}
+
+
+def test_one_batch_stays_in_one_lane_in_batch_order(engine, storage):
+    storage.enqueue_many(engine, [job(args={"i": i}) for i in range(6)])
+    claimed = drain(engine, storage, batch=4)
+    assert [j.job.args["i"] for j in claimed] == list(range(6))
+    assert len({j.claim.enqueue_shard for j in claimed}) == 1
+
+
+def test_a_new_queue_meta_row_has_eight_lanes(engine, storage):
+    storage.set_queue_options(engine, "q", dlq_enabled=True)
+    with engine.connect() as c:
+        assert c.execute(text(f'SELECT enqueue_shards FROM "{storage.schema()}".queue_meta '
+                              "WHERE queue = 'q'")).scalar_one() == 8
+
+
+def test_unique_conflict_names_the_owning_job(engine, storage):
+    owner = storage.enqueue(engine, job(args={"u": 1}, unique=UniqueOpts()))
+    with pytest.raises(UniqueConflictError, match=f"is owned by job {owner}"):
+        storage.enqueue(engine, job(args={"u": 1}, unique=UniqueOpts()))
+
+
+def test_unique_conflict_in_a_batch_releases_the_keys_the_batch_took(engine, storage):
+    storage.enqueue(engine, job(args={"u": 2}, unique=UniqueOpts()))
+    before = census(engine, storage)
+    with pytest.raises(UniqueConflictError):
+        storage.enqueue_many(engine, [job(args={"u": 1}, unique=UniqueOpts()),
+                                      job(args={"u": 2}, unique=UniqueOpts())])
+    assert census(engine, storage) == before
+    storage.enqueue(engine, job(args={"u": 1}, unique=UniqueOpts()))  # key 1 is free
+
+
+def test_concurrent_enqueues_of_one_unique_key_write_one_job(engine, storage):
+    barrier = threading.Barrier(8)
+    results: list[object] = []
+
+    def one() -> None:
+        barrier.wait()
+        try:
+            results.append(storage.enqueue(engine, job(args={"u": "same"}, unique=UniqueOpts())))
+        except UniqueConflictError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(isinstance(r, int) for r in results) == 1
+    assert census(engine, storage)["ready_entries"] == 1

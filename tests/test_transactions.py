@@ -4,11 +4,12 @@ Connection and ORM Session join the caller's, which alone commits or rolls back.
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import Column, MetaData, Table, Text, bindparam, event, func, insert, select, text
 from sqlalchemy.orm import Session
 
 from qstore import ValidationError
-from qstore.storage.targets import Policy, Transactions, reads_committed_state, run
+from qstore.storage.sql import HotStatement
+from qstore.storage.targets import Policy, Runner, Transactions, reads_committed_state, run
 
 
 def _activated(engine, schema: str) -> bool:
@@ -132,10 +133,71 @@ def test_atomic_policy_error_leaves_the_callers_transaction_usable_and_unwritten
     assert _count(engine, schema) == 1
 
 
-def test_statement_policy_on_an_engine_autocommits_each_statement(storage, engine):
+def _hot_insert(schema: str, queue: str) -> HotStatement:
+    meta = MetaData(schema=schema)
+    t = Table("queue_meta", meta, Column("queue", Text))
+    return HotStatement(insert(t).values(queue=bindparam("q")).returning(t.c.queue))
+
+
+def _hot_txid() -> HotStatement:
+    return HotStatement(select(func.txid_current_if_assigned(), func.txid_current()))
+
+
+def test_statement_policy_on_an_engine_autocommits_its_statement(storage, engine):
+    def body(runner: Runner) -> None:
+        assert runner.rows(_hot_insert(storage.schema(), "a"), {"q": "a"}) == [("a",)]
+        raise RuntimeError("boom")
+
     with pytest.raises(RuntimeError):
-        run(Policy.STATEMENT, engine, _insert_then_fail(storage.schema()))
-    assert _count(engine, storage.schema()) == 1  # no transaction block to roll back
+        run(Policy.STATEMENT, engine, body)
+    assert _count(engine, storage.schema()) == 1  # committed with its statement
+
+
+def test_statement_policy_on_an_engine_runs_each_statement_in_its_own_transaction(engine):
+    def body(runner: Runner) -> tuple:
+        (first,) = runner.rows(_hot_txid(), {})
+        (second,) = runner.rows(_hot_txid(), {})
+        return first, second
+
+    (assigned1, id1), (assigned2, id2) = run(Policy.STATEMENT, engine, body)
+    assert assigned1 is None and assigned2 is None and id1 != id2  # no transaction block
+
+
+def test_statement_policy_hands_the_pooled_connection_back_out_of_autocommit(engine):
+    run(Policy.STATEMENT, engine, lambda runner: runner.rows(_hot_txid(), {}))
+    raw = engine.raw_connection()
+    try:
+        assert raw.driver_connection.autocommit is False
+    finally:
+        raw.close()
+
+
+def test_statement_policy_on_a_connection_runs_in_the_callers_transaction(storage, engine):
+    with engine.connect() as conn:
+        run(Policy.STATEMENT, conn, lambda runner: runner.rows(_hot_insert(storage.schema(), "a"), {"q": "a"}))
+        assert conn.in_transaction()
+        ((mine, _),) = conn.execute(select(func.txid_current_if_assigned(), func.txid_current())).all()
+        assert mine is not None  # the insert ran in this transaction
+        conn.rollback()
+    assert _count(engine, storage.schema()) == 0
+
+
+def test_statement_policy_sends_through_cursor_events_when_someone_listens(storage, engine):
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, *rest) -> None:
+        seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        run(Policy.STATEMENT, engine, lambda runner: runner.rows(_hot_insert(storage.schema(), "a"), {"q": "a"}))
+        with engine.connect() as conn:
+            run(Policy.STATEMENT, conn, lambda runner: runner.rows(_hot_insert(storage.schema(), "b"), {"q": "b"}))
+            conn.commit()
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert sum("queue_meta" in s for s in seen) == 2
+    assert _count(engine, storage.schema()) == 2
 
 
 def test_units_policy_on_an_engine_commits_each_unit_on_its_own(storage, engine):
@@ -182,7 +244,6 @@ def test_run_rejects_other_targets():
 
 def test_only_an_engine_target_reads_committed_state(engine):
     assert run(Policy.JOIN, engine, reads_committed_state)
-    assert run(Policy.STATEMENT, engine, reads_committed_state)
     with engine.connect() as conn:
         assert not run(Policy.JOIN, conn, reads_committed_state)
     with Session(engine) as session:

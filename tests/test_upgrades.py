@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 PREVIOUS_WHEEL = HERE / "data" / "previous_release" / "qstore-0.1.0-1b55e32.whl"
 WORKER = HERE / "previous_release_worker.py"
 #: the revisions the previous release shipped (it can write data at any of them)
-PREVIOUS_REVISIONS = ("0001", "0002", "0003", "0004", "0005")
+PREVIOUS_REVISIONS = REVISIONS[:-1]
 MODES = ("receipts", "leases")
 Q = "upgrade"
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}

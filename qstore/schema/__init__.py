@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 #: Revision ids in order; the declaration below is the shape of the last one (the head).
-REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
 SEED_KEY = "qstore_seed"
 
 
@@ -76,7 +76,7 @@ class Ring:
         return [f.children[slot] for f in self.families]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StorageSchema:
     """Every declared object of one install, by role."""
 
@@ -111,6 +111,7 @@ class StorageSchema:
     backends: Table
     transition: Table
     job_id_seq: Sequence
+    lane_rotor: Sequence  # one nextval per enqueue call: its key-less rows' lane
     functions: tuple[ServerFunction, ...]
     views: tuple[ServerView, ...]
 
@@ -125,6 +126,7 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     md = MetaData(schema=s)
     state = job_state_enum(s)
     job_id_seq = Sequence("job_id_seq", schema=s, metadata=md, start=1)
+    lane_rotor = Sequence("lane_rotor", schema=s, metadata=md, start=0, minvalue=0)
 
     ready = queue_plane.declare_ready_entries(md, config)
     tombstones = queue_plane.declare_ready_tombstones(md, config)
@@ -160,7 +162,7 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
         counter_state=counter_state, queue_meta=queue_meta,
         unique_claims=unique_claims, claimer_leases=claimer_leases,
         claimer_state=claimer_state, storage_config=storage_config, backends=backends,
-        transition=transition, job_id_seq=job_id_seq, functions=functions, views=views,
+        transition=transition, job_id_seq=job_id_seq, lane_rotor=lane_rotor, functions=functions, views=views,
     )
     md.info["qstore_schema"] = sch
     _attach_ddl_events(sch)

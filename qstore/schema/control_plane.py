@@ -151,7 +151,7 @@ def declare_queue_meta(md: MetaData, cfg: QueueStorageConfig) -> Table:
         Column("paused", Boolean, nullable=False, server_default=text("false")),
         Column("paused_at", TS),
         Column("paused_by", TEXT),
-        Column("enqueue_shards", SMALLINT, nullable=False, server_default=text("1")),
+        Column("enqueue_shards", SMALLINT, nullable=False, server_default=text("8")),
         Column("dlq_enabled", Boolean, nullable=False, server_default=text("false")),
     ]
     return Table(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection
 
 from qstore.config import QueueStorageConfig
-from qstore.migrations.frozen import r0001, r0004, r0006
+from qstore.migrations.frozen import r0001, r0004, r0006, r0007
 
 __all__ = ["ServerFunction", "ServerView", "declare_functions", "declare_views", "execute_ddl"]
 
@@ -83,7 +83,8 @@ def declare_functions(cfg: QueueStorageConfig) -> tuple[ServerFunction, ...]:
     backoff, ensure_lane, reserve_lanes, _claim, _complete = r0001.function_statements(s)
     statements = (backoff, ensure_lane, reserve_lanes,
                   r0006.claim_ready(cfg),         # revision 0006
-                  r0004.complete_receipts(cfg))   # revision 0004
+                  r0004.complete_receipts(cfg),   # revision 0004
+                  r0007.enqueue_jobs(cfg))        # revision 0007
     return tuple(ServerFunction.parse(s, x) for x in statements)
 
 

@@ -61,9 +61,9 @@ class Operations:
     reset = op(JOIN, lifecycle.reset)
 
     # -- enqueue -----------------------------------------------------------------------------
-    enqueue = op(ATOMIC, enqueuing.enqueue)
-    enqueue_many = op(ATOMIC, enqueuing.enqueue_many, jobs=C.items)
-    enqueue_params_batch = op(ATOMIC, enqueuing.enqueue_params_batch, jobs=C.items)
+    enqueue = op(STATEMENT, enqueuing.enqueue)
+    enqueue_many = op(STATEMENT, enqueuing.enqueue_many, jobs=C.items)
+    enqueue_params_batch = op(STATEMENT, enqueuing.enqueue_params_batch, jobs=C.items)
     enqueue_params_copy = op(ATOMIC, enqueuing.enqueue_params_copy, jobs=C.items)
     enqueue_batch = op(ATOMIC, enqueuing.enqueue_batch, queue=C.queue, priority=C.priority, count=C.batch)
 

@@ -26,7 +26,6 @@ from sqlalchemy import (
     Boolean,
     Connection,
     Integer,
-    Select,
     Text,
     bindparam,
     column,
@@ -48,8 +47,8 @@ from qstore.storage.checks import ms, seconds
 from qstore.storage.context import StorageContext
 from qstore.storage.jobs import stripes_for
 from qstore.storage.planes import control
-from qstore.storage.sql import schema_func
-from qstore.storage.targets import Transactions
+from qstore.storage.sql import HotStatement, schema_func
+from qstore.storage.targets import Runner, Transactions
 
 __all__ = [
     "ORIGINAL_PRIORITY_KEY",
@@ -79,14 +78,14 @@ ORIGINAL_PRIORITY_KEY = "_qstore_original_priority"
 
 
 @functools.lru_cache(maxsize=64)
-def _claim_stmt(sch: StorageSchema) -> Select[Any]:
+def _claim_stmt(sch: StorageSchema) -> HotStatement:
     fn = schema_func(
         sch, "claim_ready",
         bindparam("queue", type_=Text()), bindparam("max_batch", type_=Integer()),
         bindparam("deadline_ms", type_=BigInteger()), bindparam("aging_ms", type_=BigInteger()),
         bindparam("receipts", type_=Boolean()),
     )
-    return select(fn.table_valued(*(column(n, t) for n, t in _CLAIM_COLUMNS)))
+    return HotStatement(select(fn.table_valued(*(column(n, t) for n, t in _CLAIM_COLUMNS))))
 
 
 def _to_runtime(row: Any, receipts: bool) -> ClaimedRuntimeJob:
@@ -127,14 +126,14 @@ def _to_runtime(row: Any, receipts: bool) -> ClaimedRuntimeJob:
     return assemble(ClaimedRuntimeJob, {"claim": entry, "job": job, "unique_states": unique_states})
 
 
-def claim_physical(conn: Connection, sch: StorageSchema, queue: str, max_batch: int,
+def claim_physical(run: Runner, sch: StorageSchema, queue: str, max_batch: int,
                    deadline_ms: int, aging_ms: int) -> list[ClaimedRuntimeJob]:
-    """One ``claim_ready`` call on one physical queue, on ``conn``'s transaction."""
+    """One ``claim_ready`` call on one physical queue, through ``run``."""
     receipts = sch.config.lease_claim_receipts
-    rows = conn.execute(_claim_stmt(sch), {
+    rows = run.rows(_claim_stmt(sch), {
         "queue": queue, "max_batch": max_batch, "deadline_ms": deadline_ms,
         "aging_ms": aging_ms, "receipts": receipts,
-    }).all()
+    })
     return [_to_runtime(r, receipts) for r in rows]
 
 
@@ -144,8 +143,8 @@ def _claim(ctx: StorageContext, tx: Transactions, queue: str, max_batch: int, de
     out: list[ClaimedRuntimeJob] = []
     for q in stripes_for(queue, sch.config.queue_stripe_count, next(ctx.stripe_probe)):
         try:
-            with tx.statement() as conn:
-                out += claim_physical(conn, sch, q, max_batch - len(out), deadline_ms, aging_ms)
+            with tx.hot() as run:
+                out += claim_physical(run, sch, q, max_batch - len(out), deadline_ms, aging_ms)
         except Exception:
             # with an Engine earlier stripes are committed: return them rather than fail
             if not out or not tx.owned:
@@ -183,8 +182,9 @@ def claim_batch(ctx: StorageContext, conn: Connection, queue: str, max_batch: in
     """Benchmark path: claim across all stripes in one transaction, no deadline or aging;
     returns the claims' entries only. Runtime code uses ``claim_runtime_batch``."""
     out: list[ClaimedRuntimeJob] = []
+    run = Runner.on(conn)
     for q in stripes_for(queue, ctx.config.queue_stripe_count, next(ctx.stripe_probe)):
-        out += claim_physical(conn, ctx.schema, q, max_batch - len(out), 0, 0)
+        out += claim_physical(run, ctx.schema, q, max_batch - len(out), 0, 0)
         if len(out) >= max_batch:
             break
     return [j.claim for j in out]

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, Integer, Select, Text, column, select
+from sqlalchemy import BigInteger, Connection, Integer, Text, column, select
 
 from qstore.errors import PartialCommitError
 from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobState
@@ -25,8 +25,8 @@ from qstore.storage.context import StorageContext
 from qstore.storage.decide import Decision, Destination
 from qstore.storage.jobs import holds_key
 from qstore.storage.planes.execution import Closure, take_attempts
-from qstore.storage.sql import packed_array_param, schema_func
-from qstore.storage.targets import Transactions
+from qstore.storage.sql import HotStatement, packed_array_param, schema_func
+from qstore.storage.targets import Runner, Transactions
 
 __all__ = [
     "complete_batch",
@@ -43,10 +43,10 @@ _COMPLETED = Decision(Destination.TERMINAL, JobState.COMPLETED, clear_progress=T
 
 
 @functools.lru_cache(maxsize=64)
-def _fast_stmt(sch: StorageSchema) -> Select[Any]:
+def _fast_stmt(sch: StorageSchema) -> HotStatement:
     """``SELECT * FROM <schema>.complete_receipts(:claim_slots, :job_ids, :run_leases, :kinds)``."""
     fn = schema_func(sch, "complete_receipts", *(packed_array_param(n, t) for n, t in _ARRAYS.items()))
-    return select(fn.table_valued(column("job_id", BigInteger()), column("run_lease", BigInteger())))
+    return HotStatement(select(fn.table_valued(column("job_id", BigInteger()), column("run_lease", BigInteger()))))
 
 
 def _fast_candidate(job: ClaimedRuntimeJob) -> bool:
@@ -66,7 +66,7 @@ def complete_pairs(conn: Connection, ctx: StorageContext, pairs: Sequence[tuple[
     return [(t.job_id, t.run_lease) for t in taken]
 
 
-def _complete_fast(conn: Connection, sch: StorageSchema,
+def _complete_fast(run: Runner, sch: StorageSchema,
                    claimed: Sequence[ClaimedRuntimeJob]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """One ``complete_receipts`` call for the fast candidates among ``claimed``. Returns the
     pairs it completed, in input order, and the pairs left for the general path
@@ -83,10 +83,10 @@ def _complete_fast(conn: Connection, sch: StorageSchema,
     if not fast:
         return [], list(rest)
     e: list[ClaimedEntry] = [j.claim for j in fast.values()]
-    rows = conn.execute(_fast_stmt(sch), {
+    rows = run.rows(_fast_stmt(sch), {
         "claim_slots": [x.claim_slot for x in e], "job_ids": [x.job_id for x in e],
         "run_leases": [x.run_lease for x in e], "kinds": [j.job.kind for j in fast.values()],
-    }).all()
+    })
     finished = {(r[0], r[1]) for r in rows}
     if len(finished) == len(fast):
         done = list(fast)
@@ -119,12 +119,12 @@ def complete_runtime_batch(ctx: StorageContext, tx: Transactions,
         return []
     if not tx.owned or not all(_fast_candidate(j) for j in claimed):
         with tx.unit() as conn:
-            done, rest = _complete_fast(conn, ctx.schema, claimed)
+            done, rest = _complete_fast(Runner.on(conn), ctx.schema, claimed)
             if not rest:
                 return done
             return _in_input_order(done + complete_pairs(conn, ctx, rest), claimed)
-    with tx.statement() as conn:
-        done, rest = _complete_fast(conn, ctx.schema, claimed)
+    with tx.hot() as run:
+        done, rest = _complete_fast(run, ctx.schema, claimed)
     if not rest:
         return done
     try:

@@ -10,17 +10,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from qstore.config import QueueStorageConfig
+from qstore.migrations.frozen.r0007 import DEFAULT_SHARDS
 from qstore.schema import StorageSchema
 
-__all__ = ["SHARD_CACHE_TTL", "LaneRouter", "StorageContext"]
+__all__ = ["DEFAULT_SHARDS", "SHARD_CACHE_TTL", "LaneRouter", "StorageContext"]
 
 #: How long an enqueue-shard count read from ``queue_meta`` is reused (seconds).
 SHARD_CACHE_TTL = 5.0
 
 
 class LaneRouter:
-    """Per-process lane routing: the shard rotor (key-less rows of a batch share one pick per
-    lane group) and a short-lived cache of ``queue_meta.enqueue_shards`` by *logical* queue.
+    """Per-process lane routing for the COPY path: the shard rotor (the key-less rows of one
+    batch share one pick) and a short-lived cache of ``queue_meta.enqueue_shards`` by
+    *logical* queue.
     The cache only keeps values read in transactions the storage itself owns (see
     :meth:`shard_counts`), so a caller's rolled-back option change is never kept."""
 
@@ -39,7 +41,7 @@ class LaneRouter:
     def shard_counts(self, logicals: set[str], read: Callable[[list[str]], dict[str, int]],
                      keep: bool) -> dict[str, int]:
         """Shard counts of ``logicals``: cached ones, the rest from ``read(missing)``
-        (absent queues have one shard); ``keep`` says whether the read values may be
+        (a queue without a ``queue_meta`` row has ``DEFAULT_SHARDS``); ``keep`` says whether the read values may be
         cached (they were read in a transaction the storage owns)."""
         now = time.monotonic()
         with self._lock:
@@ -48,7 +50,7 @@ class LaneRouter:
         if missing:
             found = read(missing)
             for q in missing:
-                known[q] = int(found.get(q, 1))
+                known[q] = int(found.get(q, DEFAULT_SHARDS))
             if keep:
                 with self._lock:
                     for q in missing:

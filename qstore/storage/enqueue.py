@@ -1,30 +1,115 @@
-"""Enqueue: ``enqueue_params_batch`` (one multi-row INSERT), ``enqueue_params_copy`` (COPY)
-and ``enqueue_batch`` (synthetic benchmark jobs).
+"""Enqueue: ``enqueue`` (one job, returns its id), ``enqueue_many`` / ``enqueue_params_batch``
+(many jobs, one statement), ``enqueue_params_copy`` (COPY) and ``enqueue_batch`` (synthetic
+benchmark jobs).
 
-Everything is validated first; then ids are allocated, unique keys taken, lane positions
-reserved (the reservation lock is held until the enqueue commits), ready rows written into
-the current queue slot and deferred rows into the backlog, and every logical queue that
-received ready rows is notified (PostgreSQL delivers it on commit). A unique conflict
-raises and, the operation being atomic, leaves nothing of the batch.
+Everything is validated in Python first. Then every path except COPY is **one statement**:
+the server function ``enqueue_jobs`` allocates the ids, takes the unique keys, picks and
+reserves the lanes (the reservation lock is held until the enqueue commits), writes ready
+rows into the current queue slot and scheduled rows into the backlog, and queues the
+NOTIFY wake-ups (delivered on commit). On an ``Engine`` that statement is autocommitted, so
+a single-job enqueue is one round trip; in a caller's transaction it is one statement
+there. A unique key another job owns makes the function write nothing and report the
+owner, which raises :class:`UniqueConflictError` here while the caller's transaction stays
+usable.
+
+COPY cannot call a function, so ``enqueue_params_copy`` and ``enqueue_batch`` write the same
+rows step by step in one transaction (:func:`write_jobs`), following the same lane rule.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import BigInteger, Boolean, Connection, Numeric, column, select
+from sqlalchemy.dialects.postgresql import ARRAY, BYTEA
 
+from qstore.errors import UniqueConflictError
+from qstore.schema import StorageSchema
 from qstore.storage.context import StorageContext
-from qstore.storage.jobs import InsertOpts, InsertParams, PreparedJob, holds_key, prepare_jobs
+from qstore.storage.jobs import (
+    InsertOpts,
+    InsertParams,
+    PreparedJob,
+    holds_key,
+    ordering_hash,
+    prepare_jobs,
+)
 from qstore.storage.lanes import assign_lanes
 from qstore.storage.planes import control, queue
+from qstore.storage.planes.queue import DEFERRED_COLUMNS, READY_COLUMNS
+from qstore.storage.sql import HotStatement, packed_array_param, schema_func
+from qstore.storage.targets import Runner
 
-__all__ = ["enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch", "enqueue_params_copy", "write_jobs"]
+__all__ = ["enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch", "enqueue_params_copy",
+           "send_jobs", "write_jobs"]
+
+_ARRAYS: dict[str, Any] = {
+    "kinds": READY_COLUMNS["kind"], "queues": READY_COLUMNS["queue"], "logicals": READY_COLUMNS["queue"],
+    "args": READY_COLUMNS["args"], "priorities": READY_COLUMNS["priority"],
+    "max_attempts": READY_COLUMNS["max_attempts"], "run_ats": DEFERRED_COLUMNS["run_at"],
+    "unique_keys": READY_COLUMNS["unique_key"], "unique_states": READY_COLUMNS["unique_states"],
+    "payloads": READY_COLUMNS["payload"], "takes_key": Boolean(), "order_hashes": Numeric(),
+    "channels": READY_COLUMNS["queue"],
+}
+
+
+@functools.lru_cache(maxsize=64)
+def _enqueue_stmt(sch: StorageSchema) -> HotStatement:
+    """``SELECT * FROM <schema>.enqueue_jobs(<thirteen arrays>)``: one row, the new ids in
+    batch order or the first conflicting key and its owner."""
+    fn = schema_func(sch, "enqueue_jobs", *(packed_array_param(n, t) for n, t in _ARRAYS.items()))
+    return HotStatement(select(fn.table_valued(
+        column("job_ids", ARRAY(BigInteger())), column("conflict_key", BYTEA()),
+        column("conflict_owner", BigInteger()))))
+
+
+def _refuse_duplicate_keys(rows: Sequence[PreparedJob]) -> None:
+    seen: set[bytes] = set()
+    for r in rows:
+        if r.unique_key is not None and holds_key(r.unique_states, r.state):
+            if r.unique_key in seen:
+                raise UniqueConflictError("job_unique_claims", f"duplicate unique key {r.unique_key.hex()} in one batch")
+            seen.add(r.unique_key)
+
+
+def _parameters(sch: StorageSchema, rows: Sequence[PreparedJob]) -> dict[str, Any]:
+    return {
+        "kinds": [r.kind for r in rows], "queues": [r.queue for r in rows],
+        "logicals": [r.logical for r in rows], "args": [r.args for r in rows],
+        "priorities": [r.priority for r in rows], "max_attempts": [r.max_attempts for r in rows],
+        "run_ats": [r.run_at for r in rows], "unique_keys": [r.unique_key for r in rows],
+        "unique_states": [r.unique_states for r in rows], "payloads": [r.payload for r in rows],
+        "takes_key": [r.unique_key is not None and holds_key(r.unique_states, r.state) for r in rows],
+        "order_hashes": [None if r.ordering_key is None else ordering_hash(r.ordering_key) for r in rows],
+        "channels": sorted({sch.config.notify_channel(r.logical) for r in rows if r.run_at is None}),
+    }
+
+
+def send_jobs(run: Runner, ctx: StorageContext, rows: Sequence[PreparedJob]) -> list[int]:
+    """Write validated ``rows`` with one ``enqueue_jobs`` statement through ``run``; returns the
+    new ids in batch order. A unique key owned by another job (or named twice in ``rows``)
+    raises :class:`UniqueConflictError` and writes nothing (the statement itself succeeds,
+    so a caller's transaction stays usable)."""
+    if not rows:
+        return []
+    _refuse_duplicate_keys(rows)
+    sch = ctx.schema
+    ((ids, key, owner),) = run.rows(_enqueue_stmt(sch), _parameters(sch, rows))
+    if ids is None:
+        what = f"unique key {key.hex()}" if key is not None else "a unique key"
+        by = f"job {owner}" if owner is not None else "another job"
+        raise UniqueConflictError("job_unique_claims", f"{what} is owned by {by}")
+    for row, job_id in zip(rows, ids, strict=True):
+        row.job_id = job_id
+    return list(ids)
 
 
 def write_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob], *, use_copy: bool) -> int:
-    """Write new, validated jobs on ``conn``'s transaction. Returns rows written."""
+    """Write new, validated jobs step by step on ``conn``'s transaction (the COPY path: ids,
+    keys, lanes, ready rows over COPY or INSERT, scheduled rows, NOTIFY). Returns rows
+    written; a unique conflict raises (the transaction must not commit)."""
     if not rows:
         return 0
     sch = ctx.schema
@@ -42,29 +127,26 @@ def write_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob
     return len(rows)
 
 
-def enqueue(ctx: StorageContext, conn: Connection, job: InsertParams) -> int:
-    """Write one job and return its id (a unique conflict raises and writes nothing)."""
-    rows = prepare_jobs([job], ctx.config.queue_stripe_count, field="job")
-    write_jobs(conn, ctx, rows, use_copy=False)
-    assert rows[0].job_id is not None
-    return rows[0].job_id
+def enqueue(ctx: StorageContext, run: Runner, job: InsertParams) -> int:
+    """Write one job and return its id: one statement (on an ``Engine``, one autocommitted
+    round trip). A unique conflict raises and writes nothing."""
+    return send_jobs(run, ctx, prepare_jobs([job], ctx.config.queue_stripe_count, field="job"))[0]
 
 
-def enqueue_many(ctx: StorageContext, conn: Connection, jobs: Sequence[InsertParams]) -> list[int]:
-    """Write ``jobs`` like ``enqueue_params_batch`` and return their ids, in batch order."""
-    rows = prepare_jobs(jobs, ctx.config.queue_stripe_count)
-    write_jobs(conn, ctx, rows, use_copy=False)
-    return [r.job_id for r in rows if r.job_id is not None]
+def enqueue_many(ctx: StorageContext, run: Runner, jobs: Sequence[InsertParams]) -> list[int]:
+    """Write ``jobs`` in one statement and return their ids, in batch order. Every job is
+    validated before anything is written; a unique conflict writes nothing."""
+    return send_jobs(run, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count))
 
 
-def enqueue_params_batch(ctx: StorageContext, conn: Connection, jobs: Sequence[InsertParams]) -> int:
-    """Write ``jobs`` (multi-row INSERT). All rows are validated before anything is written;
-    a unique conflict writes nothing. Returns rows written."""
-    return write_jobs(conn, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count), use_copy=False)
+def enqueue_params_batch(ctx: StorageContext, run: Runner, jobs: Sequence[InsertParams]) -> int:
+    """``enqueue_many`` returning the number of rows written."""
+    return len(send_jobs(run, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count)))
 
 
 def enqueue_params_copy(ctx: StorageContext, conn: Connection, jobs: Sequence[InsertParams]) -> int:
-    """Same semantics as ``enqueue_params_batch``, streaming the ready rows with COPY."""
+    """Same semantics as ``enqueue_params_batch``, streaming the ready rows with COPY (in one
+    transaction of its own, or a savepoint of the caller's). Returns rows written."""
     return write_jobs(conn, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count), use_copy=True)
 
 

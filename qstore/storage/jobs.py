@@ -26,6 +26,7 @@ __all__ = [
     "PreparedJob",
     "UniqueOpts",
     "logical_queue",
+    "ordering_hash",
     "prepare_jobs",
     "shard_for_ordering_key",
     "stripe_of",
@@ -203,14 +204,18 @@ def stripes_for(queue: str, stripe_count: int, start: int = 0) -> list[str]:
     return [f"{queue}{STRIPE_SEP}{(k + i) % stripe_count}" for i in range(stripe_count)]
 
 
-def shard_for_ordering_key(key: bytes, shards: int) -> int:
-    """Rolling 64-bit hash (FNV basis/prime, byte *added*), portable across languages."""
-    if shards <= 1:
-        return 0
+def ordering_hash(key: bytes) -> int:
+    """Rolling unsigned 64-bit hash of an ordering key (FNV basis/prime, byte *added*),
+    portable across languages: a row with this key goes to lane ``hash % shards``."""
     h = 14695981039346656037
     for b in key:
         h = (h * 1099511628211 + b) & 0xFFFFFFFFFFFFFFFF
-    return h % shards
+    return h
+
+
+def shard_for_ordering_key(key: bytes, shards: int) -> int:
+    """The lane of a row with ordering key ``key`` among ``shards`` lanes."""
+    return 0 if shards <= 1 else ordering_hash(key) % shards
 
 
 def _check_json(value: Any, path: str, depth: int = 0) -> None:

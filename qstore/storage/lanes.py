@@ -1,10 +1,12 @@
 """Lane routing of ready rows: which shard of its ``(queue, priority)`` a row goes to, and
 its position in that lane.
 
-Rows with an ordering key are pinned to ``shard_for_ordering_key``; key-less rows of a
-``(queue, priority)`` group share one rotor pick (one reservation per batch and lane).
-Lanes are reserved in sorted order — the lock order every producer follows — and positions
-within a lane follow batch order (FIFO per lane).
+This is the COPY path's copy of the rule the server function ``enqueue_jobs`` applies to
+every other enqueue: rows with an ordering key are pinned to ``shard_for_ordering_key``;
+the key-less ready rows of one batch share one pick of a rotor (one reservation per batch
+and lane; consecutive batches go round-robin over the lanes). The server's rotor is a
+sequence of the install; COPY batches use this process's rotor. Lanes are reserved in sorted order — the lock order every producer follows — and
+positions within a lane follow batch order (FIFO per lane).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def assign_lanes(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJ
     shard_counts = ctx.lanes.shard_counts(
         {r.logical for r in rows}, lambda missing: control.read_shards(conn, sch, missing),
         keep=reads_committed_state(conn))
-    rotor_pick: dict[tuple[str, int], int] = {}
+    rotor: int | None = None
     lanes: dict[tuple[str, int, int], list[PreparedJob]] = defaultdict(list)
     for row in rows:
         shards = shard_counts.get(row.logical, 1)
@@ -40,10 +42,9 @@ def assign_lanes(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJ
         elif row.ordering_key is not None:
             row.shard = shard_for_ordering_key(row.ordering_key, shards)
         else:
-            pick = (row.queue, row.priority)
-            if pick not in rotor_pick:
-                rotor_pick[pick] = ctx.lanes.next_rotor() % shards
-            row.shard = rotor_pick[pick]
+            if rotor is None:
+                rotor = ctx.lanes.next_rotor()
+            row.shard = rotor % shards
         lanes[(row.queue, row.priority, row.shard)].append(row)
     order = sorted(lanes)
     starts = control.reserve_lanes(conn, sch, [(q, lanes[(q, p, s)][0].logical, p, s, len(lanes[(q, p, s)]))

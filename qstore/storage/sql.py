@@ -12,11 +12,13 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     DateTime,
     Exists,
     FromClause,
     Integer,
     LargeBinary,
+    Numeric,
     String,
     Text,
     bindparam,
@@ -33,7 +35,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from qstore.schema import StorageSchema
 
-__all__ = ["array_param", "attempt_leased", "packed_array_param", "receipt_closed", "schema_func",
+__all__ = ["HotStatement", "array_param", "attempt_leased", "packed_array_param", "receipt_closed", "schema_func",
            "unnest_rows"]
 
 
@@ -50,6 +52,14 @@ def _quoted(value: str) -> str:
 def _int_element(value: Any) -> str:
     # operator.index refuses floats, strings and anything else that is not an integer
     return "NULL" if value is None else str(operator.index(value))
+
+
+def _bool_element(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if not isinstance(value, bool):
+        raise TypeError(f"expected bool, got {type(value).__name__}")
+    return "t" if value else "f"
 
 
 def _text_element(value: Any) -> str:
@@ -89,8 +99,11 @@ def _json_element(none_as_null: bool) -> Callable[[Any], str]:
 def _element_literal(item: TypeEngine[Any]) -> Callable[[Any], str]:
     if isinstance(item, JSON):
         return _json_element(bool(item.none_as_null))
-    for kind, element in ((Integer, _int_element), (String, _text_element),
-                          (DateTime, _timestamp_element), (LargeBinary, _bytes_element)):
+    # Integer before Numeric (an Integer is a Numeric); a Numeric element is an integer too
+    # (arbitrary size, e.g. a 64-bit unsigned hash)
+    for kind, element in ((Integer, _int_element), (Numeric, _int_element), (Boolean, _bool_element),
+                          (String, _text_element), (DateTime, _timestamp_element),
+                          (LargeBinary, _bytes_element)):
         if isinstance(item, kind):
             return element
     raise TypeError(f"no packed array literal for {item!r}")
@@ -102,7 +115,8 @@ class _PackedArray(TypeDecorator[Sequence[Any]]):
 
     psycopg adapts a list element by element in Python; joining the literal here costs a
     fraction of that, which matters on the hot paths (completion sends four arrays per call,
-    a batch enqueue fourteen arrays of batch length). Elements: ints (integer types), strs
+    an enqueue thirteen arrays of batch length). Elements: ints (integer and numeric types),
+    bools, strs
     (text), datetimes (timestamps), bytes (bytea), JSON-serialisable values (json/jsonb),
     ``None`` as SQL NULL (JSON null for a json type without ``none_as_null``).
     """
@@ -158,3 +172,47 @@ def attempt_leased(leases: FromClause, claims: FromClause) -> Exists:
     run_lease)``, in any lease slot); a receipt-only attempt has none (trap T2)."""
     le, c = leases.c, claims.c
     return select(le.job_id).where(le.job_id == c.job_id, le.run_lease == c.run_lease).exists()
+
+
+class HotStatement:
+    """A Core statement of a hot path, compiled once per dialect and sent straight to the
+    driver cursor by a :class:`~qstore.storage.targets.Runner`.
+
+    SQLAlchemy's compiled cache already avoids recompiling, but every ``Connection.execute``
+    still generates the statement's cache key, builds an execution context and a result
+    object: more client CPU than the round trip's own cost for a claim that finds nothing.
+    Here the SQL text and the bind processors are taken from SQLAlchemy's compilation once;
+    a call only applies the processors to its values. Only named, non-expanding parameters
+    are supported (what the hot statements use).
+    """
+
+    __slots__ = ("_compiled", "statement")
+
+    def __init__(self, statement: Any) -> None:
+        self.statement = statement
+        self._compiled: dict[int, tuple[str, tuple[tuple[str, str, Any, Any], ...]]] = {}
+
+    def compiled(self, dialect: Dialect) -> tuple[str, tuple[tuple[str, str, Any, Any], ...]]:
+        """``(sql, binds)`` for ``dialect``: each bind is ``(compiled name, key, processor,
+        default value)``."""
+        got = self._compiled.get(id(dialect))
+        if got is None:
+            c = self.statement.compile(dialect=dialect)
+            processors = c._bind_processors
+            binds = []
+            for bind, name in c.bind_names.items():
+                if bind.expanding:  # pragma: no cover - a mistake in a hot statement
+                    raise TypeError(f"hot statements take no expanding parameter ({bind.key})")
+                binds.append((name, bind.key, processors.get(name), bind.value))
+            got = (c.string, tuple(binds))
+            self._compiled[id(dialect)] = got
+        return got
+
+    def parameters(self, dialect: Dialect, values: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The SQL text and the driver parameters for ``values`` (keyed by bind key)."""
+        sql, binds = self.compiled(dialect)
+        out: dict[str, Any] = {}
+        for name, key, processor, default in binds:
+            value = values.get(key, default)
+            out[name] = processor(value) if processor is not None else value
+        return sql, out

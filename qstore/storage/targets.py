@@ -19,13 +19,22 @@ policy                        ``Engine`` / ``AsyncEngine``                  ``Co
                                                                            half-written and the caller's
                                                                            transaction usable
 ``STATEMENT``                 one autocommitted statement (no BEGIN/       the caller's transaction
-                              COMMIT round trips; locks held for the
-                              statement alone)
+                              COMMIT round trips; locks held for the       (the body gets a :class:`Runner`)
+                              statement alone; the body gets a
+                              :class:`Runner`)
 ``UNITS``                     one transaction per unit the operation       every unit in the caller's transaction
                               asks for (see :class:`Transactions`)
 ``NO_TRANSACTION``            an autocommit connection, outside any        refused (``ValidationError``): the
                               transaction block (``VACUUM``)                statement cannot run in a transaction
 ============================  ==========================================  ==================================
+
+Hot statements (claim, fast completion, enqueue) go through a :class:`Runner`: on a
+synchronous psycopg connection it sends a :class:`~qstore.storage.sql.HotStatement` on the
+driver cursor directly, skipping SQLAlchemy's per-execute work; with an ``Engine`` it also
+skips the ``Connection`` and its isolation-level round about (a pooled driver connection in
+autocommit mode for the one statement). Where someone listens to SQLAlchemy's cursor events
+(tracing, statement logging) or the driver is async, the same statement goes through
+``Connection.execute`` instead, so those listeners see every statement.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
+import psycopg
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
@@ -43,10 +53,13 @@ from qstore.errors import ValidationError
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
+    from qstore.storage.sql import HotStatement
+
 __all__ = [
     "OWNED",
     "AsyncTarget",
     "Policy",
+    "Runner",
     "Target",
     "Transactions",
     "reads_committed_state",
@@ -96,6 +109,89 @@ def _own_statement(engine: Engine) -> Iterator[Connection]:
         yield conn.execution_options(isolation_level="AUTOCOMMIT", **{OWNED: True})
 
 
+_CURSOR = "qstore_hot_cursor"  # key of a driver connection's reused cursor in its pool record
+
+
+def _listened(dispatch: Any) -> bool:
+    return bool(dispatch.before_cursor_execute or dispatch.after_cursor_execute)
+
+
+def _cursor(info: dict[str, Any], driver: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
+    """The driver connection's reused cursor (kept in its pool record's ``info``)."""
+    cur = info.get(_CURSOR)
+    if cur is None or cur.closed or cur.connection is not driver:
+        cur = info[_CURSOR] = driver.cursor()
+    return cur
+
+
+class Runner:
+    """Sends hot statements on one connection; see the module docstring. Rows come back as
+    tuples (or tuple-like rows on the fallback path), in the statement's column order."""
+
+    __slots__ = ("_conn", "_cursor", "_dialect")
+
+    def __init__(self, dialect: Any, cursor: psycopg.Cursor[Any] | None = None,
+                 conn: Connection | None = None) -> None:
+        self._dialect = dialect
+        self._cursor = cursor
+        self._conn = conn
+
+    @classmethod
+    def on(cls, conn: Connection) -> Runner:
+        """A runner on ``conn``'s transaction (begun here if the caller has not begun it, as
+        ``Connection.execute`` would autobegin it)."""
+        if not conn.in_transaction():
+            conn.begin()
+        driver = conn.connection.driver_connection
+        if isinstance(driver, psycopg.Connection) and not _listened(conn.dispatch):
+            return cls(conn.dialect, _cursor(conn.connection.info, driver), conn)
+        return cls(conn.dialect, None, conn)
+
+    def rows(self, hot: HotStatement, values: dict[str, Any]) -> list[Any]:
+        """Run ``hot`` with ``values``; all its rows."""
+        cur = self._cursor
+        if cur is None:
+            assert self._conn is not None
+            return list(self._conn.execute(hot.statement, values).all())
+        sql, params = hot.parameters(self._dialect, values)
+        try:
+            cur.execute(sql, params)
+        except psycopg.OperationalError:
+            if cur.connection.closed and self._conn is not None:
+                self._conn.invalidate()  # as SQLAlchemy does on a disconnect
+            raise
+        return cur.fetchall()
+
+
+@contextmanager
+def _own_hot_statement(engine: Engine) -> Iterator[Runner]:
+    """A runner for one autocommitted statement on a pooled connection of ``engine``."""
+    if _listened(engine.dispatch):
+        with _own_statement(engine) as conn:
+            yield Runner.on(conn)
+        return
+    raw = engine.raw_connection()
+    try:
+        driver = raw.driver_connection
+        if not isinstance(driver, psycopg.Connection):
+            raw.close()
+            with _own_statement(engine) as conn:
+                yield Runner.on(conn)
+            return
+        driver.autocommit = True
+        try:
+            yield Runner(engine.dialect, _cursor(raw.info, driver))
+        finally:
+            if not driver.closed:
+                driver.autocommit = False
+    except psycopg.OperationalError:
+        if raw.driver_connection is None or raw.driver_connection.closed:
+            raw.invalidate()
+        raise
+    finally:
+        raw.close()
+
+
 class Transactions:
     """What a ``UNITS`` operation gets instead of a connection: it asks for each unit of work
     and the target decides. With an ``Engine`` each :meth:`unit` is a transaction of its own
@@ -117,6 +213,16 @@ class Transactions:
             yield _callers_connection(self._target)
 
     @contextmanager
+    def hot(self) -> Iterator[Runner]:
+        """A :class:`Runner` for one hot statement: autocommitted with an Engine, in the
+        caller's transaction otherwise."""
+        if isinstance(self._target, Engine):
+            with _own_hot_statement(self._target) as run:
+                yield run
+        else:
+            yield Runner.on(_callers_connection(self._target))
+
+    @contextmanager
     def statement(self) -> Iterator[Connection]:
         """A connection for one statement: autocommitted with an Engine (it commits in the
         same round trip), the caller's transaction otherwise."""
@@ -129,13 +235,18 @@ class Transactions:
 
 def run(policy: Policy, target: Target, body: Callable[[Any], R]) -> R:
     """Run ``body`` under ``policy`` on ``target``; ``body`` gets a ``Connection`` (a
-    :class:`Transactions` for ``UNITS``)."""
+    :class:`Transactions` for ``UNITS``, a :class:`Runner` for ``STATEMENT``)."""
     if not isinstance(target, Engine | Connection | Session):
         raise _refuse(target)
     if policy is Policy.UNITS:
         return body(Transactions(target))
+    if policy is Policy.STATEMENT:
+        if isinstance(target, Engine):
+            with _own_hot_statement(target) as runner:
+                return body(runner)
+        return body(Runner.on(_callers_connection(target)))
     if isinstance(target, Engine):
-        if policy is Policy.STATEMENT or policy is Policy.NO_TRANSACTION:
+        if policy is Policy.NO_TRANSACTION:
             with _own_statement(target) as conn:
                 return body(conn)
         with _own_transaction(target) as conn:

@@ -288,9 +288,9 @@ def _display_url(url: str) -> str:
         return url
 
 
-def engine_for_url(url: object, source: str = "url") -> Any:
-    """A pool-less engine for ``url``; a string that is not a SQLAlchemy URL raises
-    ``ValidationError`` naming it and the expected form."""
+def engine_for_url(url: object, source: str = "url", *, pooled: bool = False) -> Any:
+    """An engine for ``url`` (pool-less unless ``pooled``); a string that is not a
+    SQLAlchemy URL raises ``ValidationError`` naming it and the expected form."""
     if not isinstance(url, str) or not url.strip():
         raise ValidationError(source, url, "expected a database URL such as "
                               "postgresql+psycopg://user@host:5432/dbname")
@@ -300,7 +300,7 @@ def engine_for_url(url: object, source: str = "url") -> Any:
         raise ValidationError(source, url, "not a database URL; expected e.g. "
                               "postgresql+psycopg://user@host:5432/dbname") from None
     try:
-        return create_engine(parsed, poolclass=pool.NullPool)
+        return create_engine(parsed) if pooled else create_engine(parsed, poolclass=pool.NullPool)
     except (sa_exc.ArgumentError, ImportError) as err:
         raise ValidationError(source, _display_url(url), f"cannot use it: {err}") from None
 

@@ -670,13 +670,14 @@ def guard_host_migrations(connection: Connection) -> None:
                     f"{state.describe()}; it is upgraded by `qstore install --schema {schema}` (or "
                     f"QueueStorage.install), not by this application's Alembic")
             resolve_shape(schema, state.config, shape)
-        argument = context.get_revision_argument()
+        argument = context.get_context().opts.get("destination_rev")  # None outside up/downgrade
         if (ours and len(heads) > 1 and isinstance(argument, str)
                 and _BARE_RELATIVE.match(argument)):
+            mine = [h for h in heads if h not in REVISIONS]
             raise ValidationError(
                 "revision", argument,
                 f"with several heads a bare relative downgrade may step qstore's branch down; "
-                f"name the branch: `alembic downgrade <your-branch>@{argument}` for your own "
-                f"revisions, `alembic downgrade {BRANCH_LABEL}@{argument}` for qstore's")
+                f"say which head: `alembic downgrade {mine[0]}@{argument}` for your own revisions, "
+                f"`alembic downgrade {BRANCH_LABEL}@{argument}` for qstore's")
     except QueueStorageError as err:
         raise CommandError(f"qstore: {err}") from err

@@ -218,19 +218,35 @@ def include_name_for(*installs: StorageSchema | QueueStorageConfig | str,
     its Alembic version table.
 
     ``host=True`` (a host application's ``env.py``, with ``include_schemas=True``):
-    everything except the given storage schemas (default: ``qstore``), so the host's
-    ``alembic check`` and ``revision --autogenerate`` never see qstore's tables as drift."""
+    everything except qstore's storage schemas, so the host's ``alembic check`` and
+    ``revision --autogenerate`` never see qstore's tables as drift. Excluded: the schemas
+    given, ``qstore``, and every schema holding a qstore install on the connection being
+    compared (looked up once per run), so installs added later need no edit."""
     schemas = {i.config.schema if isinstance(i, StorageSchema)
                else i.schema if isinstance(i, QueueStorageConfig) else i for i in installs}
     for name in schemas:
         if not isinstance(name, str):
             raise ValidationError("install", name, "expected a StorageSchema, QueueStorageConfig or schema name")
     if host:
-        excluded = schemas or {DEFAULT_SCHEMA}
+        excluded = schemas | {DEFAULT_SCHEMA}
+        discovered: dict[int, set[str]] = {}
+
+        def installed_here() -> set[str]:
+            from alembic import context
+
+            try:
+                bind = context.get_bind()
+            except Exception:  # no migration context: only the named schemas are known
+                return set()
+            key = id(bind)
+            if key not in discovered:
+                discovered.clear()
+                discovered[key] = set(qstore_schemas(bind))
+            return discovered[key]
 
         def include_host_name(name: str | None, type_: str, parent_names: Mapping[str, Any]) -> bool:
             if type_ == "schema":
-                return name not in excluded
+                return name not in excluded and name not in installed_here()
             return parent_names.get("schema_name") not in excluded
 
         return include_host_name

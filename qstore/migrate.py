@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,9 +246,8 @@ def include_name_for(*installs: StorageSchema | QueueStorageConfig | str,
             return discovered[key]
 
         def include_host_name(name: str | None, type_: str, parent_names: Mapping[str, Any]) -> bool:
-            if type_ == "schema":
-                return name not in excluded and name not in installed_here()
-            return parent_names.get("schema_name") not in excluded
+            schema = name if type_ == "schema" else parent_names.get("schema_name")
+            return schema not in excluded and schema not in installed_here()
 
         return include_host_name
     if len(schemas) != 1:
@@ -283,18 +283,32 @@ def include_object_for(sch: StorageSchema) -> Callable[[Any, str | None, str, bo
     return include_object
 
 
-def _register_entities(sch: StorageSchema) -> None:
+@contextmanager
+def _registered_entities(sch: StorageSchema) -> Iterator[None]:
+    """While the block runs, alembic_utils compares this install's functions and views (so
+    ``alembic check`` diffs their bodies); afterwards its process-wide registry is as it was,
+    so a later autogenerate in the same process (a host application's) never simulates
+    another database's functions."""
     try:
         from alembic_utils.pg_function import PGFunction
         from alembic_utils.pg_view import PGView
-        from alembic_utils.replaceable_entity import register_entities
+        from alembic_utils.replaceable_entity import register_entities, registry
     except ImportError:  # the runtime does not need alembic_utils; only diffing does
+        yield
         return
+    saved = (registry.entities(), set(registry.schemas), set(registry.exclude_schemas),
+             set(registry.entity_types))
     register_entities(
         [PGFunction(schema=f.schema, signature=f.signature, definition=f.definition)
          for f in sch.functions]
         + [PGView(schema=v.schema, signature=v.name, definition=v.definition) for v in sch.views]
     )
+    try:
+        yield
+    finally:
+        registry.clear()
+        entities, schemas, excluded, types = saved
+        registry.register(entities, list(schemas), excluded, types)
 
 
 def _display_url(url: str) -> str:
@@ -387,7 +401,12 @@ def _run_with_connection(context: Any, connection: Connection, *, owned: bool) -
         connection.commit()  # end the reads above: the migration runs in a transaction of its own
     context.config.attributes[CONFIG_ATTRIBUTE] = cfg
     sch = storage_schema(cfg)
-    _register_entities(sch)
+    with _registered_entities(sch):
+        _configure_and_run(context, connection, cfg, sch)
+
+
+def _configure_and_run(context: Any, connection: Connection, cfg: QueueStorageConfig,
+                       sch: StorageSchema) -> None:
     context.configure(
         connection=connection,
         target_metadata=sch.metadata,

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import alembic.config
+import pytest
 from alembic.config import CommandLine, Config
 from docblocks import host_recipe
 from sqlalchemy import Engine, create_engine, func, inspect, pool, select, text

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TextIO
 
-from sqlalchemy import URL, Engine, create_engine, inspect, select
+from sqlalchemy import URL, Engine, inspect, select
 from sqlalchemy import exc as sa_exc
 
 from qstore import grants, migrate
@@ -246,7 +246,7 @@ def _engine(url: str, *, pooled: bool = False) -> Engine:
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     storage = QueueStorage(_config(args))
     with database_url(args.url, out) as url:
-        engine = create_engine(url)
+        engine = _engine(url, pooled=True)
         try:
             run_demo(engine, storage, out)
         finally:

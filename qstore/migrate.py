@@ -579,14 +579,18 @@ def install_state(connection: Connection, schema: str) -> InstallState:
     return InstallState(schema, config, None)
 
 
-def found_installs(connection: Connection) -> list[str]:
-    """Each qstore install of the database, described for an error message."""
+def found_installs(connection: Connection, limit: int = 10) -> list[str]:
+    """The qstore installs of the database, each described for an error message (the first
+    ``limit`` by name, then how many more there are)."""
+    names = qstore_schemas(connection)
     out = []
-    for name in qstore_schemas(connection):
+    for name in names[:limit]:
         state = install_state(connection, name)
         rev = state.version.revision if state.version else "no version row"
         where = ", host Alembic" if state.version and state.version.host else ""
         out.append(f"{name!r} ({rev}{where})")
+    if len(names) > limit:
+        out.append(f"and {len(names) - limit} more")
     return out
 
 

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from qstore import QueueStorage, QueueStorageConfig, ValidationError
 from qstore.cli import main as qstore_cli
 from qstore.maintainer import Maintainer
-from qstore.migrate import install_state, version_location
+from qstore.migrate import VersionRecord, install_state, version_location
 from qstore.schema import REVISIONS
 from qstore.storage.jobs import InsertOpts, InsertParams
 
@@ -301,14 +301,15 @@ def test_a_second_schema_through_the_hosts_alembic_is_refused_with_the_alternati
 
 def test_the_alternative_for_a_second_schema_keeps_its_own_version_row(host):
     _run_recipe(host)
+    before = host.versions()
     assert qstore_cli(["install", "--url", host.url, "--schema", "jobs",
                        "--queue-slot-count", "4"], out=io.StringIO()) == 0
     with host.engine().connect() as conn:
         jobs, default = install_state(conn, "jobs"), install_state(conn, "qstore")
-    assert jobs.version is not None and not jobs.version.host
-    assert default.version is not None and default.version.host
-    assert host.versions() == {HEAD} | {v for v in host.versions() if v != HEAD}
+    assert jobs.version == VersionRecord(HEAD, "jobs.qstore_alembic_version", host=False)
+    assert default.version == VersionRecord(HEAD, "public.alembic_version", host=True)
     host.alembic("alembic upgrade heads")  # the host's runs leave it alone
+    assert host.versions() == before
 
 
 def test_the_first_upgrade_may_choose_the_schema_and_shape(host):

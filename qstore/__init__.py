@@ -7,6 +7,7 @@ from qstore.errors import (
     PartialCommitError,
     QueueStorageError,
     SchemaNotInstalledError,
+    ShapeMismatchError,
     UniqueConflictError,
     ValidationError,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "RetryFromDlqOpts",
     "RotateOutcome",
     "SchemaNotInstalledError",
+    "ShapeMismatchError",
     "SkipReason",
     "TerminalDeltaRollupOutcome",
     "UniqueConflictError",

@@ -1,7 +1,11 @@
 """Command line: ``python -m qstore demo``, ``install`` and ``maintain``.
 
-``maintain`` runs an install's upkeep (:mod:`qstore.maintainer`) until interrupted, or once
-with ``--once``; the install's shape is read back from the database.
+``install`` installs or upgrades a schema and activates it; ``--grant ROLE`` also gives a
+runtime role its privileges (:mod:`qstore.grants`), ``--print-grants ROLE`` only prints
+them. ``maintain`` runs an install's upkeep (:mod:`qstore.maintainer`) until interrupted,
+or once with ``--once``. Both read the install's shape back from the database: the recorded
+shape wins, and a ``--*-slot-count`` that conflicts with it is refused naming both values.
+Every refusal is one line on stderr (exit status 1), never a traceback.
 
 ``demo`` runs a fixed list of steps (:data:`DEMO_STEPS`) against one database: today it
 installs the schema and prints its three rings and its tables; later steps (enqueue, claim,
@@ -25,12 +29,14 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TextIO
+from typing import Any, TextIO
 
-from sqlalchemy import URL, Engine, create_engine, inspect, select
+from sqlalchemy import URL, Engine, inspect, select
+from sqlalchemy import exc as sa_exc
 
+from qstore import grants, migrate
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
-from qstore.errors import QueueStorageError, translate_errors
+from qstore.errors import DatabaseError, QueueStorageError, translate_errors
 from qstore.maintainer import Maintainer, TaskReport
 from qstore.storage import QueueStorage
 from qstore.storage.planes.upkeep import slot_generation
@@ -201,17 +207,46 @@ def run_demo(engine: Engine, storage: QueueStorage, out: TextIO,
 # -- commands -----------------------------------------------------------------------------
 
 
+class CommandFailed(QueueStorageError):
+    """A command-line refusal whose message is already the one line to print."""
+
+
+def _explicit_shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The shape options given on the command line (and only those)."""
+    return {k: v for k, v in (("queue_slot_count", args.queue_slot_count),
+                              ("lease_slot_count", args.lease_slot_count),
+                              ("claim_slot_count", args.claim_slot_count)) if v is not None}
+
+
 def _config(args: argparse.Namespace) -> QueueStorageConfig:
-    shape = {k: v for k, v in (("queue_slot_count", args.queue_slot_count),
-                               ("lease_slot_count", args.lease_slot_count),
-                               ("claim_slot_count", args.claim_slot_count)) if v is not None}
-    return QueueStorageConfig(schema=args.schema, **shape)
+    return QueueStorageConfig(schema=args.schema, **_explicit_shape(args))
+
+
+def _url(args: argparse.Namespace, command: str) -> str:
+    url = args.url or os.environ.get(URL_ENV)
+    if not url:
+        raise CommandFailed(f"{command} needs a database: pass --url "
+                            f"postgresql+psycopg://user@host:5432/dbname or set {URL_ENV}")
+    return str(url)
+
+
+def _engine(url: str, *, pooled: bool = False) -> Engine:
+    """An engine on ``url`` that has connected once: a bad URL or an unreachable server is
+    one line saying what to fix."""
+    engine: Engine = migrate.engine_for_url(url, "--url", pooled=pooled)
+    try:
+        with engine.connect():
+            pass
+    except sa_exc.DBAPIError as err:
+        engine.dispose()
+        raise CommandFailed(migrate.connection_failure(url, err)) from None
+    return engine
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     storage = QueueStorage(_config(args))
     with database_url(args.url, out) as url:
-        engine = create_engine(url)
+        engine = _engine(url, pooled=True)
         try:
             run_demo(engine, storage, out)
         finally:
@@ -219,20 +254,31 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+@translate_errors
 def cmd_install(args: argparse.Namespace, out: TextIO) -> int:
-    url = args.url or os.environ.get(URL_ENV)
-    if not url:
-        print(f"install needs --url or {URL_ENV}", file=sys.stderr)
-        return 2
-    storage = QueueStorage(_config(args))
-    engine = create_engine(url)
+    QueueStorageConfig(schema=args.schema)  # a bad --schema is named before anything connects
+    engine = _engine(_url(args, "install"))
     try:
-        ran = storage.prepare_schema(engine)
-        storage.activate_backend(engine)
+        with engine.begin() as conn:
+            migrate.lock_install(conn, args.schema)
+            state = migrate.install_state(conn, args.schema)
+            config = migrate.resolve_shape(args.schema, state.config, _explicit_shape(args))
+            if args.print_grants is not None:
+                own = state.version is None or not state.version.host
+                for statement in grants.runtime_grants(config, args.print_grants, version_table=own):
+                    print(f"{statement};", file=out)
+                return 0
+            storage = QueueStorage(config)
+            ran = storage.prepare_schema(conn)
+            storage.activate_backend(conn)
+            granted = grants.apply_runtime_grants(conn, config, args.grant) if args.grant else []
     finally:
         engine.dispose()
     what = "installed/upgraded" if ran else "already at head"
     print(f"qstore schema {storage.schema()!r} {what} and active", file=out)
+    if granted:
+        print(f"granted the runtime privileges on {storage.schema()!r} to {args.grant!r} "
+              f"({len(granted)} statements)", file=out)
     return 0
 
 
@@ -245,13 +291,11 @@ def _print_reports(reports: Sequence[TaskReport], out: TextIO) -> bool:
 
 
 def cmd_maintain(args: argparse.Namespace, out: TextIO) -> int:
-    url = args.url or os.environ.get(URL_ENV)
-    if not url:
-        print(f"maintain needs --url or {URL_ENV}", file=sys.stderr)
-        return 2
-    engine = create_engine(url)
+    QueueStorageConfig(schema=args.schema)  # a bad --schema is named before anything connects
+    engine = _engine(_url(args, "maintain"), pooled=True)
     try:
         storage = QueueStorage.from_existing_schema(args.schema, engine)
+        migrate.resolve_shape(args.schema, storage.config, _explicit_shape(args))
         maintainer = Maintainer(storage, engine)
         if args.once:
             return 0 if _print_reports(maintainer.run_all(), out) else 1
@@ -284,6 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     install = sub.add_parser("install", parents=[common],
                              help="install or upgrade the schema and activate it")
+    roles = install.add_mutually_exclusive_group()
+    roles.add_argument("--grant", metavar="ROLE",
+                       help="also give ROLE the runtime privileges (DML, EXECUTE, TRUNCATE of ring "
+                            "slots; no DDL), in the same transaction")
+    roles.add_argument("--print-grants", metavar="ROLE",
+                       help="print the statements that give ROLE the runtime privileges; "
+                            "install nothing")
     install.set_defaults(func=cmd_install)
     maintain = sub.add_parser("maintain", parents=[common],
                               help="run the install's upkeep (rings, promotion, rescue, rollup); "
@@ -294,10 +345,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(err: BaseException) -> str:
+    """``err`` as one line: whitespace collapsed, SQLAlchemy's background link, SQL text and
+    parameters left out (the server's words stay)."""
+    if isinstance(err, DatabaseError):
+        orig = getattr(err.original, "orig", None) or err.original
+        state = f" ({err.sqlstate})" if err.sqlstate else ""
+        text_ = f"database error{state}: {orig}"
+    else:
+        text_ = str(err)
+    return " ".join(text_.split())
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args, out or sys.stdout))
     except QueueStorageError as err:
-        print(f"qstore: {err}", file=sys.stderr)
+        print(f"qstore: {one_line(err)}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ __all__ = [
     "PartialCommitError",
     "QueueStorageError",
     "SchemaNotInstalledError",
+    "ShapeMismatchError",
     "UniqueConflictError",
     "ValidationError",
     "translate_errors",
@@ -60,6 +61,25 @@ class ValidationError(QueueStorageError, ValueError):
         super().__init__(f"invalid {field}={describe(value)}: {reason}")
 
 
+class ShapeMismatchError(ValidationError):
+    """An explicit shape value (slot counts, stripes, receipt mode) conflicts with the shape
+    the install recorded. The recorded shape wins: the message names each conflicting field
+    with both values. An install is never resized; nothing was written."""
+
+    def __init__(self, schema: str, conflicts: dict[str, tuple[Any, Any]]) -> None:
+        self.schema = schema
+        self.conflicts = dict(conflicts)
+        recorded = ", ".join(f"{k}={rec!r}" for k, (rec, _) in conflicts.items())
+        asked = ", ".join(f"{k}={got!r}" for k, (_, got) in conflicts.items())
+        first = next(iter(conflicts))
+        reason = (f"schema {schema!r} is installed with a different shape ({recorded}); the "
+                  f"recorded shape wins: leave the value out (QueueStorage.from_existing_schema "
+                  f"reads it back) or pass the recorded one. Resizing an install is not "
+                  f"supported: install another schema with the new shape")
+        super().__init__(first, conflicts[first][1], reason)
+        self.args = (f"asked for {asked}, but {reason}",)
+
+
 class UniqueConflictError(QueueStorageError):
     """A unique key is owned by another job (or a 23505 violation). Nothing was written."""
 
@@ -79,13 +99,18 @@ class CallbackNotFoundError(QueueStorageError):
 
 
 class SchemaNotInstalledError(QueueStorageError):
-    """The storage schema (or its recorded configuration) does not exist in the database."""
+    """The storage schema (or its recorded configuration) does not exist in the database.
+    ``found`` lists the qstore installs the database does hold (may be empty)."""
 
-    def __init__(self, schema: str) -> None:
+    def __init__(self, schema: str, found: list[str] | None = None) -> None:
         self.schema = schema
+        self.found = list(found or [])
+        seen = ("; this database holds " + ", ".join(self.found)) if self.found else \
+            "; this database holds no qstore install"
         super().__init__(
-            f"qstore schema {schema!r} is not installed; run `alembic upgrade head` "
-            f"(or QueueStorage.prepare_schema) first"
+            f"qstore schema {schema!r} is not installed{seen if found is not None else ''}; "
+            f"install it with `qstore install --schema {schema}` (or QueueStorage.install), or "
+            f"through your application's Alembic (`alembic upgrade heads`)"
         )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection
 
 from qstore.config import QueueStorageConfig
-from qstore.migrations.frozen import r0001, r0004, r0006, r0007
+from qstore.migrations.frozen import r0001, r0004, r0006, r0007, r0008
 
 __all__ = ["ServerFunction", "ServerView", "declare_functions", "declare_views", "execute_ddl"]
 
@@ -80,8 +80,10 @@ def declare_functions(cfg: QueueStorageConfig) -> tuple[ServerFunction, ...]:
     """The server functions of an install of ``cfg`` at the head revision, each with the
     body of the revision that last changed it."""
     s = cfg.schema
-    backoff, ensure_lane, reserve_lanes, _claim, _complete = r0001.function_statements(s)
-    statements = (backoff, ensure_lane, reserve_lanes,
+    backoff, _ensure_lane, reserve_lanes, _claim, _complete = r0001.function_statements(s)
+    statements = (backoff,
+                  r0008.ensure_lane(s),           # revision 0008
+                  reserve_lanes,
                   r0006.claim_ready(cfg),         # revision 0006
                   r0004.complete_receipts(cfg),   # revision 0004
                   r0007.enqueue_jobs(cfg))        # revision 0007

@@ -19,7 +19,7 @@ from sqlalchemy.schema import CreateSchema
 from qstore import migrate
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import SchemaNotInstalledError, ValidationError
-from qstore.schema import storage_schema
+from qstore.schema import REVISIONS, storage_schema
 from qstore.storage.context import StorageContext
 from qstore.storage.planes import control
 
@@ -38,21 +38,37 @@ def prepare_schema(ctx: StorageContext, conn: Connection) -> bool:
     """Install or upgrade the schema to head through Alembic, on ``conn``'s transaction,
     serialised per schema by an advisory lock. Returns True if any revision ran.
 
-    Raises ``ValidationError`` when the schema is already installed with another shape.
+    An install already at head is left alone without running Alembic (so a role that may
+    not create anything can call it). An install made through a host application's Alembic
+    (the ``qstore`` branch's row in the host's version table) is recognised: at head it is a
+    no-op; behind head it is refused, since the host's ``alembic upgrade heads`` upgrades it.
+
+    Raises ``ShapeMismatchError`` (a ``ValidationError``) naming both values when the schema
+    is installed with another shape, and ``ValidationError`` saying what was found when the
+    install has no version row or is at a revision this release does not know.
     """
     config = ctx.config
     migrate.lock_install(conn, config.schema)
-    recorded = migrate.read_recorded_config(conn, config.schema)
-    if recorded is not None and recorded != config:
-        raise ValidationError("config", config,
-                              f"schema {config.schema!r} is installed with a different shape: {recorded}")
-    before = migrate.current_revision(conn, config)
-    if recorded is not None and before is None:
+    state = migrate.install_state(conn, config.schema)
+    migrate.resolve_shape(config.schema, state.config, migrate.shape_of(config))
+    if state.installed and state.version is None:
         raise ValidationError(
             "schema", config.schema,
-            "is installed without Alembic (metadata.create_all) and has no version row; "
-            f"run `alembic -x schema={config.schema} stamp head` once, or drop it",
-        )
+            f"{state.describe()}; run `alembic -x schema={config.schema} stamp head` once to "
+            f"let Alembic carry it, or drop it")
+    if state.version is not None and state.version.revision not in REVISIONS:
+        raise ValidationError(
+            "schema", config.schema,
+            f"{state.describe()}, which this qstore release does not know (its newest is "
+            f"{REVISIONS[-1]}); run a release that has it")
+    if state.at_head:
+        return False
+    if state.version is not None and state.version.host:
+        raise ValidationError(
+            "schema", config.schema,
+            f"{state.describe()}, behind head {REVISIONS[-1]}; upgrade it with your "
+            f"application's `alembic upgrade heads`")
+    before = state.version.revision if state.version is not None else None
     migrate.upgrade(conn, config, "heads")
     return migrate.current_revision(conn, config) != before
 
@@ -112,5 +128,5 @@ def load_config(conn: Connection, schema: str) -> QueueStorageConfig:
     """The shape recorded by an install of ``schema``; ``SchemaNotInstalledError`` if none."""
     cfg = migrate.read_recorded_config(conn, schema)
     if cfg is None:
-        raise SchemaNotInstalledError(schema)
+        raise SchemaNotInstalledError(schema, migrate.found_installs(conn))
     return cfg

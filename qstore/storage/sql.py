@@ -130,6 +130,11 @@ class _PackedArray(TypeDecorator[Sequence[Any]]):
         self._element = _element_literal(item)
 
     def process_bind_param(self, value: Sequence[Any] | None, dialect: Dialect) -> str | None:
+        return self.pack(value)
+
+    def pack(self, value: Sequence[Any] | None) -> str | None:
+        """The array literal of ``value`` (the whole bind processing: the text it becomes
+        needs no further processing by the driver dialect)."""
         if value is None:
             return None
         return "{" + ",".join(map(self._element, value)) + "}"
@@ -203,7 +208,10 @@ class HotStatement:
             for bind, name in c.bind_names.items():
                 if bind.expanding:  # pragma: no cover - a mistake in a hot statement
                     raise TypeError(f"hot statements take no expanding parameter ({bind.key})")
-                binds.append((name, bind.key, processors.get(name), bind.value))
+                processor = processors.get(name)
+                if isinstance(bind.type, _PackedArray):
+                    processor = bind.type.pack  # the same text, without SQLAlchemy's wrapping
+                binds.append((name, bind.key, processor, bind.value))
             got = (c.string, tuple(binds))
             self._compiled[id(dialect)] = got
         return got

@@ -9,6 +9,7 @@ SQL only observes state, holds a lock or plays the racing writer).
 * without receipts, aged claims complete, stale cancels leave the live lease alone and a
   heartbeat kept in ``attempt_state`` protects the lease from stale rescue;
 * prune releases a unique key only for the job that still owns it;
+* queue-ring prune sees a claim that commits between two of its gate statements;
 * with an ``Engine`` every stripe's claim commits on its own, and promotion's pause gate
   reads a stripe's logical queue.
 """
@@ -23,7 +24,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 
 from qstore import QueueStorage, UniqueConflictError
 from qstore.model import ClaimedRuntimeJob, JobState, PruneOutcome, SkipReason
@@ -341,3 +342,40 @@ def test_promotion_leaves_due_jobs_of_a_paused_striped_queue_deferred(
     assert rows(engine, st, "deferred_jobs", "state = 'scheduled'") == 2
     st.set_queue_options(engine, "q", paused=False)
     assert st.promote_due(engine, JobState.SCHEDULED, 10) == 2
+
+
+@contextmanager
+def once_after_gate(engine: Engine, action: Callable[[], object]) -> Iterator[list[str]]:
+    """Run ``action`` (on other connections) right after the first statement of a prune on
+    ``engine`` that counts anything (its first gate): the racing writer commits between two
+    gate statements."""
+    fired: list[str] = []
+
+    def after(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if not fired and "count(" in statement:
+            fired.append(statement)
+            action()
+
+    event.listen(engine, "after_cursor_execute", after)
+    try:
+        yield fired
+    finally:
+        event.remove(engine, "after_cursor_execute", after)
+
+
+@pytest.mark.parametrize("receipts", [True, False], ids=["receipts", "leases"])
+def test_queue_ring_prune_sees_a_claim_that_commits_between_its_gate_statements(
+        engine: Engine, make_storage: MakeStorage, db_url: str, receipts: bool) -> None:
+    st = make_storage(**SMALL, lease_claim_receipts=receipts)
+    st.enqueue_params_batch(engine, [job({"who": "racing"})])  # slot 0
+    assert st.rotate(engine).kind == "rotated"
+    claimer = create_engine(db_url, pool_size=1)
+    claimed: list[ClaimedRuntimeJob] = []
+    try:
+        with once_after_gate(engine, lambda: claimed.extend(st.claim_runtime_batch(claimer, "q", 1))) as fired:
+            out = st.prune_oldest(engine)
+        assert fired and len(claimed) == 1  # the claim committed in the middle of the gates
+        assert out.kind == "skipped_active", out  # its attempt keeps the slot
+        assert st.complete_runtime_batch(engine, claimed) == [(claimed[0].job.id, claimed[0].job.run_lease)]
+    finally:
+        claimer.dispose()

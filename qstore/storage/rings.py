@@ -200,8 +200,12 @@ def rotate_claims(ctx: StorageContext, conn: Connection) -> RotateOutcome:
 
 # -- prune: queue ring -----------------------------------------------------------------------
 def _queue_gate_failure(conn: Connection, gates: QueueGates, k: int) -> PruneOutcome | None:
-    for stmt, reason in ((gates.active_leases, SkipReason.QUEUE_ACTIVE_LEASES),
-                         (gates.pending_ready, SkipReason.QUEUE_PENDING_READY),
+    # Each gate is its own statement (its own snapshot), so the order matters: pending ready
+    # rows first. A claim commits its range and its lease or receipt together; if it commits
+    # after the G2 statement, the G1/G3 statements that follow see its attempt. Checked the
+    # other way round, a claim committing between the lease gate and G2 passes both.
+    for stmt, reason in ((gates.pending_ready, SkipReason.QUEUE_PENDING_READY),
+                         (gates.active_leases, SkipReason.QUEUE_ACTIVE_LEASES),
                          (gates.open_claims, SkipReason.QUEUE_OPEN_CLAIMS)):
         n = int(conn.execute(stmt).scalar_one())
         if n:
@@ -211,10 +215,12 @@ def _queue_gate_failure(conn: Connection, gates: QueueGates, k: int) -> PruneOut
 
 def _prune_queue_slot(conn: Connection, sch: StorageSchema, k: int) -> PruneOutcome:
     gates = _queue_gates(sch, k)
+    # counted before the gates: a ready row committed after this count (a late writer) either
+    # fails G2 below or changes the count the lock re-checks
+    ready_rows = int(conn.execute(gates.ready_rows).scalar_one())
     early = _queue_gate_failure(conn, gates, k)
     if early is not None:
         return early
-    ready_rows = int(conn.execute(gates.ready_rows).scalar_one())
     upkeep.lock_exclusive(conn, sch.queue_ring.children(k))
     # Under the lock, every row committed while it was awaited is visible. Once the gates
     # pass they can only fail again through a ready row that arrived since (a late writer
@@ -234,7 +240,7 @@ def prune_oldest(ctx: StorageContext, conn: Connection) -> PruneOutcome:
     """Prune the oldest sealed queue slot that holds anything (slots are taken oldest
     generation first; a slot already pruned and not written since is passed over).
     ``Noop`` when no sealed slot holds rows; ``SkippedActive`` with the first failing gate
-    (G1 → G2 → G3) and its count; ``Blocked`` when the exclusive lock was not granted
+    (checked G2 → G1 → G3) and its count; ``Blocked`` when the exclusive lock was not granted
     within 50 ms; else ``Pruned`` after appending the slot's terminal counts to the rollup
     ledger, releasing its jobs' unique keys and truncating its children."""
     sch = ctx.schema

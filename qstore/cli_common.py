@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
+import json
 import os
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Sequence
+from datetime import datetime
 from typing import Any, TextIO
 
 from sqlalchemy import Engine
@@ -21,8 +25,12 @@ from sqlalchemy import exc as sa_exc
 from qstore import migrate
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import DatabaseError, QueueStorageError
+from qstore.storage import QueueStorage
 
-__all__ = ["URL_ENV", "CommandFailed", "common_parent", "database_url", "one_line"]
+__all__ = [
+    "URL_ENV", "CommandFailed", "common_parent", "database_url", "human_bytes", "installed",
+    "json_value", "one_line", "positive_int", "print_json", "table_lines",
+]
 
 URL_ENV = "QSTORE_DATABASE_URL"
 
@@ -99,3 +107,81 @@ def one_line(err: BaseException) -> str:
     else:
         text_ = str(err)
     return " ".join(text_.split())
+
+
+@contextlib.contextmanager
+def installed(args: argparse.Namespace, command: str) -> Iterator[tuple[Engine, QueueStorage]]:
+    """An engine on ``--url`` and the storage of the install in ``--schema`` (its recorded
+    shape; a conflicting ``--*-slot-count`` is refused). A bad schema name, a bad URL, an
+    unreachable server or a schema that is not installed is one line."""
+    QueueStorageConfig(schema=args.schema)  # a bad --schema is named before anything connects
+    engine = _engine(_url(args, command), pooled=True)
+    try:
+        storage = QueueStorage.from_existing_schema(args.schema, engine)
+        migrate.resolve_shape(args.schema, storage.config, _explicit_shape(args))
+        yield engine, storage
+    finally:
+        engine.dispose()
+
+
+def positive_int(text_: str, what: str) -> int:
+    """``text_`` as a positive integer that fits PostgreSQL ``bigint``, or a one-line
+    refusal naming ``what`` (e.g. ``job id``) and the text given."""
+    try:
+        value = int(text_.strip(), 10)
+    except ValueError:
+        value = 0
+    if not 0 < value < 2**63:
+        raise CommandFailed(f"invalid {what} {text_!r}: expected a positive integer")
+    return value
+
+
+def json_value(value: Any) -> Any:
+    """``value`` with what JSON cannot hold made plain: datetimes in ISO 8601, bytes in hex,
+    UUIDs and enums as strings (containers recursively)."""
+    if isinstance(value, dict):
+        return {str(k): json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_value(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, enum.Enum):
+        return json_value(value.value)
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return value
+
+
+def print_json(value: Any, out: TextIO) -> None:
+    """``value`` as indented JSON (see :func:`json_value`)."""
+    print(json.dumps(json_value(value), indent=2), file=out)
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes as ``512 B``, ``1.5 kB``, ``12.0 MB``... (powers of 1024)."""
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if size < 1024 or unit == "TB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _number_or_none(value: Any) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+
+def table_lines(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A fixed-width table: a header line and one line per row, columns two spaces apart;
+    numbers right-aligned, anything else left-aligned; None shown as ``-``."""
+    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    numeric = [bool(rows) and all(_number_or_none(row[i]) for row in rows) for i in range(len(headers))]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric, strict=True)).rstrip()
+
+    return [line(list(headers)), *(line(c) for c in cells)]

@@ -46,10 +46,18 @@ def _compact(value: Any) -> str:
     return json.dumps(json_value(value), separators=(", ", ": "))
 
 
+def _stamp(at: Any) -> str:
+    """An error entry's ISO time as ``_when`` shows times (the text itself if it is not one)."""
+    try:
+        return _when(datetime.fromisoformat(str(at))) or str(at)
+    except ValueError:
+        return str(at)
+
+
 def _error_line(entry: Any) -> str:
     if isinstance(entry, dict) and "error" in entry:
         at = entry.get("at")
-        when = f" at {at}" if at else ""
+        when = f" at {_stamp(at)}" if at else ""
         final = " (terminal)" if entry.get("terminal") else ""
         return f"attempt {entry.get('attempt', '?')}{when}: {entry['error']}{final}"
     return _compact(entry)
@@ -90,18 +98,23 @@ def _not_found(job_id: int, storage: QueueStorage) -> CommandFailed:
                          f"(never enqueued there, or its history was pruned)")
 
 
-def _explain(engine: Engine, storage: QueueStorage, job_id: int, action: str,
+def _explain(engine: Engine, storage: QueueStorage, job_id: int, verb: str,
              states: tuple[JobState, ...]) -> CommandFailed:
-    """Why ``action`` did nothing to ``job_id``, as the refusal to raise."""
+    """Why ``verb`` ("retried" / "cancelled") did nothing to ``job_id``, as the refusal."""
     job = storage.load_job(engine, job_id)
     if job is None:
         return _not_found(job_id, storage)
-    if action == "retryable" and storage.load_dlq_entry(engine, job_id) is not None:
-        return CommandFailed(f"job {job_id} is in the dead-letter queue: "
-                             f"retry it with `qstore dlq retry {job_id}`")
-    allowed = ", ".join(s.value for s in states)
-    return CommandFailed(f"job {job_id} is not in a {action} state: it is {job.state.value} "
-                         f"(only {allowed} jobs are)")
+    if verb == "retried":
+        if storage.load_dlq_entry(engine, job_id) is not None:
+            return CommandFailed(f"job {job_id} is in the dead-letter queue: "
+                                 f"retry it with `qstore dlq retry {job_id}`")
+        if job.state in (JobState.SCHEDULED, JobState.RETRYABLE):
+            return CommandFailed(f"job {job_id} is already waiting to run: it is {job.state.value}, "
+                                 f"due {_when(job.run_at)}")
+    names = [s.value for s in states]
+    adjective = "retryable" if verb == "retried" else "cancellable"
+    return CommandFailed(f"job {job_id} is not in a {adjective} state: it is {job.state.value} "
+                         f"(only {', '.join(names[:-1])} or {names[-1]} jobs can be {verb})")
 
 
 def cmd_job_show(args: argparse.Namespace, out: TextIO) -> int:
@@ -124,7 +137,7 @@ def cmd_job_retry(args: argparse.Namespace, out: TextIO) -> int:
     with installed(args, "job retry") as (engine, storage):
         job = storage.retry_job(engine, job_id)
         if job is None:
-            raise _explain(engine, storage, job_id, "retryable", RETRYABLE)
+            raise _explain(engine, storage, job_id, "retried", RETRYABLE)
     print(f"job {job_id} retried: {job.state.value} in queue {job.queue!r} "
           f"(attempt {job.attempt}/{job.max_attempts})", file=out)
     return 0
@@ -136,7 +149,7 @@ def cmd_job_cancel(args: argparse.Namespace, out: TextIO) -> int:
         before = storage.load_job(engine, job_id)
         job = storage.cancel_job(engine, job_id)
         if job is None:
-            raise _explain(engine, storage, job_id, "cancellable", CANCELLABLE)
+            raise _explain(engine, storage, job_id, "cancelled", CANCELLABLE)
     was = f" (was {before.state.value})" if before is not None else ""
     print(f"job {job_id} cancelled{was}", file=out)
     return 0

@@ -169,6 +169,14 @@ def test_job_retry_of_a_completed_job_says_it_is_not_retryable(engine, st, cli):
     assert state(engine, st, c.job.id) is JobState.COMPLETED
 
 
+def test_job_retry_of_a_job_waiting_for_its_backoff_says_it_already_waits(engine, st, cli):
+    c = running(engine, st)
+    st.fail_retryable(engine, c.job.id, c.job.run_lease, "transient")
+    code, _, err = cli("job", "retry", str(c.job.id))
+    assert code == 1
+    assert f"job {c.job.id} is already waiting to run: it is retryable, due " in one_line(err)
+
+
 def test_job_retry_of_a_dead_lettered_job_points_to_dlq_retry(engine, st, cli):
     job_id = dead(engine, st)
     code, _, err = cli("job", "retry", str(job_id))

@@ -280,42 +280,58 @@ def _by_queue(rows: Iterable[Any], *, state: bool = False) -> dict[Any, int]:
     return out
 
 
+@dataclass(frozen=True)
+class _Grouped:
+    """The grouped reads behind :func:`queue_status`, by logical queue."""
+
+    lanes: dict[str, int]
+    paused: dict[str, bool]
+    deferred: dict[Any, int]
+    dlq: dict[Any, int]
+    parked: dict[Any, int]
+    done: dict[Any, int]
+
+    @classmethod
+    def read(cls, conn: Connection, sch: StorageSchema, *, done: bool) -> _Grouped:
+        s = _statements(sch)
+        return cls(lanes={r.logical_queue: int(r.n) for r in conn.execute(s.heads)},
+                   paused={r.queue: bool(r.paused) for r in conn.execute(s.meta)},
+                   deferred=_by_queue(conn.execute(s.deferred), state=True),
+                   dlq=_by_queue(conn.execute(s.dlq)),
+                   parked=_by_queue(conn.execute(s.waiting_external)),
+                   done=_by_queue(conn.execute(s.done), state=True) if done else {})
+
+    def names(self) -> list[str]:
+        return sorted(set(self.lanes) | set(self.paused) | set(self.dlq) | set(self.parked)
+                      | {k[0] for k in self.deferred} | {k[0] for k in self.done})
+
+
 def queue_names(target: Target, storage: QueueStorage) -> list[str]:
     """Every logical queue of the install, sorted: those with a lane or options, and those
-    with a deferred, retained terminal or DLQ row."""
-    return [q.queue for q in queue_status(target, storage, exact=False)]
+    with a deferred, retained terminal, parked or DLQ row."""
+    return _read(target, lambda conn: _Grouped.read(conn, storage.tables, done=True).names())
 
 
 def queue_status(target: Target, storage: QueueStorage, queues: Sequence[str] | None = None,
                  *, exact: bool = True) -> list[QueueStatus]:
     """One :class:`QueueStatus` per logical queue (``queues``, or every queue of the
-    install), sorted by name."""
-    sch = storage.tables
+    install: :func:`queue_names`, less queues known only by retained terminal rows when not
+    ``exact``), sorted by name."""
 
     def body(conn: Connection) -> list[QueueStatus]:
-        s = _statements(sch)
-        lanes = {r.logical_queue: int(r.n) for r in conn.execute(s.heads)}
-        paused = {r.queue: bool(r.paused) for r in conn.execute(s.meta)}
-        deferred = _by_queue(conn.execute(s.deferred), state=True)
-        dlq = _by_queue(conn.execute(s.dlq))
-        parked = _by_queue(conn.execute(s.waiting_external))
-        done = _by_queue(conn.execute(s.done), state=True) if exact else {}
-        names = set(lanes) | set(paused) | {k[0] for k in deferred} | set(dlq) | set(parked) \
-            | {k[0] for k in done}
-        wanted = sorted(names) if queues is None else sorted(set(queues))
+        g = _Grouped.read(conn, storage.tables, done=exact)
         counts = storage.queue_counts if exact else storage.queue_counts_fast
         out = []
-        for name in wanted:
+        for name in g.names() if queues is None else sorted(set(queues)):
             c = counts(conn, name)
-            kept = {st: done.get((name, st), 0) if exact else None
+            kept = {st: g.done.get((name, st), 0) if exact else None
                     for st in ("completed", "cancelled", "failed")}
             out.append(QueueStatus(
                 queue=name, available=c.available, running=c.running,
-                waiting_external=parked.get(name, 0), scheduled=deferred.get((name, "scheduled"), 0),
-                retryable=deferred.get((name, "retryable"), 0), terminal=c.terminal,
-                completed=kept["completed"], cancelled=kept["cancelled"],
-                failed=kept["failed"], dlq=dlq.get(name, 0), paused=paused.get(name, False),
-                lanes=lanes.get(name, 0)))
+                waiting_external=g.parked.get(name, 0), scheduled=g.deferred.get((name, "scheduled"), 0),
+                retryable=g.deferred.get((name, "retryable"), 0), terminal=c.terminal,
+                completed=kept["completed"], cancelled=kept["cancelled"], failed=kept["failed"],
+                dlq=g.dlq.get(name, 0), paused=g.paused.get(name, False), lanes=g.lanes.get(name, 0)))
         return out
 
     return _read(target, body)
@@ -325,6 +341,7 @@ def queue_status(target: Target, storage: QueueStorage, queues: Sequence[str] | 
 def _ring_statements(ring: Ring) -> tuple[Select[Any], Select[Any]]:
     st = ring.state
     cursor = select(st.c.current_slot, st.c.generation, st.c.slot_count)
+
     def summed(size: Any, k: int) -> Any:
         return sum((size(regclass(child)) for child in ring.children(k)), literal(0))
 

@@ -82,6 +82,13 @@ def test_queue_status_lists_every_queue_sorted_including_backlog_only_ones(engin
     assert status.queue_names(engine, st) == ["a", "b", "idle", "later"]
 
 
+def test_queue_names_include_a_queue_known_only_by_its_terminal_rows(engine, st):
+    job_id = add(engine, st, queue="later", run_at=datetime.now(UTC) + timedelta(hours=1))
+    st.cancel_job(engine, job_id)
+    assert status.queue_names(engine, st) == ["later"]
+    assert _queue(engine, st, "later").cancelled == 1
+
+
 def test_queue_status_shows_a_paused_queue(engine, st):
     add(engine, st)
     st.set_queue_options(engine, "q", paused=True)

@@ -24,6 +24,7 @@ from sqlalchemy import exc as sa_exc
 
 from qstore import migrate
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
+from qstore.embedded import embedded_database
 from qstore.errors import DatabaseError, QueueStorageError
 from qstore.storage import QueueStorage
 
@@ -58,8 +59,6 @@ def database_url(url: str | None, out: TextIO) -> Iterator[str]:
     if given:
         yield given
         return
-    from qstore.demo import embedded_database
-
     print("No --url / QSTORE_DATABASE_URL: starting an embedded PostgreSQL server...", file=out)
     with embedded_database() as embedded:
         yield embedded

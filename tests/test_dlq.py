@@ -1,5 +1,5 @@
-"""The dead-letter queue (STORAGE.md §7.9): moving failed jobs in, retrying them out (args kept,
-run_lease never reset), bulk operations, unique conflicts and discard."""
+"""The dead-letter queue (STORAGE.md §7.9): moving failed jobs in, listing them, retrying them
+out (args kept, run_lease never reset), bulk operations, unique conflicts, discard and purge."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from sqlalchemy import text
 
 from qstore import UniqueConflictError, ValidationError
 from qstore.model import ClaimedRuntimeJob, JobState, ListDlqFilter, RetryFromDlqOpts
-from qstore.storage.jobs import UniqueOpts
+from qstore.storage.jobs import UniqueOpts, logical_queue
 
 UTC = timezone.utc
 
@@ -183,6 +183,104 @@ def test_bulk_retry_from_dlq_by_queue_and_before_id(engine, st):
     assert state(engine, st, b.job.id) == JobState.FAILED
 
 
+# -- listing ----------------------------------------------------------------------------------------
+
+
+def test_list_dlq_returns_every_entry_newest_first_with_its_reason(engine, st):
+    first, second = dead(engine, st, kind="a"), dead(engine, st, kind="b")
+    entries = st.list_dlq(engine)
+    assert [e.job.id for e in entries] == [second.job.id, first.job.id]
+    assert [(e.dlq_reason, e.original_run_lease, e.job.state) for e in entries] == \
+        [("poison", 1, JobState.FAILED)] * 2
+    assert entries[0].dlq_at >= entries[1].dlq_at
+    assert entries[0].job.errors[-1]["error"] == "bad"
+
+
+def test_list_dlq_filters_by_kind_queue_and_limit(engine, st):
+    dead(engine, st, kind="a", queue="x")
+    b = dead(engine, st, kind="b", queue="x")
+    c = dead(engine, st, kind="a", queue="y")
+    assert [e.job.id for e in st.list_dlq(engine, ListDlqFilter(kind="b"))] == [b.job.id]
+    assert [e.job.id for e in st.list_dlq(engine, ListDlqFilter(kind="a", queue="y"))] == [c.job.id]
+    assert [e.job.id for e in st.list_dlq(engine, ListDlqFilter(limit=1))] == [c.job.id]
+
+
+def test_list_dlq_pages_backwards_from_the_last_entry_seen(engine, st):
+    ids = [dead(engine, st).job.id for _ in range(3)]
+    page = st.list_dlq(engine, ListDlqFilter(limit=2))
+    last = page[-1]
+    rest = st.list_dlq(engine, ListDlqFilter(before_id=last.job.id, before_dlq_at=last.dlq_at))
+    assert [e.job.id for e in page + rest] == ids[::-1]
+
+
+def test_list_dlq_of_a_striped_queue_lists_every_stripe(engine, make_storage):
+    s = make_storage(queue_stripe_count=2)
+    s.enqueue_params_batch(engine, [params(queue="q") for _ in range(2)])
+    for c in s.claim_runtime_batch(engine, "q", 2):
+        s.fail_to_dlq(engine, c.job.id, c.job.run_lease, "poison", "bad")
+    assert len(s.list_dlq(engine, ListDlqFilter(queue="q"))) == 2
+
+
+def test_load_dlq_entry_is_the_entry_of_a_dead_lettered_job_only(engine, st):
+    c = dead(engine, st)
+    entry = st.load_dlq_entry(engine, c.job.id)
+    assert (entry.job.id, entry.job.kind, entry.dlq_reason) == (c.job.id, c.job.kind, "poison")
+    assert st.load_dlq_entry(engine, failed(engine, st)) is None
+
+
+# -- purge ------------------------------------------------------------------------------------------
+
+
+def test_purge_dlq_deletes_the_entries_of_a_kind_and_leaves_the_rest(engine, st):
+    a, other = dead(engine, st, kind="a"), dead(engine, st, kind="b")
+    assert st.purge_dlq(engine, kind="a") == 1
+    assert [e.job.id for e in st.list_dlq(engine)] == [other.job.id]
+    assert st.load_job(engine, a.job.id) is None
+
+
+def test_purge_dlq_by_queue_takes_every_stripe_of_that_queue(engine, make_storage):
+    s = make_storage(queue_stripe_count=2)
+    s.enqueue_params_batch(engine, [params(queue="q") for _ in range(2)] + [params(queue="r")])
+    for queue in ("q", "r"):
+        for c in s.claim_runtime_batch(engine, queue, 2):
+            s.fail_to_dlq(engine, c.job.id, c.job.run_lease, "poison", "bad")
+    assert s.purge_dlq(engine, queue="q") == 2
+    assert [logical_queue(e.job.queue) for e in s.list_dlq(engine)] == ["r"]
+
+
+def test_purge_dlq_without_a_criterion_empties_the_dlq(engine, st):
+    for kind in ("a", "b"):
+        dead(engine, st, kind=kind)
+    assert st.purge_dlq(engine) == 2
+    assert count(engine, st, "dlq_entries") == 0
+
+
+def test_purge_dlq_leaves_terminal_counts_alone(engine, st):
+    st.complete_runtime_batch(engine, [running(engine, st)])
+    failed(engine, st)
+    dead(engine, st)
+    before = st.queue_counts(engine, "q")
+    st.purge_dlq(engine)
+    assert st.queue_counts(engine, "q") == before
+
+
+def test_purge_dlq_releases_unique_keys(engine, st):
+    holds_failed = UniqueOpts(states=0b0011_1111)  # … plus failed
+    dead(engine, st, args={"u": 1}, unique=holds_failed)
+    with pytest.raises(UniqueConflictError):
+        st.enqueue_params_batch(engine, [params(args={"u": 1}, unique=holds_failed)])
+    st.purge_dlq(engine)
+    assert st.enqueue_params_batch(engine, [params(args={"u": 1}, unique=holds_failed)]) == 1
+
+
+def test_a_purged_job_reads_none_while_its_claimed_ready_row_waits_for_prune(engine, st):
+    c = dead(engine, st)
+    st.purge_dlq(engine)
+    assert count(engine, st, "ready_entries", f"job_id = {c.job.id}") == 1
+    assert st.load_job(engine, c.job.id) is None
+    assert st.queue_counts(engine, "q").available == 0
+
+
 # -- discard ----------------------------------------------------------------------------------------
 
 
@@ -208,6 +306,12 @@ def test_discard_failed_by_kind_releases_unique_keys(engine, st):
     assert count(engine, st, "job_unique_claims") == 0
     assert st.enqueue_params_batch(engine, [params("a", {"u": 1}, unique=holds_failed),
                                             params("a", {"u": 2}, unique=holds_failed)]) == 2
+
+
+def test_a_discarded_failed_job_reads_none(engine, st):
+    job_id = failed(engine, st, kind="a")
+    st.discard_failed_by_kind(engine, "a")
+    assert st.load_job(engine, job_id) is None
 
 
 def test_dlq_and_terminal_history_are_disjoint(engine, st):

@@ -760,8 +760,9 @@ def dlq_filter(required: str) -> hs.SearchStrategy[ListDlqFilter]:
 
 
 good_filters = hs.sampled_from(sorted(FILTER_CRITERIA)).flatmap(dlq_filter)
-bad_filters = hs.one_of(
-    hs.sampled_from([None, "kind", {"kind": "k"}, ListDlqFilter(), ListDlqFilter(limit=3)]),
+#: filters no DLQ call takes (``list_dlq`` also takes None and a filter without criteria)
+malformed_filters = hs.one_of(
+    hs.sampled_from(["kind", {"kind": "k"}]),
     hs.builds(ListDlqFilter, kind=bad_text),
     hs.builds(ListDlqFilter, kind=hs.just("live"), queue=bad_names_but_none),
     hs.builds(ListDlqFilter, tag=bad_text),
@@ -769,6 +770,9 @@ bad_filters = hs.one_of(
     hs.builds(ListDlqFilter, before_dlq_at=bad_aware),
     hs.builds(ListDlqFilter, kind=hs.just("live"), limit=bad_batches_but_none),
 )
+bad_filters = hs.one_of(hs.sampled_from([None, ListDlqFilter(), ListDlqFilter(limit=3)]), malformed_filters)
+listing_filters = hs.one_of(hs.none(), hs.builds(ListDlqFilter, limit=hs.one_of(hs.none(), hs.integers(1, 5))),
+                            good_filters)
 good_opts = hs.one_of(hs.none(), hs.builds(RetryFromDlqOpts, run_at=hs.one_of(hs.none(), aware),
                                            priority=hs.one_of(hs.none(), priorities), queue=hs.one_of(hs.none(), names)))
 bad_opts = hs.one_of(
@@ -795,6 +799,10 @@ def test_dlq_calls_either_work_or_refuse_naming_the_bad_argument(world: World, d
         "retry_from_dlq": {"job_id": job, "opts": P(good_opts, bad_opts)},
         "bulk_retry_from_dlq": {"filter": P(good_filters, bad_filters)},
         "discard_failed_by_kind": {"kind": P(hs.one_of(hs.just("live"), good_text), bad_text)},
+        "list_dlq": {"filter": P(listing_filters, malformed_filters)},
+        "load_dlq_entry": {"job_id": job},
+        "purge_dlq": {"kind": P(hs.one_of(hs.none(), hs.just("live"), good_text), bad_text),
+                      "queue": P(hs.one_of(hs.none(), hs.just(LIVE_QUEUE), names), bad_names_but_none)},
     }
     method = data.draw(hs.sampled_from(sorted(signatures)), label="method")
     values, bad = args_of(data, signatures[method])
@@ -833,7 +841,8 @@ TARGET_CALLS: list[tuple[str, tuple[Any, ...]]] = [
     ("retry_jobs_by_ids", ([1],)), ("cancel_job", (1,)), ("cancel_jobs_by_ids", ([1],)), ("set_priority", (1, 1)),
     ("move_queue", (1, "q")), ("age_waiting_priorities", (5, 5)), ("set_queue_options", ("q",)),
     ("move_failed_to_dlq", (1, "r")), ("bulk_move_failed_to_dlq", (None, None, "r")), ("retry_from_dlq", (1,)),
-    ("bulk_retry_from_dlq", (ListDlqFilter(kind="k"),)), ("discard_failed_by_kind", ("k",)), ("rotate", ()),
+    ("bulk_retry_from_dlq", (ListDlqFilter(kind="k"),)), ("discard_failed_by_kind", ("k",)), ("list_dlq", ()),
+    ("load_dlq_entry", (1,)), ("purge_dlq", ("k",)), ("rotate", ()),
     ("prune_oldest", ()), ("rotate_leases", ()), ("prune_oldest_leases", ()), ("rotate_claims", ()),
     ("prune_oldest_claims", ()), ("vacuum_leases", ()), ("rollup_terminal_count_deltas", (1,)),
     ("rebuild_terminal_counters", ()), ("terminal_counter_trusted", ()), ("prepare_schema", ()),

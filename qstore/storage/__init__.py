@@ -181,6 +181,9 @@ class Operations:
     retry_from_dlq = op(ATOMIC, dlq.retry_from_dlq, job_id=C.job_id, opts=C.dlq_opts)
     bulk_retry_from_dlq = op(ATOMIC, dlq.bulk_retry_from_dlq, filter=C.dlq_filter)
     discard_failed_by_kind = op(ATOMIC, dlq.discard_failed_by_kind, kind=C.text)
+    list_dlq = op(JOIN, dlq.list_dlq, filter=C.optional_dlq_filter)
+    load_dlq_entry = op(JOIN, dlq.load_dlq_entry, job_id=C.job_id)
+    purge_dlq = op(ATOMIC, dlq.purge_dlq, kind=C.optional_text, queue=C.optional_queue)
 
     # -- ring maintenance and counters --------------------------------------------------------------
     rotate = op(JOIN, rings.rotate)

@@ -53,6 +53,7 @@ __all__ = [
     "json_value",
     "max_claimers",
     "ms",
+    "optional_dlq_filter",
     "optional_id",
     "optional_priority",
     "optional_queue",
@@ -300,3 +301,8 @@ def dlq_filter(value: object, field: str) -> ListDlqFilter:
 
 def instance(value: object, field: str) -> uuid.UUID:
     return validate_uuid(value, field)
+
+
+def optional_dlq_filter(value: object, field: str) -> ListDlqFilter:
+    """A DLQ filter checked field by field, or None for "no criterion"."""
+    return ListDlqFilter() if value is None else dlq_filter(value, field)

@@ -17,7 +17,7 @@ from qstore.storage.context import StorageContext
 from qstore.storage.jobs import stripes_for
 from qstore.storage.sql import attempt_leased, receipt_closed
 
-__all__ = ["load_job", "queue_counts", "queue_counts_fast"]
+__all__ = ["load_job", "queue_counts", "queue_counts_fast", "snapshot_row"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
     trusted = select(sch.counter_state.c.terminal_counter_trusted_at.isnot(None)).scalar_subquery()
     last = lambda seq: func.coalesce(func.pg_sequence_last_value(seq), 0)  # noqa: E731
     return ReadStatements(
-        ready=select(r).where(r.c.job_id == job),
+        ready=select(r, claimed.label("claimed")).where(r.c.job_id == job),
         tombstoned=select(t.c.lane_seq, t.c.ready_slot, t.c.queue, t.c.priority, t.c.enqueue_shard)
         .where(t.c.job_id == job),
         deferred=select(sch.deferred).where(sch.deferred.c.job_id == job),
@@ -102,7 +102,7 @@ def _payload_fields(payload: dict[str, Any] | None) -> dict[str, Any]:
             "tags": list(p.get("tags") or []), "progress": p.get("progress")}
 
 
-def _snapshot_row(d: Any) -> JobRow:
+def snapshot_row(d: Any) -> JobRow:
     """JobRow of a wide snapshot row (deferred, terminal view or DLQ) in its stored state."""
     return JobRow(id=d.job_id, kind=d.kind, queue=d.queue, args=d.args, state=JobState(d.state),
                   priority=d.priority, attempt=d.attempt, run_lease=d.run_lease,
@@ -113,7 +113,9 @@ def _snapshot_row(d: Any) -> JobRow:
 
 def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | None:
     """Newest view of ``job_id`` across ready, deferred, running, terminal and DLQ rows:
-    greatest ``(run_lease, transition time, state rank)``. None once its history is pruned."""
+    greatest ``(run_lease, transition time, state rank)``. A ready row counts as available
+    only while unclaimed (not tombstoned, not covered by a claim range), as in the exact
+    counts. None once its history is pruned, discarded or purged from the DLQ."""
     s = _statements(ctx.schema)
     arg = {"job_id": job_id}
     cands: list[tuple[tuple[int, datetime, int], JobRow]] = []
@@ -121,8 +123,8 @@ def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | Non
     ready_by_key = {}
     for r in conn.execute(s.ready, arg):
         ready_by_key[(r.ready_slot, r.queue, r.priority, r.enqueue_shard, r.lane_seq)] = r
-        if (r.ready_slot, r.queue, r.priority, r.enqueue_shard, r.lane_seq) in tomb:
-            continue
+        if r.claimed or (r.ready_slot, r.queue, r.priority, r.enqueue_shard, r.lane_seq) in tomb:
+            continue  # claimed: its attempt is elsewhere (or purged); tombstoned: moved or void
         row = JobRow(id=r.job_id, kind=r.kind, queue=r.queue, args=r.args, state=JobState.AVAILABLE,
                      priority=r.priority, attempt=r.attempt, run_lease=r.run_lease,
                      max_attempts=r.max_attempts, run_at=r.run_at, created_at=r.created_at,
@@ -130,7 +132,7 @@ def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | Non
                      unique_states=r.unique_states, **_payload_fields(r.payload))
         cands.append(((r.run_lease, r.run_at, 2), row))
     for d in conn.execute(s.deferred, arg):
-        cands.append(((d.run_lease, d.finalized_at or d.run_at, 3), _snapshot_row(d)))
+        cands.append(((d.run_lease, d.finalized_at or d.run_at, 3), snapshot_row(d)))
     for kind in ("leases", "open_claims"):
         for x in conn.execute(getattr(s, kind), arg):
             body = ready_by_key.get((x.ready_slot, x.queue, x.priority, x.enqueue_shard, x.lane_seq))
@@ -155,9 +157,9 @@ def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | Non
                          **fields)
             cands.append(((x.run_lease, hb or attempted or body.run_at, 4), row))
     for d in conn.execute(s.terminal, arg):
-        cands.append(((d.run_lease, d.finalized_at, 1), _snapshot_row(d)))
+        cands.append(((d.run_lease, d.finalized_at, 1), snapshot_row(d)))
     for d in conn.execute(s.dlq, arg):
-        cands.append(((d.run_lease, d.dlq_at, 1), _snapshot_row(d)))
+        cands.append(((d.run_lease, d.dlq_at, 1), snapshot_row(d)))
     if not cands:
         return None
     return max(cands, key=lambda c: c[0])[1]

@@ -401,5 +401,11 @@ def take_dlq_where(conn: Connection, sch: StorageSchema, pick: Select[Any]) -> l
 
 def discard_dlq_kind(conn: Connection, sch: StorageSchema, kind: str) -> list[Any]:
     """Delete every DLQ row of ``kind``; returns their ``(job_id, unique_key)``."""
+    return discard_dlq_where(conn, sch, sch.dlq.c.kind == kind)
+
+
+def discard_dlq_where(conn: Connection, sch: StorageSchema, *where: Any) -> list[Any]:
+    """Delete every DLQ row matching ``where`` (all rows without a criterion); returns their
+    ``(job_id, unique_key)``."""
     q = sch.dlq
-    return list(conn.execute(q.delete().where(q.c.kind == kind).returning(q.c.job_id, q.c.unique_key)).all())
+    return list(conn.execute(q.delete().where(*where).returning(q.c.job_id, q.c.unique_key)).all())

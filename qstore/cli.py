@@ -34,7 +34,7 @@ from typing import Any, TextIO
 from sqlalchemy import URL, Engine, inspect, select
 from sqlalchemy import exc as sa_exc
 
-from qstore import grants, migrate
+from qstore import cli_worker, grants, migrate
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import DatabaseError, QueueStorageError, translate_errors
 from qstore.maintainer import Maintainer, TaskReport
@@ -342,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     maintain.add_argument("--once", action="store_true",
                           help="run every task once, print what each did and exit (1 if one failed)")
     maintain.set_defaults(func=cmd_maintain)
+    cli_worker.register(sub, common)
     return parser
 
 

@@ -276,8 +276,21 @@ class _EventLoop:
         self.loop.call_soon_threadsafe(task.cancel)
 
     def stop(self, timeout: float) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
+        """Cancel the handlers still running, give them ``timeout`` seconds to unwind, then
+        stop the loop."""
+
+        async def wind_down() -> None:
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in others:
+                t.cancel()
+            if others:
+                await asyncio.wait(others, timeout=timeout)
+            self.loop.stop()
+
+        if self.loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(wind_down(), self.loop)
+        self._thread.join(timeout + 1.0)
         if not self._thread.is_alive():
             self.loop.close()
 
@@ -731,7 +744,7 @@ class Worker:
                             a.pair[0], err)
                 time.sleep(delay)
             except ValidationError as err:
-                if "not in running state" in str(err):  # register_callback on a closed attempt
+                if err.field == "job":  # register_callback of an attempt closed meanwhile
                     result = None
                     break
                 raise

@@ -66,7 +66,10 @@ def state_of(engine, st, job_id: int) -> JobState | None:  # type: ignore[no-unt
 
 def settles_in(engine, st, job_id: int, state: JobState, timeout: float = 5.0):  # type: ignore[no-untyped-def]
     """Wait until the job is in ``state``; returns its row."""
-    eventually(lambda: state_of(engine, st, job_id) == state, timeout, f"job {job_id} {state.value}")
+    try:
+        eventually(lambda: state_of(engine, st, job_id) == state, timeout, f"job {job_id} {state.value}")
+    except AssertionError as err:
+        raise AssertionError(f"{err}; the job: {st.load_job(engine, job_id)}") from None
     return st.load_job(engine, job_id)
 
 

@@ -62,6 +62,9 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
         raise _failed(f"--schema {args.schema!r} differs from the schema of app {args.app!r} "
                       f"({app.storage.schema()!r}); leave --schema out")
     settings = WorkerSettings(queues=args.queue or None, concurrency=args.concurrency,
+                              claim_batch=args.claim_batch, prefetch=args.prefetch,
+                              poll_interval=args.poll_interval,
+                              heartbeat_interval=args.heartbeat_interval,
                               shutdown_timeout=args.shutdown_timeout, maintain=not args.no_maintain)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
@@ -76,7 +79,8 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     finally:
         engine.dispose()
     print(f"qstore worker stopped: {stats.claimed} claimed, {stats.completed} completed, "
-          f"{stats.retried} retried, {stats.failed} failed, {stats.handed_back} handed back", file=out)
+          f"{stats.retried} retried, {stats.failed} failed, {stats.handed_back} handed back",
+          file=out, flush=True)
     return 0
 
 
@@ -88,6 +92,14 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", action="append", metavar="Q",
                    help="queue to work (repeatable; default: the queues of the app's tasks)")
     p.add_argument("--concurrency", type=int, default=16, help="handlers running at once (default 16)")
+    p.add_argument("--claim-batch", type=int, default=32,
+                   help="most jobs one claim takes (never more than free handlers; default 32)")
+    p.add_argument("--prefetch", type=int, default=0,
+                   help="claimed jobs that may wait for a free handler (default 0)")
+    p.add_argument("--poll-interval", type=float, default=1.0,
+                   help="seconds an idle queue waits before claiming without a notification (default 1)")
+    p.add_argument("--heartbeat-interval", type=float, default=30.0,
+                   help="seconds between heartbeats of long-running jobs (default 30)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running handlers get to finish on shutdown (default 30)")
     p.add_argument("--no-maintain", action="store_true",

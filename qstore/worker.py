@@ -74,6 +74,9 @@ log = logging.getLogger("qstore.worker")
 
 #: Longest error text a failed attempt records (the message and the raising frame).
 MAX_ERROR_CHARS = 2000
+#: How long a dispatcher waits for more free handlers before claiming for fewer than half
+#: of them (seconds).
+CLAIM_LINGER = 0.005
 #: Attempts at applying an outcome while the database is unreachable.
 OUTCOME_TRIES = (0.1, 0.5, 2.0)
 
@@ -262,6 +265,7 @@ class _EventLoop:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[Any]] = set()  # strong references while they run
         self._thread = threading.Thread(target=self._run, name="qstore-asyncio", daemon=True)
         self._thread.start()
 
@@ -269,8 +273,16 @@ class _EventLoop:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+    def spawn(self, coros: list[Any]) -> None:
+        """Start each coroutine as a task of the loop (one wake-up of the loop for all)."""
+
+        def create() -> None:
+            for c in coros:
+                task = self.loop.create_task(c)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+        self.loop.call_soon_threadsafe(create)
 
     def cancel(self, task: asyncio.Task[Any]) -> None:
         self.loop.call_soon_threadsafe(task.cancel)
@@ -332,6 +344,7 @@ class Worker:
         self._lock = threading.Lock()
         self._capacity = threading.Condition(self._lock)
         self._free = self.settings.concurrency + self.settings.prefetch
+        self._batch_floor = max(1, self._free // 2)
         self._attempts: dict[tuple[int, int], _Attempt] = {}
         self._counts = dict.fromkeys(_COUNTERS, 0)
 
@@ -516,10 +529,23 @@ class Worker:
             self._capacity.notify_all()
 
     def _reserve(self, most: int) -> int:
-        """Take up to ``most`` free places (waiting for one); 0 when claiming has stopped."""
+        """Take up to ``most`` free places; 0 when claiming has stopped. Waits until half the
+        capacity (or ``most``) is free, or until one place has been free for
+        ``CLAIM_LINGER`` seconds: one claim of many jobs instead of many claims of one."""
+        enough = min(most, self._batch_floor)
         with self._capacity:
-            while self._free <= 0 and self._claiming.is_set():
-                self._capacity.wait(0.5)
+            free_since: float | None = None
+            while self._claiming.is_set() and self._free < enough:
+                if self._free <= 0:
+                    free_since = None
+                    self._capacity.wait(0.5)
+                    continue
+                now = time.monotonic()
+                if free_since is None:
+                    free_since = now
+                elif now - free_since >= CLAIM_LINGER:
+                    break
+                self._capacity.wait(CLAIM_LINGER - (now - free_since))
             if not self._claiming.is_set():
                 return 0
             n = min(most, self._free)
@@ -529,8 +555,10 @@ class Worker:
     def _release(self, n: int) -> None:
         if n:
             with self._capacity:
+                was = self._free
                 self._free += n
-                self._capacity.notify_all()
+                if was <= 0 or self._free >= self._batch_floor > was or not self._attempts:
+                    self._capacity.notify_all()
 
     # -- claiming --------------------------------------------------------------------------------
     def _claim(self, queue: str, n: int) -> list[ClaimedRuntimeJob]:
@@ -572,18 +600,24 @@ class Worker:
                     ctx = JobContext(j, self.storage, self.engine)
                     a = _Attempt(j, ctx, task, now, now)
                     self._attempts[a.pair] = a
-            for j in jobs:
-                self._launch(self._attempts[(j.job.id, j.job.run_lease)])
-            if not jobs:
+            if jobs:
+                self._launch([self._attempts[(j.job.id, j.job.run_lease)] for j in jobs])
+            else:
                 wake.wait(s.poll_interval)
 
-    def _launch(self, a: _Attempt) -> None:
-        if a.task is not None and a.task.is_async:
+    def _launch(self, attempts: list[_Attempt]) -> None:
+        """Hand claimed attempts to their handlers: sync ones to the thread pool, async
+        ones to the event loop (all of one claim in one hop to the loop)."""
+        on_loop = []
+        for a in attempts:
+            if a.task is not None and a.task.is_async:
+                on_loop.append(a)
+            else:
+                assert self._pool is not None
+                self._pool.submit(functools.partial(self._run_sync, a))
+        if on_loop:
             assert self._loop is not None
-            self._loop.submit(self._run_async(a))
-        else:
-            assert self._pool is not None
-            self._pool.submit(lambda: self._run_sync(a))
+            self._loop.spawn([self._run_async(a) for a in on_loop])
 
     # -- running handlers ------------------------------------------------------------------------
     def _call(self, a: _Attempt) -> Any:
@@ -640,13 +674,19 @@ class Worker:
             outcome = err
         a.atask = None
         loop = asyncio.get_running_loop()
-        if self._outcomes is None:
-            self._finish(a, outcome)
+        if self._outcomes is None or not self._writes(a, outcome):
+            self._finish(a, outcome)  # no database call: finish on the loop
             return
         try:
             await loop.run_in_executor(self._outcomes, self._finish, a, outcome)
         except RuntimeError:  # the executor was shut down under us: finish here
             self._finish(a, outcome)
+
+    @staticmethod
+    def _writes(a: _Attempt, outcome: Any) -> bool:
+        """Whether finishing ``a`` with ``outcome`` calls the database right away (a
+        completion only goes to the batcher)."""
+        return not a.ctx.is_cancelled and isinstance(outcome, BaseException)
 
     def _forget(self, a: _Attempt) -> None:
         with self._lock:

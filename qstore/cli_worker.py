@@ -2,8 +2,8 @@
 
 ``MODULE:APP`` names the :class:`~qstore.tasks.App` object by import path (``APP`` may be
 dotted: ``myapp.jobs:registry.app``); the current directory is importable, as it is for
-``python -m``. The app's storage decides the schema; ``--schema``, when given, must name
-the same one. The worker runs until SIGINT / SIGTERM, then shuts down gracefully (a second
+``python -m``. The app's storage decides the schema; a ``--schema`` other than the default
+must name the same one. The worker runs until SIGINT / SIGTERM, then shuts down gracefully (a second
 signal hurries it). Every refusal is one line on stderr.
 """
 
@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from sqlalchemy import create_engine
 
+from qstore.config import DEFAULT_SCHEMA
 from qstore.errors import QueueStorageError
 
 __all__ = ["cmd_worker", "load_app", "register"]
@@ -58,7 +59,9 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     from qstore.worker import Worker, WorkerSettings
 
     app = load_app(args.app)
-    if args.schema is not None and args.schema != app.storage.schema():
+    # the shared --schema option defaults to the default schema: a value other than that one
+    # must name the app's schema (its storage decides)
+    if args.schema not in (DEFAULT_SCHEMA, app.storage.schema()):
         raise _failed(f"--schema {args.schema!r} differs from the schema of app {args.app!r} "
                       f"({app.storage.schema()!r}); leave --schema out")
     settings = WorkerSettings(queues=args.queue or None, concurrency=args.concurrency,
@@ -106,4 +109,4 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="do not run the maintainer in this process")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level when the app configured no logging (default INFO)")
-    p.set_defaults(func=cmd_worker, schema=None)
+    p.set_defaults(func=cmd_worker)

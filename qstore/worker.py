@@ -393,6 +393,8 @@ class Worker:
             raise RuntimeError("worker already running")
         s = self.settings
         self._started = True
+        with self._lock:  # handlers a previous stop left running still hold their places
+            self._free = s.concurrency + s.prefetch - len(self._attempts)
         self._stop_requested.clear()
         self._closing.clear()
         self._hurry.clear()
@@ -586,7 +588,7 @@ class Worker:
                 self._count("claim_calls")
                 self._count("claim_errors")
                 log.warning("qstore worker: claim on queue %s failed: %s", queue, err)
-                self._closing.wait(s.error_backoff)
+                wake.wait(s.error_backoff)  # a stop sets it
                 continue
             self._release(want - len(jobs))
             now = time.monotonic()

@@ -570,3 +570,53 @@ def test_given_back_jobs_run_again_on_the_next_worker(engine, st, app, run_worke
     run_worker(app, maintain=True, schedule=fast)
     settles_in(engine, st, job_id, JobState.COMPLETED)
     assert runs == [1, 1]  # the given-back attempt did not count
+
+
+def test_a_second_stop_request_gives_running_attempts_back_without_waiting(engine, st, app):  # type: ignore[no-untyped-def]
+    started, release = threading.Event(), threading.Event()
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        started.set()
+        release.wait(10)  # ignores ctx.cancelled
+
+    job_id = handler.defer(engine)
+    w = Worker(app, engine, WorkerSettings(maintain=False, concurrency=2, poll_interval=0.2,
+                                           shutdown_timeout=30))
+    result: list[Any] = []
+    runner = threading.Thread(target=lambda: result.append(w.run()))
+    runner.start()
+    try:
+        assert started.wait(5)
+        w.request_stop()
+        time.sleep(0.3)
+        assert runner.is_alive()  # waiting for the running handler (up to 30 s)
+        hurried = time.monotonic()
+        w.request_stop(hurry=True)
+        runner.join(10)
+        assert not runner.is_alive() and time.monotonic() - hurried < 5
+    finally:
+        release.set()
+        runner.join(10)
+    assert result[0].handed_back == 1
+    assert state_of(engine, st, job_id) == JobState.SCHEDULED
+
+
+def test_ctx_heartbeat_reports_an_attempt_closed_under_the_handler(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    beats: list[bool] = []
+    started, go = threading.Event(), threading.Event()
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        beats.append(ctx.heartbeat({"done": 1}))
+        started.set()
+        go.wait(5)
+        beats.append(ctx.heartbeat())
+
+    job_id = handler.defer(engine)
+    run_worker(app, listen=False)  # the handler is not told: it learns from its heartbeat
+    assert started.wait(5)
+    st.cancel_job(engine, job_id)
+    go.set()
+    eventually(lambda: len(beats) == 2)
+    assert beats == [True, False]

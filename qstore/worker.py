@@ -353,6 +353,7 @@ class Worker:
         self._closing = threading.Event()  # set once stopping begins (keeper, listener end)
         self._hurry = threading.Event()  # a second stop request: give back at once
         self._stop_requested = threading.Event()
+        self._stopping = threading.Lock()
         self._started = False
         self._threads: list[threading.Thread] = []
         self._dispatchers: list[threading.Thread] = []
@@ -466,8 +467,12 @@ class Worker:
         """Stop gracefully (see the module docstring): running handlers get ``timeout``
         seconds (default ``settings.shutdown_timeout``) before their attempts are given
         back. Returns the final stats."""
-        if not self._started:
-            return self.stats
+        with self._stopping:  # one stop at a time; a concurrent second call waits for it
+            if not self._started:
+                return self.stats
+            return self._stop(timeout)
+
+    def _stop(self, timeout: float | None) -> WorkerStats:
         limit = self.settings.shutdown_timeout if timeout is None else max(0.0, float(timeout))
         log.info("qstore worker shutdown begun: %d attempts in flight, waiting up to %gs",
                  len(self._attempts), limit)

@@ -398,6 +398,17 @@ def test_many_completions_go_out_in_few_calls(engine, st, app, run_worker):  # t
     assert st.queue_counts(engine, "default").terminal == 200
 
 
+def test_a_busy_worker_claims_many_jobs_per_claim_call(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="quick")
+    def quick(ctx: JobContext, n: int) -> None: ...
+
+    quick.defer_many(engine, [{"n": i} for i in range(200)])
+    w = run_worker(app, concurrency=8)
+    eventually(lambda: w.stats.completed == 200, timeout=10)
+    stats = w.stats
+    assert stats.claim_calls - stats.empty_claims <= 200 / 4, stats  # 8 per claim when all is well
+
+
 def test_a_batch_flushes_at_its_size_without_waiting_for_the_interval(engine, st):  # type: ignore[no-untyped-def]
     st.enqueue_many(engine, [InsertParams("k", {"n": i}) for i in range(6)])
     claimed = st.claim_runtime_batch(engine, "default", 6)

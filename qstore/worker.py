@@ -354,6 +354,7 @@ class Worker:
         self._hurry = threading.Event()  # a second stop request: give back at once
         self._stop_requested = threading.Event()
         self._stopping = threading.Lock()
+        self._signals: list[str] = []  # names of the stop signals received (set by the handler)
         self._started = False
         self._threads: list[threading.Thread] = []
         self._dispatchers: list[threading.Thread] = []
@@ -448,19 +449,18 @@ class Worker:
             self.start()
             while not self._stop_requested.wait(0.5):
                 pass
+            if self._signals:
+                log.info("qstore worker: %s received, shutting down", self._signals[0])
             return self.stop(self.settings.shutdown_timeout)
         finally:
             for sig, previous in installed.items():
                 signal.signal(sig, previous)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # only flags here: the interrupted main thread may hold the worker's lock
         if self._stop_requested.is_set():
-            log.info("qstore worker: second signal (%s): giving running attempts back now",
-                     signal.Signals(signum).name)
             self._hurry.set()
-            self._capacity_notify()
-        else:
-            log.info("qstore worker: %s received, shutting down", signal.Signals(signum).name)
+        self._signals.append(signal.Signals(signum).name)
         self._stop_requested.set()
 
     def stop(self, timeout: float | None = None) -> WorkerStats:
@@ -492,6 +492,8 @@ class Worker:
                 if remaining <= 0:
                     break
                 self._capacity.wait(min(remaining, 0.1))
+        if self._hurry.is_set() and self._attempts:
+            log.info("qstore worker: asked again to stop: giving running attempts back now")
         with self._lock:
             left = list(self._attempts.values())
         self._give_back(left, "worker shutting down")

@@ -105,7 +105,10 @@ def work(engine, st, name: str, hold: float = 0.0) -> int:  # type: ignore[no-un
 
 
 def state_of(engine, st, job_id: int) -> Any:  # type: ignore[no-untyped-def]
-    return st.load_job(engine, job_id).state
+    # None when load_job's statements straddle a promotion's commit (it reads the ready rows,
+    # then the deferred ones, at READ COMMITTED); the callers poll again
+    row = st.load_job(engine, job_id)
+    return row.state if row is not None else None
 
 
 def test_a_job_whose_worker_is_killed_is_rescued_and_completed_once_by_another(engine, st, spawn,  # type: ignore[no-untyped-def]

@@ -40,7 +40,7 @@ import inspect
 import math
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
@@ -517,8 +517,3 @@ class App:
     def __repr__(self) -> str:
         return f"App({self.storage!r}, tasks={sorted(self.tasks)})"
 
-
-def is_awaitable(value: object) -> bool:
-    """Whether ``value`` must be awaited (a handler declared without ``async`` that returned
-    a coroutine anyway)."""
-    return isinstance(value, Awaitable)

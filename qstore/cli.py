@@ -1,9 +1,10 @@
-"""Command line: ``python -m qstore install | maintain | status | job | dlq | demo``.
+"""Command line: ``python -m qstore install | maintain | worker | status | job | dlq | demo``.
 
 Each subcommand lives in its own module exposing ``register(subparsers, common)``
 (:data:`SUBCOMMANDS`); :mod:`qstore.cli_common` holds what they share. ``install`` installs
 or upgrades a schema and activates it (:mod:`qstore.cli_install`); ``maintain`` runs an
-install's upkeep (:mod:`qstore.cli_maintain`); ``status`` reports queues, rings and table
+install's upkeep (:mod:`qstore.cli_maintain`); ``worker`` runs an application's tasks
+(:mod:`qstore.cli_worker`); ``status`` reports queues, rings and table
 health (:mod:`qstore.cli_status`); ``job`` shows, retries or cancels one job
 (:mod:`qstore.cli_job`); ``dlq`` lists, retries or purges dead-lettered jobs
 (:mod:`qstore.cli_dlq`); ``demo`` runs the demo steps (:mod:`qstore.demo`). Every refusal
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TextIO
 
-from qstore import cli_dlq, cli_install, cli_job, cli_maintain, cli_status, demo
+from qstore import cli_dlq, cli_install, cli_job, cli_maintain, cli_status, cli_worker, demo
 from qstore.cli_common import (
     URL_ENV,
     CommandFailed,
@@ -53,7 +54,8 @@ __all__ = [
 ]
 
 #: The modules whose ``register(subparsers, common)`` adds a subcommand, in help order.
-SUBCOMMANDS: tuple[ModuleType, ...] = (demo, cli_install, cli_maintain, cli_status, cli_job, cli_dlq)
+SUBCOMMANDS: tuple[ModuleType, ...] = (
+    demo, cli_install, cli_maintain, cli_worker, cli_status, cli_job, cli_dlq)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -142,3 +142,14 @@ def test_steady_bench_counts_what_the_maintainer_leaves_dead_under_the_pinned_ho
     assert upkeep["result"] == "PASS"
     assert not [name for name, t in end["tables"].items()
                 if t["dead"] and ("ring" in name or "rollup" in name or "counter" in name)]
+
+
+def test_worker_bench_drains_every_job_with_each_variant(fresh_db_url, tmp_path):
+    out = tmp_path / "worker.json"
+    proc = run_script("bench_worker.py", "--url", fresh_db_url, "--jobs", "200", "--concurrency", "4",
+                      "--pickup-samples", "5", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert {r["variant"] for r in data["results"]} == {"loop", "plain", "claimers", "batch10", "prefetch", "async"}
+    assert all((r["terminal"], r["running_left"]) == (200, 0) for r in data["results"])
+    assert data["pickup"]["n"] == 5

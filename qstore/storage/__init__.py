@@ -20,7 +20,10 @@ names are the same operations (pass the caller's ``Connection`` or ``Session``).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Engine
 
 from qstore.config import QueueStorageConfig, validate_identifier
 from qstore.errors import ValidationError, translate_errors
@@ -43,6 +46,9 @@ from qstore.storage import enqueue as enqueuing
 from qstore.storage.context import StorageContext
 from qstore.storage.operations import Operation, SyncFace, op
 from qstore.storage.targets import Policy, Target, run
+
+if TYPE_CHECKING:
+    from qstore.listen import Listener
 
 __all__ = ["Naming", "Operations", "QueueStorage"]
 
@@ -302,6 +308,15 @@ class QueueStorage(Operations, Naming, SyncFace):
         return run(Policy.JOIN, engine, lifecycle.active_schema_in_tx)
 
     active_schema_in_tx = active_schema
+
+    def listen(self, engine: Engine, queues: Iterable[str], cancel: bool = True) -> Listener:
+        """A :class:`~qstore.listen.Listener` woken by new ready work on ``queues`` (logical
+        names) and, when ``cancel``, by operator cancels of running attempts; it holds a
+        dedicated autocommit connection of ``engine`` (opened here) until it is closed.
+        Not an operation: it opens a connection of its own and takes no target."""
+        from qstore.listen import Listener
+
+        return Listener(engine, self._ctx.config, queues, cancel=cancel).open()
 
     def __repr__(self) -> str:
         return f"QueueStorage({self._ctx.config!r})"

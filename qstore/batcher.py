@@ -1,0 +1,314 @@
+"""The completion batcher: successful attempts of many handlers completed in few calls.
+
+A worker hands each attempt whose handler returned to :meth:`CompletionBatcher.submit`
+(non-blocking, thread-safe). A background thread sends what has gathered as ONE
+``complete_runtime_batch`` call, as soon as ``max_batch`` attempts wait or ``interval``
+seconds after the first of them arrived, whichever comes first. On an ``Engine`` that call
+is one autocommitted round trip while every attempt can take the fast path.
+
+Guarantees:
+
+* an attempt is completed at most once (the storage guards every completion by
+  ``(job_id, run_lease)``); an attempt missing from the call's result was closed by someone
+  else first (rescued, cancelled by an operator, given back at shutdown): it is a *stale*
+  completion, logged at DEBUG and counted (:attr:`BatcherStats.stale`), never raised;
+* a :class:`~qstore.errors.PartialCommitError` keeps what it committed and sends only the
+  rest again; any other database error sends the whole batch again after a growing delay,
+  until it goes through or the batcher is stopped and its ``flush`` timeout passes (the
+  attempts left then are logged and counted as ``abandoned``; the maintainer's heartbeat
+  rescue runs their jobs again);
+* an attempt with follow-up jobs (``JobContext.defer``) completes in one transaction with
+  those jobs: both commit or neither does. Such attempts of one flush share the
+  transaction; when it fails for a reason a retry cannot fix (a unique conflict of a
+  follow-up, a bad argument), each attempt is tried alone, and one that still fails ends
+  ``fail_retryable`` with the reason, its follow-ups not written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+from sqlalchemy import Engine
+
+from qstore.errors import DatabaseError, PartialCommitError, QueueStorageError, ValidationError
+from qstore.model import ClaimedRuntimeJob
+from qstore.storage import QueueStorage
+from qstore.storage.jobs import InsertParams
+
+__all__ = ["BatcherStats", "Completion", "CompletionBatcher"]
+
+log = logging.getLogger("qstore.worker")
+
+RETRY_FIRST, RETRY_CAP = 0.05, 5.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One attempt to complete, with the follow-up jobs to enqueue in its transaction."""
+
+    claimed: ClaimedRuntimeJob
+    followups: Sequence[InsertParams] = ()
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        return (self.claimed.job.id, self.claimed.job.run_lease)
+
+
+@dataclass
+class BatcherStats:
+    """Counters of one batcher (a snapshot when read through :attr:`CompletionBatcher.stats`).
+
+    ``calls``: storage calls made (completion calls and joined transactions); ``completed``:
+    attempts completed; ``stale``: completions of attempts already closed; ``followups``:
+    follow-up jobs enqueued; ``followup_failures``: attempts failed because their follow-ups
+    could not be written; ``retries``: sends repeated after an error; ``abandoned``:
+    attempts given up at stop."""
+
+    calls: int = 0
+    completed: int = 0
+    stale: int = 0
+    followups: int = 0
+    followup_failures: int = 0
+    retries: int = 0
+    abandoned: int = 0
+    largest_batch: int = 0
+
+
+def _positive(value: object, name: str, *, integer: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float) or not value > 0:
+        raise ValidationError(name, value, "must be a positive " + ("integer" if integer else "number"))
+
+
+@dataclass
+class _Queue:
+    items: list[Completion] = field(default_factory=list)
+    first_at: float = 0.0
+
+
+class CompletionBatcher:
+    """Completes submitted attempts of ``storage`` on ``engine`` in batches (see the module
+    docstring). :meth:`start` runs the thread; :meth:`stop` flushes and ends it."""
+
+    def __init__(self, storage: QueueStorage, engine: Engine, *, max_batch: int = 500,
+                 interval: float = 0.003) -> None:
+        if not isinstance(engine, Engine):
+            raise ValidationError("engine", engine, "the batcher needs a synchronous Engine")
+        _positive(max_batch, "max_batch", integer=True)
+        _positive(interval, "interval")
+        self.storage = storage
+        self.engine = engine
+        self.max_batch = max_batch
+        self.interval = float(interval)
+        self._q = _Queue()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._give_up_at: float | None = None
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._stats = BatcherStats()
+        self._stats_lock = threading.Lock()
+
+    # -- public ----------------------------------------------------------------------------------
+    @property
+    def stats(self) -> BatcherStats:
+        with self._stats_lock:
+            return BatcherStats(**{f.name: getattr(self._stats, f.name) for f in fields(BatcherStats)})
+
+    @property
+    def pending(self) -> int:
+        """Attempts submitted and not sent yet (or being sent)."""
+        with self._cond:
+            return len(self._q.items) + (1 if self._busy else 0)
+
+    def submit(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
+        """Queue ``claimed`` for completion (with ``followups`` in its transaction)."""
+        with self._cond:
+            if not self._q.items:
+                self._q.first_at = time.monotonic()
+            self._q.items.append(Completion(claimed, tuple(followups)))
+            if len(self._q.items) == 1 or len(self._q.items) >= self.max_batch:
+                self._cond.notify_all()
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("batcher already running")
+        self._stopping = False
+        self._give_up_at = None
+        self._thread = threading.Thread(target=self._loop, name="qstore-completions", daemon=True)
+        self._thread.start()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything submitted so far is sent; True when nothing is pending."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._q.first_at = 0.0  # due now
+            self._cond.notify_all()
+            while self._q.items or self._busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.05))
+        return True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Send everything pending (retrying errors for up to ``timeout`` seconds), then end
+        the thread. Attempts still unsent then are abandoned (counted, logged)."""
+        with self._cond:
+            self._stopping = True
+            self._give_up_at = time.monotonic() + timeout
+            self._q.first_at = 0.0
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout + 1.0)
+            self._thread = None
+        with self._cond:
+            left, self._q.items = self._q.items, []
+        if left:
+            self._count(abandoned=len(left))
+            log.warning("qstore worker: %d completions could not be sent before stopping; their "
+                        "attempts will be rescued and run again", len(left))
+
+    # -- the thread ----------------------------------------------------------------------------
+    def _next_batch(self) -> list[Completion] | None:
+        with self._cond:
+            while True:
+                if not self._q.items:
+                    if self._stopping:
+                        return None
+                    self._cond.wait()
+                    continue
+                due = self._q.first_at + self.interval
+                remaining = due - time.monotonic()
+                if len(self._q.items) >= self.max_batch or remaining <= 0 or self._stopping:
+                    batch = self._q.items[:self.max_batch]
+                    del self._q.items[:self.max_batch]
+                    if self._q.items:
+                        self._q.first_at = time.monotonic() - self.interval  # the rest is due too
+                    self._busy = True
+                    return batch
+                self._cond.wait(remaining)
+
+    def _loop(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._send(batch)
+            except Exception:  # never let the thread die with completions in hand
+                log.exception("qstore worker: completion batch failed unexpectedly")
+                self._count(abandoned=len(batch))
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, n in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
+    def _wait_retry(self, delay: float) -> bool:
+        """Sleep ``delay`` before a retry; False when the batcher must give up instead."""
+        with self._cond:
+            if self._give_up_at is not None:
+                remaining = self._give_up_at - time.monotonic()
+                if remaining <= 0:
+                    return False
+                delay = min(delay, remaining)
+            self._cond.wait(delay)
+        return True
+
+    def _send(self, batch: list[Completion]) -> None:
+        with self._stats_lock:
+            self._stats.largest_batch = max(self._stats.largest_batch, len(batch))
+        plain = [c for c in batch if not c.followups]
+        joined = [c for c in batch if c.followups]
+        if plain:
+            self._complete(plain)
+        if joined:
+            self._complete_joined(joined)
+
+    def _settle(self, items: Sequence[Completion], done: set[tuple[int, int]]) -> None:
+        stale = [c.pair for c in items if c.pair not in done]
+        if stale:
+            log.debug("qstore worker: %d stale completions (attempts closed elsewhere first): %s",
+                      len(stale), stale[:20])
+        self._count(completed=len(items) - len(stale), stale=len(stale))
+
+    def _complete(self, items: list[Completion]) -> None:
+        delay = RETRY_FIRST
+        while items:
+            self._count(calls=1)
+            try:
+                done = self.storage.complete_runtime_batch(self.engine, [c.claimed for c in items])
+            except PartialCommitError as err:
+                committed = set(err.committed)
+                kept = [c for c in items if c.pair in committed]
+                self._count(completed=len(kept), retries=1)
+                items = [c for c in items if c.pair not in committed]
+                log.warning("qstore worker: completion committed %d of %d attempts (%s); sending the rest again",
+                            len(kept), len(kept) + len(items), err)
+                continue
+            except DatabaseError as err:
+                self._count(retries=1)
+                log.warning("qstore worker: completion of %d attempts failed (%s); retrying", len(items), err)
+                if not self._wait_retry(delay):
+                    self._abandon(items)
+                    return
+                delay = min(delay * 2, RETRY_CAP)
+                continue
+            except QueueStorageError:  # not a database error: sending again cannot help
+                log.exception("qstore worker: completion of %d attempts refused", len(items))
+                self._abandon(items)
+                return
+            self._settle(items, set(done))
+            return
+
+    def _abandon(self, items: Sequence[Completion]) -> None:
+        self._count(abandoned=len(items))
+        log.warning("qstore worker: gave up %d completions at stop; their attempts will be rescued "
+                    "and run again", len(items))
+
+    def _joined_once(self, items: Sequence[Completion]) -> None:
+        """Complete ``items`` and enqueue the follow-ups of those completed, in one transaction."""
+        self._count(calls=1)
+        with self.engine.begin() as conn:
+            done = set(self.storage.complete_runtime_batch(conn, [c.claimed for c in items]))
+            jobs = [p for c in items if c.pair in done for p in c.followups]
+            if jobs:
+                self.storage.enqueue_many(conn, jobs)
+        self._count(followups=len(jobs))
+        self._settle(items, done)
+
+    def _complete_joined(self, items: list[Completion]) -> None:
+        delay = RETRY_FIRST
+        while True:
+            try:
+                self._joined_once(items)
+                return
+            except DatabaseError as err:
+                self._count(retries=1)
+                log.warning("qstore worker: completion with follow-ups failed (%s); retrying", err)
+                if not self._wait_retry(delay):
+                    self._abandon(items)
+                    return
+                delay = min(delay * 2, RETRY_CAP)
+            except QueueStorageError as err:
+                if len(items) > 1:  # find the attempt(s) whose follow-ups cannot be written
+                    for c in items:
+                        self._complete_joined([c])
+                    return
+                self._follow_up_failed(items[0], err)
+                return
+
+    def _follow_up_failed(self, c: Completion, err: QueueStorageError) -> None:
+        self._count(followup_failures=1)
+        message = f"follow-up jobs could not be enqueued: {err}"
+        log.warning("qstore worker: job %s: %s", c.pair[0], message)
+        try:
+            self.storage.fail_retryable(self.engine, c.pair[0], c.pair[1], message)
+        except QueueStorageError as again:
+            log.warning("qstore worker: job %s could not be failed either (%s); it will be rescued",
+                        c.pair[0], again)

@@ -1,0 +1,112 @@
+"""``python -m qstore worker MODULE:APP``: run the worker of an application's tasks.
+
+``MODULE:APP`` names the :class:`~qstore.tasks.App` object by import path (``APP`` may be
+dotted: ``myapp.jobs:registry.app``); the current directory is importable, as it is for
+``python -m``. The app's storage decides the schema; a ``--schema`` other than the default
+must name the same one. The worker runs until SIGINT / SIGTERM, then shuts down gracefully (a second
+signal hurries it). Every refusal is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from typing import Any, TextIO
+
+from sqlalchemy import create_engine
+
+from qstore.config import DEFAULT_SCHEMA
+from qstore.errors import QueueStorageError
+
+__all__ = ["cmd_worker", "load_app", "register"]
+
+
+def _failed(message: str) -> QueueStorageError:
+    from qstore.cli_common import CommandFailed
+
+    return CommandFailed(message)
+
+
+def load_app(path: str) -> Any:
+    """The object ``MODULE:ATTR`` names (the current directory importable first)."""
+    from qstore.tasks import App
+
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise _failed(f"invalid app {path!r}: expected MODULE:APP, e.g. myapp.tasks:app")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise _failed(f"cannot import module {module_name!r} of app {path!r}: {err}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise _failed(f"module {module_name!r} has no attribute {attr!r} (app {path!r})") from None
+    if not isinstance(obj, App):
+        raise _failed(f"{path!r} is a {type(obj).__name__}, not a qstore.tasks.App")
+    return obj
+
+
+def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
+    from qstore.cli_common import _engine, _url
+    from qstore.worker import Worker, WorkerSettings
+
+    app = load_app(args.app)
+    # the shared --schema option defaults to the default schema: a value other than that one
+    # must name the app's schema (its storage decides)
+    if args.schema not in (DEFAULT_SCHEMA, app.storage.schema()):
+        raise _failed(f"--schema {args.schema!r} differs from the schema of app {args.app!r} "
+                      f"({app.storage.schema()!r}); leave --schema out")
+    settings = WorkerSettings(queues=args.queue or None, concurrency=args.concurrency,
+                              claim_batch=args.claim_batch, prefetch=args.prefetch,
+                              poll_interval=args.poll_interval,
+                              heartbeat_interval=args.heartbeat_interval,
+                              shutdown_timeout=args.shutdown_timeout, maintain=not args.no_maintain)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    checked = _engine(_url(args, "worker"))  # a bad URL or an unreachable server is one line
+    checked.dispose()
+    # handlers write their outcomes concurrently, next to claims, completions and heartbeats
+    engine = create_engine(checked.url, pool_size=settings.concurrency + 4, max_overflow=8)
+    try:
+        worker = Worker(app, engine, settings)
+        stats = worker.run()
+    finally:
+        engine.dispose()
+    print(f"qstore worker stopped: {stats.claimed} claimed, {stats.completed} completed, "
+          f"{stats.retried} retried, {stats.failed} failed, {stats.handed_back} handed back",
+          file=out, flush=True)
+    return 0
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    """Add the ``worker`` subcommand to ``subparsers`` (``common``: the shared options)."""
+    p = subparsers.add_parser("worker", parents=[common],
+                              help="run the tasks of an application (MODULE:APP) until interrupted")
+    p.add_argument("app", metavar="MODULE:APP", help="import path of the qstore.tasks.App object")
+    p.add_argument("--queue", action="append", metavar="Q",
+                   help="queue to work (repeatable; default: the queues of the app's tasks)")
+    p.add_argument("--concurrency", type=int, default=16, help="handlers running at once (default 16)")
+    p.add_argument("--claim-batch", type=int, default=32,
+                   help="most jobs one claim takes (never more than free handlers; default 32)")
+    p.add_argument("--prefetch", type=int, default=0,
+                   help="claimed jobs that may wait for a free handler (default 0)")
+    p.add_argument("--poll-interval", type=float, default=1.0,
+                   help="seconds an idle queue waits before claiming without a notification (default 1)")
+    p.add_argument("--heartbeat-interval", type=float, default=30.0,
+                   help="seconds between heartbeats of long-running jobs (default 30)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running handlers get to finish on shutdown (default 30)")
+    p.add_argument("--no-maintain", action="store_true",
+                   help="do not run the maintainer in this process")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level when the app configured no logging (default INFO)")
+    p.set_defaults(func=cmd_worker)

@@ -1,0 +1,633 @@
+"""The worker in this process (``start`` / ``stop``): every outcome lands the job in the
+right state, async handlers, cancel delivery, deadlines, heartbeats, follow-up jobs joined
+to the completion, the completion batcher, and shutdown giving attempts back."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from qstore.batcher import CompletionBatcher
+from qstore.errors import PartialCommitError, ValidationError
+from qstore.maintainer import MaintenanceSchedule
+from qstore.model import JobState
+from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
+from qstore.tasks import App, Cancel, Fail, JobContext, RetryAfter, Snooze, WaitForCallback
+from qstore.worker import Worker, WorkerSettings
+
+
+def eventually(check: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
+    """Poll ``check`` until it returns something truthy (returned), or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s (last: {value!r})")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def app(st) -> App:  # type: ignore[no-untyped-def]
+    return App(st)
+
+
+@pytest.fixture
+def run_worker(engine, st) -> Iterator[Callable[..., Worker]]:  # type: ignore[no-untyped-def]
+    """``run_worker(app, **settings)`` → a started worker (no maintainer unless asked),
+    stopped at teardown."""
+    workers: list[Worker] = []
+
+    def start(app: App, **settings: Any) -> Worker:
+        settings.setdefault("maintain", False)
+        settings.setdefault("concurrency", 4)
+        settings.setdefault("poll_interval", 0.2)
+        w = Worker(app, engine, WorkerSettings(**settings))
+        w.start()
+        workers.append(w)
+        return w
+
+    yield start
+    for w in workers:
+        w.stop(0)
+
+
+def state_of(engine, st, job_id: int) -> JobState | None:  # type: ignore[no-untyped-def]
+    row = st.load_job(engine, job_id)
+    return row.state if row is not None else None
+
+
+def settles_in(engine, st, job_id: int, state: JobState, timeout: float = 5.0):  # type: ignore[no-untyped-def]
+    """Wait until the job is in ``state``; returns its row."""
+    try:
+        eventually(lambda: state_of(engine, st, job_id) == state, timeout, f"job {job_id} {state.value}")
+    except AssertionError as err:
+        raise AssertionError(f"{err}; the job: {st.load_job(engine, job_id)}") from None
+    return st.load_job(engine, job_id)
+
+
+# -- outcomes ----------------------------------------------------------------------------------
+
+
+def test_a_handler_that_returns_completes_its_job(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    got: list[Any] = []
+
+    @app.task(kind="hello")
+    def hello(ctx: JobContext, name: str) -> str:
+        got.append((ctx.job_id, ctx.attempt, name))
+        return "ignored"
+
+    job_id = hello.defer(engine, name="ada")
+    w = run_worker(app)
+    settles_in(engine, st, job_id, JobState.COMPLETED)
+    assert got == [(job_id, 1, "ada")]
+    eventually(lambda: w.stats.completed == 1)
+
+
+def test_a_handler_that_raises_leaves_its_job_retryable_with_the_error(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="boom")
+    def boom(ctx: JobContext) -> None:
+        raise ValueError("smtp down")
+
+    job_id = boom.defer(engine)
+    w = run_worker(app)
+    row = settles_in(engine, st, job_id, JobState.RETRYABLE)
+    assert row.errors[-1]["error"].startswith("ValueError: smtp down (at ")
+    assert row.errors[-1]["attempt"] == 1 and not row.errors[-1].get("terminal")
+    eventually(lambda: w.stats.retried == 1)
+
+
+def test_an_error_on_the_last_attempt_fails_the_job_for_good(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="boom", max_attempts=1)
+    def boom(ctx: JobContext) -> None:
+        raise RuntimeError("no luck")
+
+    job_id = boom.defer(engine)
+    w = run_worker(app)
+    row = settles_in(engine, st, job_id, JobState.FAILED)
+    assert row.errors[-1]["terminal"] is True
+    eventually(lambda: w.stats.failed == 1)
+
+
+@pytest.mark.parametrize("returned", [False, True], ids=["raised", "returned"])
+@pytest.mark.parametrize(("outcome", "state", "counter"), [
+    (lambda: Snooze(60), JobState.SCHEDULED, "snoozed"),
+    (lambda: RetryAfter(60), JobState.RETRYABLE, "retry_after"),
+    (lambda: Cancel("not needed"), JobState.CANCELLED, "cancelled"),
+    (lambda: Fail("bad input"), JobState.FAILED, "failed"),
+    (lambda: Fail("poison", dlq=True), JobState.FAILED, "dlq"),
+], ids=["snooze", "retry_after", "cancel", "fail", "fail_dlq"])
+def test_each_outcome_lands_the_job_in_its_state(engine, st, app, run_worker, outcome, state, counter,  # type: ignore[no-untyped-def]
+                                                  returned):
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> Any:
+        if returned:
+            return outcome()
+        raise outcome()
+
+    job_id = handler.defer(engine)
+    w = run_worker(app)
+    settles_in(engine, st, job_id, state)
+    eventually(lambda: getattr(w.stats, counter) == 1, what=counter)
+
+
+def test_snooze_gives_the_attempt_back(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> Snooze:
+        return Snooze(30)
+
+    job_id = handler.defer(engine)
+    run_worker(app)
+    row = settles_in(engine, st, job_id, JobState.SCHEDULED)
+    assert row.attempt == 0
+
+
+def test_fail_with_dlq_puts_the_job_in_the_dead_letter_queue(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        raise Fail("cannot parse", dlq=True, dlq_reason="poison message")
+
+    job_id = handler.defer(engine)
+    run_worker(app)
+    settles_in(engine, st, job_id, JobState.FAILED)
+    with engine.connect() as conn:
+        reason = conn.execute(text(f'SELECT dlq_reason FROM "{st.schema()}".dlq_entries WHERE job_id = :j'),
+                              {"j": job_id}).scalar_one()
+    assert reason == "poison message"
+
+
+def test_wait_for_callback_parks_the_job_until_the_callback_completes_it(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    tokens: list[Any] = []
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> WaitForCallback:
+        token = ctx.register_callback(timeout=600)
+        tokens.append(token)
+        return WaitForCallback(token)
+
+    job_id = handler.defer(engine)
+    w = run_worker(app)
+    settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
+    assert w.stats.waiting_callback == 1
+    st.complete_external(engine, tokens[0], {"paid": True})
+    assert state_of(engine, st, job_id) == JobState.COMPLETED
+
+
+def test_wait_for_callback_without_an_id_registers_one(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> WaitForCallback:
+        return WaitForCallback(timeout=600)
+
+    job_id = handler.defer(engine)
+    run_worker(app)
+    row = settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
+    assert row.callback_id is not None
+    st.fail_external(engine, row.callback_id, "declined")
+    assert state_of(engine, st, job_id) == JobState.FAILED
+
+
+def test_a_job_of_an_unknown_kind_fails_for_good_naming_the_kind(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="known")
+    def known(ctx: JobContext) -> None: ...
+
+    job_id = st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
+    w = run_worker(app)
+    row = settles_in(engine, st, job_id, JobState.FAILED)
+    assert "unknown task kind 'mystery.kind'" in row.errors[-1]["error"]
+    assert row.errors[-1]["terminal"] is True
+    eventually(lambda: w.stats.unknown_kind == 1)
+
+
+# -- async handlers ------------------------------------------------------------------------------
+
+
+def test_async_handlers_run_on_the_event_loop_and_complete(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    loops: set[int] = set()
+
+    @app.task(kind="a")
+    async def handler(ctx: JobContext, n: int) -> None:
+        await asyncio.sleep(0.01)
+        loops.add(id(asyncio.get_running_loop()))
+
+    ids = handler.defer_many(engine, [{"n": i} for i in range(5)])
+    run_worker(app)
+    for job_id in ids:
+        settles_in(engine, st, job_id, JobState.COMPLETED)
+    assert len(loops) == 1
+
+
+def test_async_handlers_raise_and_return_outcomes_like_sync_ones(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="a")
+    async def handler(ctx: JobContext, how: str) -> Any:
+        if how == "raise":
+            raise KeyError("missing")
+        return Snooze(60)
+
+    failing = handler.defer(engine, how="raise")
+    snoozing = handler.defer(engine, how="snooze")
+    run_worker(app)
+    assert "KeyError" in settles_in(engine, st, failing, JobState.RETRYABLE).errors[-1]["error"]
+    settles_in(engine, st, snoozing, JobState.SCHEDULED)
+
+
+# -- cancel, deadline, heartbeats ----------------------------------------------------------------
+
+
+def test_an_operator_cancel_reaches_a_running_sync_handler(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    started, saw_cancel = threading.Event(), threading.Event()
+
+    @app.task(kind="long")
+    def long(ctx: JobContext) -> None:
+        started.set()
+        if ctx.cancelled.wait(5):
+            saw_cancel.set()
+
+    job_id = long.defer(engine)
+    w = run_worker(app)
+    assert started.wait(5)
+    st.cancel_job(engine, job_id)
+    assert saw_cancel.wait(5)
+    assert state_of(engine, st, job_id) == JobState.CANCELLED
+    eventually(lambda: w.stats.closed_under_handler == 1)
+    assert w.stats.completed == 0  # the handler's return after the cancel was dropped
+
+
+def test_an_operator_cancel_cancels_a_running_async_handler(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    started, interrupted = threading.Event(), threading.Event()
+
+    @app.task(kind="long")
+    async def long(ctx: JobContext) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            interrupted.set()
+            raise
+
+    job_id = long.defer(engine)
+    w = run_worker(app)
+    assert started.wait(5)
+    st.cancel_job(engine, job_id)
+    assert interrupted.wait(5)
+    assert state_of(engine, st, job_id) == JobState.CANCELLED
+    eventually(lambda: w.stats.closed_under_handler == 1)
+
+
+def test_a_task_past_its_deadline_is_closed_retryable_and_sees_cancelled(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    saw_cancel = threading.Event()
+
+    @app.task(kind="slow", deadline=0.3)
+    def slow(ctx: JobContext) -> None:
+        if ctx.cancelled.wait(5):
+            saw_cancel.set()
+
+    job_id = slow.defer(engine)
+    w = run_worker(app, heartbeat_interval=0.2)
+    row = settles_in(engine, st, job_id, JobState.RETRYABLE)
+    assert "deadline of 0.3s exceeded" in row.errors[-1]["error"]
+    assert saw_cancel.wait(5)
+    eventually(lambda: w.stats.deadline_exceeded == 1)
+
+
+def test_heartbeats_keep_a_long_attempt_from_being_rescued(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    release = threading.Event()
+
+    @app.task(kind="long")
+    def long(ctx: JobContext) -> None:
+        ctx.set_progress({"step": 1})
+        release.wait(5)
+
+    job_id = long.defer(engine)
+    w = run_worker(app, heartbeat_interval=0.2, schedule=MaintenanceSchedule(heartbeat_staleness=0.5))
+    eventually(lambda: w.stats.heartbeats >= 4, what="heartbeats")  # ~0.8 s of running
+    assert st.rescue_stale_heartbeats(engine, 0.5) == []
+    assert st.load_job(engine, job_id).progress == {"step": 1}
+    release.set()
+    settles_in(engine, st, job_id, JobState.COMPLETED)
+
+
+def test_an_attempt_without_heartbeats_would_be_rescued(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    """The twin of the test above: without the worker's heartbeats the same wait is stale."""
+    release = threading.Event()
+
+    @app.task(kind="long")
+    def long(ctx: JobContext) -> None:
+        release.wait(5)
+
+    long.defer(engine)
+    w = run_worker(app, heartbeat_interval=10)
+    eventually(lambda: w.stats.in_flight == 1)
+    time.sleep(0.8)
+    assert len(st.rescue_stale_heartbeats(engine, 0.5)) == 1
+    release.set()
+
+
+def test_a_heartbeat_interval_too_close_to_the_staleness_is_refused():  # type: ignore[no-untyped-def]
+    with pytest.raises(ValidationError, match="heartbeat_interval"):
+        WorkerSettings(heartbeat_interval=60)
+
+
+# -- follow-up jobs joined to the completion ------------------------------------------------------
+
+
+def test_a_follow_up_deferred_through_ctx_commits_with_the_completion(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="next", queue="later")
+    def after(ctx: JobContext, parent: int) -> None: ...
+
+    @app.task(kind="first")
+    def first(ctx: JobContext) -> None:
+        ctx.defer(after, parent=ctx.job_id)
+
+    job_id = first.defer(engine)
+    w = run_worker(app, queues=["default"])
+    settles_in(engine, st, job_id, JobState.COMPLETED)
+    follow = st.claim_runtime_batch(engine, "later", 10)
+    assert [(j.job.kind, j.job.args) for j in follow] == [("next", {"parent": job_id})]
+    eventually(lambda: w.stats.followups == 1)
+
+
+def test_a_follow_up_that_cannot_be_written_leaves_neither_it_nor_the_completion(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="next", queue="later", unique=UniqueOpts())
+    def after(ctx: JobContext, key: str) -> None: ...
+
+    @app.task(kind="first")
+    def first(ctx: JobContext) -> None:
+        ctx.defer(after, key="taken")
+
+    after.defer(engine, key="taken")  # owns the unique key
+    job_id = first.defer(engine)
+    run_worker(app, queues=["default"])
+    row = settles_in(engine, st, job_id, JobState.RETRYABLE)
+    assert "follow-up jobs could not be enqueued" in row.errors[-1]["error"]
+    assert st.queue_counts(engine, "later").available == 1  # only the key's owner
+
+
+def test_a_stale_completion_writes_no_follow_up(engine, st):  # type: ignore[no-untyped-def]
+    st.enqueue(engine, InsertParams("k", {}))
+    claimed = st.claim_runtime_batch(engine, "default", 1)[0]
+    st.fail_retryable(engine, claimed.job.id, claimed.job.run_lease, "closed elsewhere first")
+    batcher = CompletionBatcher(st, engine)
+    batcher.start()
+    try:
+        batcher.submit(claimed, [InsertParams("follow", {}, InsertOpts(queue="later"))])
+        assert batcher.flush(5)
+    finally:
+        batcher.stop()
+    assert (batcher.stats.stale, batcher.stats.completed, batcher.stats.followups) == (1, 0, 0)
+    assert st.queue_counts(engine, "later").available == 0
+
+
+# -- the completion batcher ----------------------------------------------------------------------
+
+
+def test_many_completions_go_out_in_few_calls(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="quick")
+    def quick(ctx: JobContext, n: int) -> None: ...
+
+    quick.defer_many(engine, [{"n": i} for i in range(200)])
+    w = run_worker(app, concurrency=8, completion_interval=0.02)
+    eventually(lambda: w.stats.completed == 200, timeout=10)
+    assert w.stats.completion_calls <= 200 / 4, w.stats
+    assert st.queue_counts(engine, "default").terminal == 200
+
+
+def test_a_busy_worker_claims_many_jobs_per_claim_call(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="quick")
+    def quick(ctx: JobContext, n: int) -> None: ...
+
+    quick.defer_many(engine, [{"n": i} for i in range(200)])
+    w = run_worker(app, concurrency=8)
+    eventually(lambda: w.stats.completed == 200, timeout=10)
+    stats = w.stats
+    assert stats.claim_calls - stats.empty_claims <= 200 / 4, stats  # 8 per claim when all is well
+
+
+def test_a_batch_flushes_at_its_size_without_waiting_for_the_interval(engine, st):  # type: ignore[no-untyped-def]
+    st.enqueue_many(engine, [InsertParams("k", {"n": i}) for i in range(6)])
+    claimed = st.claim_runtime_batch(engine, "default", 6)
+    batcher = CompletionBatcher(st, engine, max_batch=3, interval=60)
+    batcher.start()
+    try:
+        for c in claimed:
+            batcher.submit(c)
+        eventually(lambda: batcher.stats.completed == 6, timeout=3)
+    finally:
+        batcher.stop()
+    assert (batcher.stats.calls, batcher.stats.largest_batch) == (2, 3)
+
+
+def test_a_stale_completion_is_counted_not_raised(engine, st):  # type: ignore[no-untyped-def]
+    st.enqueue_many(engine, [InsertParams("k", {"n": i}) for i in range(3)])
+    claimed = st.claim_runtime_batch(engine, "default", 3)
+    st.cancel_job(engine, claimed[0].job.id)  # closed by an operator before the completion
+    batcher = CompletionBatcher(st, engine)
+    batcher.start()
+    try:
+        for c in claimed:
+            batcher.submit(c)
+        assert batcher.flush(5)
+    finally:
+        batcher.stop()
+    assert (batcher.stats.completed, batcher.stats.stale, batcher.stats.calls) == (2, 1, 1)
+
+
+class PartialOnce:
+    """Storage whose first ``complete_runtime_batch`` commits the first half of the batch
+    for real and then fails as a two-transaction completion does when its second part fails."""
+
+    def __init__(self, storage: Any) -> None:
+        self._storage = storage
+        self.calls: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._storage, name)
+
+    def complete_runtime_batch(self, engine: Any, claimed: list[Any]) -> Any:
+        self.calls.append(len(claimed))
+        if len(self.calls) > 1:
+            return self._storage.complete_runtime_batch(engine, claimed)
+        half = claimed[: len(claimed) // 2]
+        done = self._storage.complete_runtime_batch(engine, half)
+        rest = [(c.job.id, c.job.run_lease) for c in claimed[len(half):]]
+        raise PartialCommitError(RuntimeError("second transaction failed"), done, rest)
+
+
+def test_a_partial_commit_keeps_what_committed_and_sends_only_the_rest(engine, st):  # type: ignore[no-untyped-def]
+    st.enqueue_many(engine, [InsertParams("k", {"n": i}) for i in range(4)])
+    claimed = st.claim_runtime_batch(engine, "default", 4)
+    storage = PartialOnce(st)
+    batcher = CompletionBatcher(storage, engine)  # type: ignore[arg-type]
+    batcher.start()
+    try:
+        for c in claimed:
+            batcher.submit(c)
+        assert batcher.flush(5)
+    finally:
+        batcher.stop()
+    assert storage.calls == [4, 2]
+    assert (batcher.stats.completed, batcher.stats.stale) == (4, 0)
+    assert st.queue_counts(engine, "default").terminal == 4
+
+
+# -- wake-ups --------------------------------------------------------------------------------------
+
+
+def test_a_notification_wakes_an_idle_worker_long_before_its_poll_interval(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None: ...
+
+    w = run_worker(app, poll_interval=30)
+    eventually(lambda: w.stats.empty_claims >= 1)  # idle, waiting
+    started = time.monotonic()
+    job_id = handler.defer(engine)
+    settles_in(engine, st, job_id, JobState.COMPLETED, timeout=5)
+    assert time.monotonic() - started < 2
+
+
+def test_without_listen_the_worker_polls(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None: ...
+
+    w = run_worker(app, listen=False, poll_interval=0.1)
+    eventually(lambda: w.stats.empty_claims >= 1)
+    job_id = handler.defer(engine)
+    settles_in(engine, st, job_id, JobState.COMPLETED, timeout=5)
+
+
+# -- shutdown ----------------------------------------------------------------------------------------
+
+
+def test_stop_waits_for_running_handlers_to_finish(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    started = threading.Event()
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        started.set()
+        time.sleep(0.3)
+
+    job_id = handler.defer(engine)
+    w = run_worker(app)
+    assert started.wait(5)
+    stats = w.stop(timeout=5)
+    assert (stats.completed, stats.handed_back, stats.in_flight) == (1, 0, 0)
+    assert state_of(engine, st, job_id) == JobState.COMPLETED
+
+
+def test_stop_gives_back_attempts_still_running_at_the_timeout(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    started, release = threading.Event(), threading.Event()
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        started.set()
+        release.wait(5)
+
+    job_id = handler.defer(engine)
+    w = run_worker(app)
+    assert started.wait(5)
+    try:
+        stats = w.stop(timeout=0.1)
+    finally:
+        release.set()
+    assert stats.handed_back == 1
+    row = st.load_job(engine, job_id)
+    assert (row.state, row.attempt) == (JobState.SCHEDULED, 0)  # due at once; the attempt did not count
+    assert st.queue_counts(engine, "default").running == 0
+
+
+def test_claimed_jobs_no_handler_started_are_given_back_at_stop(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    release = threading.Event()
+    ran: list[int] = []
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext, n: int) -> None:
+        ran.append(n)
+        release.wait(5)
+
+    handler.defer_many(engine, [{"n": i} for i in range(3)])
+    w = run_worker(app, concurrency=1, prefetch=2)
+    eventually(lambda: w.stats.claimed == 3)
+    try:
+        stats = w.stop(timeout=0.1)
+    finally:
+        release.set()
+    assert len(ran) == 1 and stats.handed_back == 3
+    assert st.queue_counts(engine, "default").running == 0
+
+
+def test_given_back_jobs_run_again_on_the_next_worker(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    first_run = threading.Event()
+    runs: list[int] = []
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        runs.append(ctx.attempt)
+        if len(runs) == 1:
+            first_run.set()
+            ctx.cancelled.wait(5)  # a cooperative handler: returns once its attempt is given back
+
+    job_id = handler.defer(engine)
+    w = run_worker(app)
+    assert first_run.wait(5)
+    assert w.stop(timeout=0.1).handed_back == 1
+    fast = MaintenanceSchedule(promote_every=0.05, queue_ring_every=0.5, lease_ring_every=0.5,
+                               claim_ring_every=0.5)
+    run_worker(app, maintain=True, schedule=fast)
+    settles_in(engine, st, job_id, JobState.COMPLETED)
+    assert runs == [1, 1]  # the given-back attempt did not count
+
+
+def test_a_second_stop_request_gives_running_attempts_back_without_waiting(engine, st, app):  # type: ignore[no-untyped-def]
+    started, release = threading.Event(), threading.Event()
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        started.set()
+        release.wait(10)  # ignores ctx.cancelled
+
+    job_id = handler.defer(engine)
+    w = Worker(app, engine, WorkerSettings(maintain=False, concurrency=2, poll_interval=0.2,
+                                           shutdown_timeout=30))
+    result: list[Any] = []
+    runner = threading.Thread(target=lambda: result.append(w.run()))
+    runner.start()
+    try:
+        assert started.wait(5)
+        w.request_stop()
+        time.sleep(0.3)
+        assert runner.is_alive()  # waiting for the running handler (up to 30 s)
+        hurried = time.monotonic()
+        w.request_stop(hurry=True)
+        runner.join(10)
+        assert not runner.is_alive() and time.monotonic() - hurried < 5
+    finally:
+        release.set()
+        runner.join(10)
+    assert result[0].handed_back == 1
+    assert state_of(engine, st, job_id) == JobState.SCHEDULED
+
+
+def test_ctx_heartbeat_reports_an_attempt_closed_under_the_handler(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    beats: list[bool] = []
+    started, go = threading.Event(), threading.Event()
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        beats.append(ctx.heartbeat({"done": 1}))
+        started.set()
+        go.wait(5)
+        beats.append(ctx.heartbeat())
+
+    job_id = handler.defer(engine)
+    run_worker(app, listen=False)  # the handler is not told: it learns from its heartbeat
+    assert started.wait(5)
+    st.cancel_job(engine, job_id)
+    go.set()
+    eventually(lambda: len(beats) == 2)
+    assert beats == [True, False]

@@ -23,7 +23,9 @@ from sqlalchemy import Connection, Engine, create_engine, make_url, text
 
 __all__ = [
     "DrainResult",
+    "PacedSchedule",
     "PickupResult",
+    "ScheduleFigures",
     "Waker",
     "XminPin",
     "dead_tuples",
@@ -575,6 +577,98 @@ class PickupResult:
         return self.enqueued / self.producer_seconds if self.producer_seconds > 0 else 0.0
 
 
+@dataclass
+class ScheduleFigures:
+    """The measured part of a :class:`PacedSchedule`: jobs committed after the warm-up."""
+
+    jobs: list[int]
+    latencies: list[float]  # commit -> handler start, measured jobs that started
+    lag_seconds: list[float]  # how late each measured enqueue call began
+    enqueue_seconds: list[float]  # duration of each measured enqueue call
+    producer_seconds: float  # end of the warm-up -> the last measured commit (>= the window)
+    missing: int  # enqueued (warm-up included), never started
+
+
+class PacedSchedule:
+    """``producers`` threads sharing one schedule: job ``i`` is enqueued (``enqueue_one(i)``,
+    one job, its own transaction) by the next free producer at ``t0 + i / rate``, for
+    ``warmup + seconds``; they never run ahead of the schedule, catch up when late, and stop
+    at the schedule's end whatever they managed. The commit time of job ``i`` is the clock
+    (``time.perf_counter``) read right after ``enqueue_one`` returned."""
+
+    def __init__(self, *, rate: float, seconds: float, warmup: float,
+                 enqueue_one: Callable[[int], object], producers: int = 1,
+                 on_error: Callable[[Exception], None] | None = None) -> None:
+        self.rate, self.seconds, self.warmup = rate, seconds, warmup
+        self._enqueue_one = enqueue_one
+        self._producers = producers
+        self._on_error = on_error
+        self._lock = threading.Lock()
+        self._next = itertools.count()
+        self.commit_at: dict[int, float] = {}
+        self.timing: dict[int, tuple[float, float]] = {}  # job -> (due, enqueue call began)
+        self.t0 = 0.0
+
+    def _produce(self) -> None:
+        total = self.warmup + self.seconds
+        end = self.t0 + total
+        while True:
+            with self._lock:
+                i = next(self._next)
+            due = self.t0 + i / self.rate
+            if i / self.rate >= total or time.perf_counter() >= end:
+                break
+            now = time.perf_counter()
+            if due > now:
+                time.sleep(due - now)
+            began = time.perf_counter()
+            try:
+                self._enqueue_one(i)
+            except Exception as exc:
+                if self._on_error is not None:
+                    self._on_error(exc)
+                continue
+            done = time.perf_counter()
+            with self._lock:
+                self.commit_at[i] = done
+                self.timing[i] = (due, began)
+
+    def run(self) -> None:
+        """Run the schedule to its end (blocks)."""
+        self.t0 = time.perf_counter() + 0.05
+        threads = [threading.Thread(target=self._produce, daemon=True) for _ in range(self._producers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def settle(self, started: dict[int, float], lock: threading.Lock, timeout: float) -> bool:
+        """Wait until every enqueued job is in ``started`` (guarded by ``lock``) or
+        ``timeout`` seconds passed; returns whether all started."""
+        until = time.perf_counter() + timeout
+        while time.perf_counter() < until:
+            with lock:
+                if all(i in started for i in self.commit_at):
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def measured(self, started: dict[int, float]) -> ScheduleFigures:
+        """Pickup figures of the jobs that committed after the warm-up (a late producer's
+        backlog included); the achieved rate is their number over ``producer_seconds``."""
+        window = self.t0 + self.warmup
+        jobs = [i for i, at in self.commit_at.items() if at >= window]
+        last_return = max((self.commit_at[i] for i in jobs), default=window)
+        return ScheduleFigures(
+            jobs=jobs,
+            latencies=[started[i] - self.commit_at[i] for i in jobs if i in started],
+            lag_seconds=[self.timing[i][1] - self.timing[i][0] for i in jobs],
+            enqueue_seconds=[self.commit_at[i] - self.timing[i][1] for i in jobs],
+            producer_seconds=max(last_return - window, self.seconds),
+            missing=sum(1 for i in self.commit_at if i not in started),
+        )
+
+
 def paced_pickup(
     *,
     rate: float,
@@ -607,45 +701,19 @@ def paced_pickup(
     committed after the warm-up; the achieved rate is their number over the time from the
     warm-up's end to the last commit (at least ``seconds``). Errors of any call are counted (call, type, message) and the loop goes on."""
     lock = threading.Lock()
-    commit_at: dict[int, float] = {}
-    timing: dict[int, tuple[float, float]] = {}  # job -> (due, enqueue call began)
     started: dict[int, float] = {}
     errors: dict[str, int] = {}
     claim_secs: list[float] = []
     st = {"calls": 0, "empty": 0, "wn": 0, "wp": 0, "poll_hits": 0, "completed": 0, "dups": 0}
     stop = threading.Event()
-    total = warmup + seconds
 
     def note(call: str, exc: Exception) -> None:
         key = f"{call}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         with lock:
             errors[key] = errors.get(key, 0) + 1
 
-    t0 = time.perf_counter() + 0.05
-
-    schedule = itertools.count()
-
-    def producer() -> None:
-        end = t0 + total
-        while True:
-            with lock:
-                i = next(schedule)
-            due = t0 + i / rate
-            if i / rate >= total or time.perf_counter() >= end:
-                break
-            now = time.perf_counter()
-            if due > now:
-                time.sleep(due - now)
-            began = time.perf_counter()
-            try:
-                enqueue_one(i)
-            except Exception as exc:
-                note("enqueue", exc)
-                continue
-            done = time.perf_counter()
-            with lock:
-                commit_at[i] = done
-                timing[i] = (due, began)
+    schedule = PacedSchedule(rate=rate, seconds=seconds, warmup=warmup, enqueue_one=enqueue_one,
+                             producers=producers, on_error=lambda exc: note("enqueue", exc))
 
     def worker() -> None:
         polled = False
@@ -693,40 +761,27 @@ def paced_pickup(
     pool = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
     for t in pool:
         t.start()
-    prods = [threading.Thread(target=producer, daemon=True) for _ in range(producers)]
-    for t in prods:
-        t.start()
-    for t in prods:
-        t.join()
-    settle_until = time.perf_counter() + settle_timeout
-    while time.perf_counter() < settle_until:
-        with lock:
-            if all(i in started for i in commit_at):
-                break
-        time.sleep(0.05)
+    schedule.run()
+    schedule.settle(started, lock, settle_timeout)
     stop.set()
     waker.wake_all(workers)
     for t in pool:
         t.join(timeout=30)
 
-    # the measured jobs: committed after the warm-up (a late producer's backlog included)
-    window = t0 + warmup
-    measured = [i for i, at in commit_at.items() if at >= window]
-    lat = [started[i] - commit_at[i] for i in measured if i in started]
-    last_return = max((commit_at[i] for i in measured), default=window)
+    m = schedule.measured(started)
     return PickupResult(
         offered_rate=rate,
         window_seconds=seconds,
-        enqueued=len(measured),
-        enqueued_total=len(commit_at),
-        producer_seconds=max(last_return - window, seconds),
-        lag_seconds=[timing[i][1] - timing[i][0] for i in measured],
-        latencies=lat,
-        enqueue_seconds=[commit_at[i] - timing[i][1] for i in measured],
+        enqueued=len(m.jobs),
+        enqueued_total=len(schedule.commit_at),
+        producer_seconds=m.producer_seconds,
+        lag_seconds=m.lag_seconds,
+        latencies=m.latencies,
+        enqueue_seconds=m.enqueue_seconds,
         claim_seconds=claim_secs,
         handled=len(started),
         duplicates=st["dups"],
-        missing=sum(1 for i in commit_at if i not in started),
+        missing=m.missing,
         completed=st["completed"],
         claim_calls=st["calls"],
         empty_claims=st["empty"],
@@ -734,7 +789,7 @@ def paced_pickup(
         wakes_poll=st["wp"],
         poll_claims_with_jobs=st["poll_hits"],
         notifications=waker.received,
-        negative_latencies=sum(1 for x in lat if x < 0),
+        negative_latencies=sum(1 for x in m.latencies if x < 0),
         errors=errors,
     )
 

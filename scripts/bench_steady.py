@@ -116,6 +116,13 @@ class System:
     def maintain(self, engine: Engine) -> None:
         raise NotImplementedError
 
+    #: the system drains its queue itself (no draining threads of the soak for it)
+    drives_itself = False
+
+    def completed(self, counters: Counters) -> int:
+        """Jobs completed so far."""
+        return counters.completed
+
     def start_upkeep(self, engine: Engine) -> None:
         """Start background upkeep that runs on its own schedule (none by default)."""
 
@@ -178,6 +185,43 @@ class QstoreSystem(System):
         if self.maintainer is not None:
             self.maintainer.stop()
             self.maintenance = maintainer_summary(self.maintainer)
+
+
+class QstoreWorkerSystem(QstoreSystem):
+    """qstore drained by its worker runtime: an :class:`~qstore.tasks.App` with one no-op task
+    and a :class:`~qstore.worker.Worker` with its default settings (its own maintainer
+    inside, with ``schedule`` when given); the soak starts no draining threads for it."""
+
+    drives_itself = True
+
+    def __init__(self, schema: str, shards: int | None,
+                 schedule: MaintenanceSchedule | None = None) -> None:
+        super().__init__(schema, shards, "maintainer", schedule)
+        from qstore.tasks import App, JobContext
+
+        self.app = App(self.storage)
+
+        @self.app.task(kind="steady_job", queue=QUEUE)
+        def steady_job(ctx: JobContext, seq: int) -> None:
+            return None
+
+        self.worker: Any = None
+
+    def completed(self, counters: Counters) -> int:
+        return 0 if self.worker is None else int(self.worker.stats.completed)
+
+    def start_upkeep(self, engine: Engine) -> None:
+        from qstore.worker import Worker, WorkerSettings
+
+        self.worker = Worker(self.app, engine, WorkerSettings(queues=[QUEUE], schedule=self.schedule))
+        self.worker.start()
+        self.maintainer = self.worker.maintainer
+
+    def stop_upkeep(self) -> None:
+        if self.worker is not None:
+            self.worker.stop(timeout=30.0)
+            if self.maintainer is not None:
+                self.maintenance = maintainer_summary(self.maintainer)
 
 
 def maintainer_summary(m: Maintainer) -> dict[str, int]:
@@ -334,7 +378,11 @@ def phase_lengths(args: argparse.Namespace) -> tuple[float, float, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ensure_database(args.url)
     schedule = MaintenanceSchedule(**args.schedule) if args.schedule else None
-    qstore = QstoreSystem(args.qstore_schema, args.qstore_shards, args.upkeep, schedule)
+    qstore: QstoreSystem
+    if args.qstore_driver == "worker":
+        qstore = QstoreWorkerSystem(args.qstore_schema, args.qstore_shards, schedule)
+    else:
+        qstore = QstoreSystem(args.qstore_schema, args.qstore_shards, args.upkeep, schedule)
     systems: list[System] = [qstore, ClassicSystem(args.classic_schema)]
     engine = make_engine(args.url, args.workers * len(systems) + 8)
     info = server_info(engine)
@@ -375,7 +423,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     stop.wait(0.02)
 
-        threads += [threading.Thread(target=worker, daemon=True) for _ in range(args.workers)]
+        if not s.drives_itself:
+            threads += [threading.Thread(target=worker, daemon=True) for _ in range(args.workers)]
     if args.upkeep == "rings":
         threads.append(threading.Thread(
             target=loop, args=(stop, args.rotate, lambda: qstore.maintain(engine),
@@ -472,7 +521,7 @@ def take_sample(engine: Engine, systems: list[System], counters: dict[str, Count
     row: dict[str, Any] = {"t": round(now - t0, 1), "phase": phase}
     for s in systems:
         c = counters[s.name]
-        done = c.completed
+        done = s.completed(c)
         prev_done, prev_at = last[s.name]
         row[s.name] = {
             "dead": sum(f["dead"] for f in tables[s.schema].values()),
@@ -599,6 +648,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=600.0, help="seconds, split in three phases")
     p.add_argument("--workers", type=int, default=4, help="draining threads per system")
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--qstore-driver", choices=("loop", "worker"), default="loop",
+                   help="what drains qstore: --workers threads looping claim + complete "
+                        "(default) or qstore's Worker with its default settings (its "
+                        "maintainer inside; --workers, --batch and --upkeep then apply to the "
+                        "classic queue only)")
     p.add_argument("--upkeep", choices=("maintainer", "rings"), default="maintainer",
                    help="qstore upkeep: the product's Maintainer (default) or the bare ring "
                         "ticker (rotate + prune of the three rings every --rotate seconds)")

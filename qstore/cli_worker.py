@@ -97,8 +97,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="handlers running at once (default 16)")
     p.add_argument("--claim-batch", type=int, default=32,
                    help="most jobs one claim takes (never more than free handlers; default 32)")
-    p.add_argument("--prefetch", type=int, default=0,
-                   help="claimed jobs that may wait for a free handler (default 0)")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="claimed jobs that may wait for a free handler (default: --concurrency)")
     p.add_argument("--poll-interval", type=float, default=1.0,
                    help="seconds an idle queue waits before claiming without a notification (default 1)")
     p.add_argument("--heartbeat-interval", type=float, default=30.0,

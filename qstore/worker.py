@@ -101,7 +101,8 @@ class WorkerSettings:
     ``concurrency``: handlers running at once (the sync thread pool's size; async handlers
     count against it too). ``claim_batch``: most attempts one claim call takes (never more
     than the free capacity). ``prefetch``: claimed attempts that may wait for a free handler
-    (0: claim only for free handlers). ``poll_interval``: how long a dispatcher whose queue
+    (default: ``concurrency``, so the next claim overlaps the running handlers; 0: claim
+    only for free handlers, which lets an idle worker elsewhere take the rest). ``poll_interval``: how long a dispatcher whose queue
     was empty waits before claiming again without a notification. ``listen``: use
     ``LISTEN`` for wake-ups and cancels (off: polling only, and no cancel delivery).
     ``heartbeat_interval``: attempts running longer than this are heartbeated this often
@@ -119,7 +120,7 @@ class WorkerSettings:
     queues: Sequence[str] | None = None
     concurrency: int = 16
     claim_batch: int = 32
-    prefetch: int = 0
+    prefetch: int | None = None
     poll_interval: float = 1.0
     listen: bool = True
     heartbeat_interval: float = 30.0
@@ -145,7 +146,9 @@ class WorkerSettings:
             object.__setattr__(self, "queues", tuple(dict.fromkeys(names)))
         _number(self.concurrency, "concurrency", minimum=1, strict=False, integer=True)
         _number(self.claim_batch, "claim_batch", minimum=1, strict=False, integer=True)
-        _number(self.prefetch, "prefetch", strict=False, integer=True)
+        _number(self.prefetch, "prefetch", strict=False, integer=True, optional=True)
+        if self.prefetch is None:  # default: as many claimed jobs waiting as handlers
+            object.__setattr__(self, "prefetch", self.concurrency)
         _number(self.max_claimers, "max_claimers", minimum=1, strict=False, integer=True, optional=True)
         _number(self.completion_batch, "completion_batch", minimum=1, strict=False, integer=True)
         for name in ("poll_interval", "heartbeat_interval", "claimer_lease_ttl", "claimer_idle",

@@ -1,32 +1,43 @@
-"""Worker runtime benchmark: how fast a :class:`qstore.worker.Worker` drains no-op jobs with
-each claim strategy and a few settings, and how soon it picks up a job enqueued while idle.
+"""The worker benchmark: qstore's :class:`qstore.worker.Worker` with its default settings,
+side by side in one run with the same storage driven by a plain loop and with the in-repo
+classic SKIP LOCKED queue driven by the equivalent loop.
 
-Each variant gets a fresh schema: ``--jobs`` jobs are enqueued (COPY) into one queue, then a
-worker (no maintainer) is started and timed until every job is completed. Variants:
+Two modes (``--mode``, default both):
 
-* ``loop``: no worker, the hand-written loop an application writes without one (``concurrency``
-  threads, each claiming 10, calling the handler per job, completing the batch): the
-  reference;
-* ``plain``: ``claim_runtime_batch`` (the default), ``claim_batch`` 32, ``concurrency`` 16;
-* ``claimers``: the same through bounded claimers (``max_claimers`` 4:
-  ``claim_runtime_batch_with_aging_for_instance``);
-* ``batch10``: claim batches of 10; ``prefetch``: 16 claimed jobs may wait for a handler;
-* ``async``: the handler is ``async def`` (one event loop thread).
+``drain`` — per phase (``clean``, then ``pinned``: another session holds an xid from before
+the drain until the dead tuples are counted) and per system, N no-op jobs (``--jobs``,
+default 20,000) are loaded with COPY into a fresh schema, then drained with
+``--concurrency`` (16) concurrent handlers:
 
-Pickup: with an idle worker (poll interval 30 s, so only ``LISTEN`` wakes it), single jobs
-are enqueued one at a time; pickup = handler start - the moment ``defer`` returned.
+* ``classic`` — 16 threads loop claim 10 / no-op handler per job / ``DELETE`` the batch
+  (each call one autocommitted statement): the natural loop of ``bench_storage.py``;
+* ``storage`` — the same loop over qstore's storage API with an Engine target
+  (``claim_runtime_batch(engine, queue, 10)`` / handler / ``complete_runtime_batch``): the
+  storage-level rate the worker is held to;
+* ``worker`` — a :class:`~qstore.tasks.App` with one no-op task and a
+  :class:`~qstore.worker.Worker` (``concurrency=16``, every other setting its default, the
+  maintainer running inside as by default); the drain runs from ``worker.start()`` until the
+  queue shows no available and no running job. The worker process's CPU time and the server
+  transactions it committed are divided by the jobs drained.
 
-Usage::
+``pickup`` — a producer calls ``task.defer(engine, ...)`` once per job at ``--rate`` jobs/s
+for ``--duration`` seconds (after ``--warmup`` seconds that are not measured) while a
+default worker runs; pickup latency = handler start - the clock read right after ``defer``
+returned (one process, one clock), clean and pinned. The classic queue's figure for the same
+schedule comes from ``bench_storage.py --mode steady`` (its LISTEN/NOTIFY-woken loop).
 
-    python scripts/bench_worker.py --jobs 20000 --rounds 3 --json worker.json
+Targets: worker >= 0.6x classic clean and >= 1.2x pinned, >= 8,000 jobs/s in both, >= 0.8x the
+storage-level rate of the same run; pickup p95 ≤ 5 ms clean, ≤ 10 ms pinned with the producer
+holding the offered rate.
+
+    python scripts/bench_worker.py --json worker.json
+    python scripts/bench_worker.py --mode pickup --rate 500 --duration 60
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import statistics
 import sys
 import threading
 import time
@@ -37,178 +48,369 @@ from sqlalchemy import Engine, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _benchlib import ensure_database, latency_summary, make_engine, server_info
-
-from qstore import QueueStorage, QueueStorageConfig
-from qstore.storage.jobs import InsertOpts, InsertParams
+import bench_storage as bs
+from _benchlib import (
+    PacedSchedule,
+    checkpoint,
+    dead_tuples,
+    ensure_database,
+    ensure_pgstattuple,
+    format_table,
+    latency_summary,
+    make_engine,
+    median,
+    pinned,
+    server_info,
+    verdict,
+)
 from qstore.tasks import App, JobContext
 from qstore.worker import Worker, WorkerSettings
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/bench_worker"
-SCHEMA = "bench_worker"
-QUEUE = "bench"
-
-VARIANTS: dict[str, dict[str, Any]] = {
-    "loop": {},  # no Worker: the hand-written loop (threads claiming 10 and completing each batch)
-    "plain": {},
-    "claimers": {"max_claimers": 4},
-    "batch10": {"claim_batch": 10},
-    "prefetch": {"prefetch": 16},
-    "async": {},
+PHASES = ("clean", "pinned")
+MODES = ("drain", "pickup")
+TARGETS = {
+    "clean_vs_classic": 0.6,  # worker / classic, >=
+    "pinned_vs_classic": 1.2,  # worker / classic, >=
+    "jobs_per_s": 8_000.0,  # worker, >=, both phases
+    "vs_storage": 0.8,  # worker / storage-level loop, >=
+    "clean_pickup_p95_ms": 5.0,
+    "pinned_pickup_p95_ms": 10.0,
 }
+HOLDS_RATE = 0.99
 
 
-def fresh_storage(engine: Engine) -> QueueStorage:
+class Recorder:
+    """What the no-op task notes: when each job's handler started (by its ``n``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started: dict[int, float] = {}
+        self.duplicates = 0
+        self.all_started = threading.Event()
+        self.expected: int | None = None
+
+    def reset(self, expected: int | None) -> None:
+        with self.lock:
+            self.started = {}
+            self.duplicates = 0
+            self.expected = expected
+            self.all_started.clear()
+
+    def note(self, n: int) -> None:
+        at = time.perf_counter()
+        with self.lock:
+            if n in self.started:
+                self.duplicates += 1
+                return
+            self.started[n] = at
+            if self.expected is not None and len(self.started) >= self.expected:
+                self.all_started.set()
+
+
+def make_app(system: bs.QstoreSystem, recorder: Recorder) -> tuple[App, Any]:
+    """The app under test: one no-op task of the workload's kind and queue."""
+    app = App(system.storage)
+
+    @app.task(kind=bs.KIND, queue=bs.QUEUE, priority=bs.PRIORITY)
+    def bench_job(ctx: JobContext, n: int, payload: str = "") -> None:
+        recorder.note(n)
+
+    return app, bench_job
+
+
+def server_xacts(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database "
+            "WHERE datname = current_database()")).scalar_one())
+
+
+def wait_completed(worker: Worker, n: int, timeout: float) -> float:
+    """Poll the worker's counters until ``n`` completions were committed; returns when."""
+    until = time.perf_counter() + timeout
+    while time.perf_counter() < until:
+        if worker.stats.completed >= n:
+            return time.perf_counter()
+        time.sleep(0.002)
+    raise RuntimeError(f"the worker committed {worker.stats.completed} of {n} completions "
+                       f"within {timeout:.0f} s")
+
+
+def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
+                 args: argparse.Namespace, exact: bool) -> dict[str, Any]:
+    """Load ``n`` jobs, then drain them with a default worker (see the module docstring)."""
+    recorder = Recorder()
+    app, _ = make_app(system, recorder)
+    system.fresh(engine)
+    checkpoint(engine)
+    prepared = system.convert(bs.workload(n))
     with engine.begin() as conn:
-        conn.execute(text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
-    storage = QueueStorage(QueueStorageConfig(schema=SCHEMA))
-    storage.install(engine)
-    return storage
+        system.enqueue_copy(conn, prepared)
+    recorder.reset(n)
+    res: dict[str, Any] = {"system": "worker", "phase": phase, "jobs": n}
+    with pinned(engine, phase == "pinned"):
+        worker = Worker(app, engine, WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency))
+        xacts0 = server_xacts(engine)
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        worker.start()
+        try:
+            if not recorder.all_started.wait(args.timeout):
+                raise RuntimeError(f"worker started {len(recorder.started)} of {n} jobs")
+            t1 = wait_completed(worker, n, args.timeout)
+            cpu = time.process_time() - cpu0
+            xacts = server_xacts(engine) - xacts0
+        finally:
+            worker.stop(timeout=30.0)
+        counts = system.storage.queue_counts(engine, bs.QUEUE)
+        dead = dead_tuples(engine, system.schema, exact)
+    seconds = t1 - t0
+    problems = []
+    if len(recorder.started) != n:
+        problems.append(f"handled {len(recorder.started)} of {n} jobs")
+    if recorder.duplicates:
+        problems.append(f"{recorder.duplicates} jobs handled twice")
+    if counts.available or counts.running:
+        problems.append(f"left available={counts.available} running={counts.running}")
+    res["drain"] = {"jobs": n, "seconds": seconds, "jobs_per_s": n / seconds,
+                    "cpu_us_per_job": cpu / n * 1e6,
+                    "server_xacts_per_job": xacts / n}
+    res["stats"] = stats_of(worker)
+    res["dead_tuples"] = dead
+    res["dead_total"] = sum(f["dead"] for f in dead.values())
+    res["problems"] = problems
+    return res
 
 
-def make_app(storage: QueueStorage, use_async: bool) -> App:
-    app = App(storage)
-    if use_async:
-        @app.task(kind="noop", queue=QUEUE)
-        async def anoop(ctx: JobContext, seq: int) -> None:
-            return None
-    else:
-        @app.task(kind="noop", queue=QUEUE)
-        def noop(ctx: JobContext, seq: int) -> None:
-            return None
-    return app
+def stats_of(worker: Worker) -> dict[str, Any]:
+    stats = getattr(worker, "stats", None)
+    if stats is None:
+        return {}
+    if hasattr(stats, "as_dict"):
+        return dict(stats.as_dict())
+    if hasattr(stats, "__dataclass_fields__"):
+        return {k: getattr(stats, k) for k in stats.__dataclass_fields__}
+    return {"repr": repr(stats)}
 
 
-def hand_loop(engine: Engine, storage: QueueStorage, jobs: int, threads: int) -> dict[str, Any]:
-    done = [0]
-    calls = [0, 0]
-    lock = threading.Lock()
-
-    def handler(ctx: JobContext, seq: int) -> None:
-        return None
-
-    def run() -> None:
-        while True:
-            with lock:
-                if done[0] >= jobs:
-                    return
-            batch = storage.claim_runtime_batch(engine, QUEUE, 10)
-            if not batch:
-                time.sleep(0.005)
-                continue
-            for c in batch:
-                handler(JobContext(c, storage, engine), **c.job.args)
-            n = len(storage.complete_runtime_batch(engine, batch))
-            with lock:
-                done[0] += n
-                calls[0] += 1
-                calls[1] += 1
-
-    started = time.monotonic()
-    pool = [threading.Thread(target=run) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    return {"seconds": time.monotonic() - started, "claim_calls": calls[0], "empty_claims": 0,
-            "completion_calls": calls[1], "completed": done[0]}
+def loop_drain(engine: Engine, system: Any, phase: str, n: int, args: argparse.Namespace,
+               exact: bool) -> dict[str, Any]:
+    """The natural loop of ``bench_storage.py`` (16 threads, claim 10, handler, complete)."""
+    nat = bs.parse_args(["--mode", "natural", "--jobs", str(n), "--threads", str(args.concurrency)])
+    nat.batch = 10
+    name = "storage" if isinstance(system, bs.QstoreSystem) else "classic"
+    res: dict[str, Any] = {"system": name, "phase": phase, "jobs": n}
+    system.fresh(engine)
+    checkpoint(engine)
+    bs.load_for_drain(engine, system, system.convert(bs.workload(n)), nat, fresh=False)
+    res.update(bs.measured_drain(engine, system, phase, n, nat, exact, own_transactions=True,
+                                 handle=bs.handler, tolerate_errors=True))
+    return res
 
 
-def drain(engine: Engine, variant: str, jobs: int, concurrency: int) -> dict[str, Any]:
-    storage = fresh_storage(engine)
-    app = make_app(storage, variant == "async")
-    chunk = 5000
-    for start in range(0, jobs, chunk):
-        storage.enqueue_params_copy(engine, [InsertParams("noop", {"seq": i}, InsertOpts(queue=QUEUE))
-                                             for i in range(start, min(jobs, start + chunk))])
-    if variant == "loop":
-        out = hand_loop(engine, storage, jobs, concurrency)
-        counts = storage.queue_counts(engine, QUEUE)
-        return {"variant": variant, "jobs": jobs, "jobs_per_s": jobs / out["seconds"], **out,
-                "terminal": counts.terminal, "running_left": counts.running}
-    settings = WorkerSettings(concurrency=concurrency, maintain=False, **VARIANTS[variant])
-    worker = Worker(app, engine, settings)
-    started = time.monotonic()
-    worker.start()
-    while worker.stats.completed + worker.stats.stale_completions < jobs:
-        time.sleep(0.01)
-        if time.monotonic() - started > 600:
-            break
-    elapsed = time.monotonic() - started
-    stats = worker.stop(5)
-    counts = storage.queue_counts(engine, QUEUE)
-    return {"variant": variant, "jobs": jobs, "seconds": elapsed, "jobs_per_s": jobs / elapsed,
-            "claim_calls": stats.claim_calls, "empty_claims": stats.empty_claims,
-            "completion_calls": stats.completion_calls, "completed": stats.completed,
-            "terminal": counts.terminal, "running_left": counts.running}
-
-
-def pickup(engine: Engine, samples: int, gap: float) -> dict[str, Any]:
-    storage = fresh_storage(engine)
-    app = App(storage)
-    starts: dict[int, float] = {}
-    seen = threading.Event()
-
-    @app.task(kind="ping", queue=QUEUE)
-    def ping(ctx: JobContext, n: int) -> None:
-        starts[n] = time.monotonic()
-        seen.set()
-
-    worker = Worker(app, engine, WorkerSettings(concurrency=4, poll_interval=30, maintain=False))
-    worker.start()
-    lat: list[float] = []
+def run_drain(engine: Engine, args: argparse.Namespace, exact: bool) -> list[dict[str, Any]]:
+    qsys = bs.QstoreSystem(args.qstore_schema, None, deadline=None)
+    csys = bs.ClassicSystem(args.classic_schema)
+    results = []
     try:
-        time.sleep(0.5)
-        for n in range(samples):
-            seen.clear()
-            ping.defer(engine, n=n)
-            returned = time.monotonic()
-            if seen.wait(5):
-                lat.append(starts[n] - returned)
-            time.sleep(gap)
+        for rnd in range(1, args.rounds + 1):
+            for phase in args.phases:
+                for label, fn in (("classic", lambda p: loop_drain(engine, csys, p, args.jobs, args, exact)),
+                                  ("storage", lambda p: loop_drain(engine, qsys, p, args.jobs, args, exact)),
+                                  ("worker", lambda p: worker_drain(engine, qsys, p, args.jobs, args, exact))):
+                    print(f"... drain round {rnd}/{args.rounds}: {label} / {phase}", flush=True)
+                    r = fn(phase)
+                    r["round"] = rnd
+                    results.append(r)
     finally:
-        worker.stop(5)
-    return latency_summary(lat)
+        qsys.drop(engine)
+        csys.drop(engine)
+    return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def summarise_drain(results: list[dict[str, Any]]) -> dict[str, Any]:
+    med: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        med.setdefault(f"{r['system']}/{r['phase']}", []).append(r)
+    out: dict[str, Any] = {}
+    for key, rs in med.items():
+        out[key] = {
+            "rounds": len(rs),
+            "jobs_per_s": median([x["drain"]["jobs_per_s"] for x in rs]),
+            "jobs_per_s_all": [round(x["drain"]["jobs_per_s"]) for x in rs],
+            "dead_total": median([x["dead_total"] for x in rs]),
+        }
+        if rs[0]["system"] == "worker":
+            out[key]["cpu_us_per_job"] = median([x["drain"]["cpu_us_per_job"] for x in rs])
+            out[key]["server_xacts_per_job"] = median([x["drain"]["server_xacts_per_job"] for x in rs])
+
+    def rate(system: str, phase: str) -> float | None:
+        m = out.get(f"{system}/{phase}")
+        return None if m is None else m["jobs_per_s"]
+
+    ratios = {phase: {"vs_classic": bs.ratio(rate("worker", phase), rate("classic", phase)),
+                      "vs_storage": bs.ratio(rate("worker", phase), rate("storage", phase))}
+              for phase in PHASES}
+    t = TARGETS
+    targets = {
+        "clean_vs_classic": verdict(ratios["clean"]["vs_classic"], ">=", t["clean_vs_classic"]),
+        "pinned_vs_classic": verdict(ratios["pinned"]["vs_classic"], ">=", t["pinned_vs_classic"]),
+        "clean_jobs_per_s": verdict(rate("worker", "clean"), ">=", t["jobs_per_s"]),
+        "pinned_jobs_per_s": verdict(rate("worker", "pinned"), ">=", t["jobs_per_s"]),
+        "clean_vs_storage": verdict(ratios["clean"]["vs_storage"], ">=", t["vs_storage"]),
+        "pinned_vs_storage": verdict(ratios["pinned"]["vs_storage"], ">=", t["vs_storage"]),
+    }
+    return {"medians": out, "ratios": ratios, "targets": targets}
+
+
+def print_drain(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    rows = [[r["system"], r["phase"], r["round"], bs.fmt(r["drain"]["jobs_per_s"]),
+             f"{r['drain']['seconds']:.2f}",
+             bs.fmt(r["drain"].get("cpu_us_per_job"), ".0f"),
+             bs.fmt(r["drain"].get("server_xacts_per_job"), ".2f"),
+             bs.fmt(r["dead_total"]), "; ".join(r["problems"]) or "ok"] for r in results]
+    print()
+    print(format_table(["system", "phase", "round", "drain j/s", "seconds", "client CPU µs/job",
+                        "server xacts/job", "dead tuples", "check"], rows))
+    print("\nRatios (worker / classic loop, worker / storage loop):")
+    for phase, rr in summary["ratios"].items():
+        print(f"  {phase:<6}  vs classic {bs.times(rr['vs_classic'])}   "
+              f"vs storage {bs.times(rr['vs_storage'])}")
+    bs.print_targets(summary["targets"], "worker drain")
+
+
+def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[dict[str, Any]]:
+    qsys = bs.QstoreSystem(args.qstore_schema, None, deadline=None)
+    results = []
+    try:
+        for phase in args.phases:
+            print(f"... pickup: worker / {phase}", flush=True)
+            recorder = Recorder()
+            app, task = make_app(qsys, recorder)
+            qsys.fresh(engine)
+            checkpoint(engine)
+            worker = Worker(app, engine, WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency))
+            errors: dict[str, int] = {}
+
+            def note(exc: Exception, errors: dict[str, int] = errors) -> None:
+                key = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+                errors[key] = errors.get(key, 0) + 1
+
+            schedule = PacedSchedule(
+                rate=args.rate, seconds=args.duration, warmup=args.warmup,
+                enqueue_one=lambda i, task=task: task.defer(engine, n=i, payload="x" * 16),
+                producers=args.producers, on_error=note)
+            with pinned(engine, phase == "pinned"):
+                worker.start()
+                try:
+                    schedule.run()
+                    schedule.settle(recorder.started, recorder.lock, 30.0)
+                finally:
+                    worker.stop(timeout=30.0)
+                dead = dead_tuples(engine, qsys.schema, exact)
+            m = schedule.measured(recorder.started)
+            achieved = len(m.jobs) / m.producer_seconds if m.producer_seconds else 0.0
+            problems = []
+            if m.missing:
+                problems.append(f"{m.missing} enqueued jobs never picked up")
+            if recorder.duplicates:
+                problems.append(f"{recorder.duplicates} jobs picked up twice")
+            results.append({
+                "system": "worker", "phase": phase, "offered_rate": args.rate,
+                "achieved_rate": achieved, "holds_rate": achieved >= HOLDS_RATE * args.rate,
+                "enqueued": len(m.jobs), "pickup_ms": latency_summary(m.latencies),
+                "defer_call_ms": latency_summary(m.enqueue_seconds),
+                "producer_lag_ms": latency_summary(m.lag_seconds),
+                "errors": errors, "stats": stats_of(worker),
+                "dead_total": sum(f["dead"] for f in dead.values()), "problems": problems,
+            })
+    finally:
+        qsys.drop(engine)
+    return results
+
+
+def summarise_pickup(results: list[dict[str, Any]]) -> dict[str, Any]:
+    targets = {}
+    for r in results:
+        key = f"{r['phase']}_pickup_p95_ms"
+        v = verdict(r["pickup_ms"]["p95_ms"], "<=", TARGETS[key],
+                    None if r["holds_rate"] else f"producer reached {r['achieved_rate']:,.0f}/s")
+        if not r["holds_rate"]:
+            v["result"] = "FAIL"
+        targets[key] = v
+    return {"targets": targets}
+
+
+def print_pickup(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    rows = [[r["phase"], f"{r['achieved_rate']:,.0f}/{r['offered_rate']:,.0f}",
+             "yes" if r["holds_rate"] else "NO", r["enqueued"],
+             bs.fmt(r["pickup_ms"]["p50_ms"], ".2f"), bs.fmt(r["pickup_ms"]["p95_ms"], ".2f"),
+             bs.fmt(r["pickup_ms"]["p99_ms"], ".2f"), bs.fmt(r["defer_call_ms"]["p50_ms"], ".2f"),
+             sum(r["errors"].values()), bs.fmt(r["dead_total"]), "; ".join(r["problems"]) or "ok"]
+            for r in results]
+    print()
+    print(format_table(["phase", "rate j/s", "holds", "jobs", "pickup p50 ms", "p95", "p99",
+                        "defer p50 ms", "errors", "dead", "check"], rows))
+    bs.print_targets(summary["targets"], "worker pickup")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default=DEFAULT_URL, help=f"database (created if missing; default {DEFAULT_URL})")
+    p.add_argument("--mode", choices=(*MODES, "all"), default="all")
+    p.add_argument("--url", default=DEFAULT_URL)
     p.add_argument("--jobs", type=int, default=20_000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
-    p.add_argument("--pickup-samples", type=int, default=200)
+    p.add_argument("--phases", default=",".join(PHASES), type=lambda s: s.split(","))
+    p.add_argument("--rate", type=float, default=500.0)
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--producers", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a drain may take")
+    p.add_argument("--qstore-schema", default="bench_worker_qstore")
+    p.add_argument("--classic-schema", default="bench_worker_classic")
     p.add_argument("--json", type=Path)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     ensure_database(args.url)
-    engine = make_engine(args.url, args.concurrency + 8)
+    engine = make_engine(args.url, args.concurrency + args.producers + 4)
+    exact = ensure_pgstattuple(engine)
+    info = server_info(engine)
+    pg = info["postgres"]
+    print(f"bench_worker: {args.jobs:,} jobs, concurrency {args.concurrency}, PostgreSQL "
+          f"{pg['server_version']}, autovacuum {pg['autovacuum']}, {info['cpus']} CPUs")
+    payload: dict[str, Any] = {
+        "command": " ".join(["python", "scripts/bench_worker.py", *(argv or sys.argv[1:])]),
+        "machine": info, "config": {k: str(v) for k, v in vars(args).items() if k != "url"},
+    }
+    problems: list[str] = []
     try:
-        results: list[dict[str, Any]] = []
-        for r in range(args.rounds):
-            for variant in args.variants.split(","):
-                res = drain(engine, variant, args.jobs, args.concurrency)
-                res["round"] = r
-                results.append(res)
-                print(f"round {r} {variant:>9}: {res['jobs_per_s']:8.0f} jobs/s  claims {res['claim_calls']:6d} "
-                      f"(empty {res['empty_claims']})  completion calls {res['completion_calls']:6d}", flush=True)
-        medians = {v: statistics.median(x["jobs_per_s"] for x in results if x["variant"] == v)
-                   for v in args.variants.split(",")}
-        lat = pickup(engine, args.pickup_samples, 0.02) if args.pickup_samples else None
-        if lat:
-            print(f"pickup (ms): p50 {lat['p50_ms']:.1f}  p95 {lat['p95_ms']:.1f}  p99 {lat['p99_ms']:.1f}")
-        report = {"server": server_info(engine), "results": results, "median_jobs_per_s": medians, "pickup": lat}
-        for v, m in medians.items():
-            print(f"median {v:>9}: {m:8.0f} jobs/s")
-        if args.json:
-            args.json.write_text(json.dumps(report, indent=2, default=str))
-        problems = [x for x in results if x["terminal"] != args.jobs or x["running_left"]]
-        return 1 if problems else 0
+        if args.mode in ("drain", "all"):
+            drained = run_drain(engine, args, exact)
+            summary = summarise_drain(drained)
+            print_drain(drained, summary)
+            payload["drain"] = {"results": drained, "summary": summary}
+            problems += [f"drain {r['system']}/{r['phase']}: {p}" for r in drained for p in r["problems"]]
+        if args.mode in ("pickup", "all"):
+            picked = run_pickup(engine, args, exact)
+            summary = summarise_pickup(picked)
+            print_pickup(picked, summary)
+            payload["pickup"] = {"results": picked, "summary": summary}
+            problems += [f"pickup {r['phase']}: {p}" for r in picked for p in r["problems"]]
     finally:
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
         engine.dispose()
+    payload["problems"] = problems
+    if args.json:
+        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        print(f"\nwrote {args.json}")
+    if problems:
+        print("\nINVALID RUN:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

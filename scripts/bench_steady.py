@@ -206,6 +206,7 @@ class QstoreWorkerSystem(QstoreSystem):
             return None
 
         self.worker: Any = None
+        self.worker_stats: dict[str, int] | None = None
 
     def completed(self, counters: Counters) -> int:
         return 0 if self.worker is None else int(self.worker.stats.completed)
@@ -219,7 +220,8 @@ class QstoreWorkerSystem(QstoreSystem):
 
     def stop_upkeep(self) -> None:
         if self.worker is not None:
-            self.worker.stop(timeout=30.0)
+            stats = self.worker.stop(timeout=30.0)
+            self.worker_stats = {f.name: getattr(stats, f.name) for f in fields(stats)}
             if self.maintainer is not None:
                 self.maintenance = maintainer_summary(self.maintainer)
 
@@ -503,6 +505,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "error_counts": error_counts,  # all of them, by the message's first line
         "vacuum_errors": vac_errors[:20],
         "qstore_maintenance": qstore.maintenance,
+        "qstore_worker_stats": getattr(qstore, "worker_stats", None),
     }
     result["verdict"] = soak_verdict(samples, args.rate, censuses.get("end_of_pinned"), qstore.schema)
     if not args.keep:

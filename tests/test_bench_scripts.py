@@ -63,6 +63,19 @@ def test_steady_bench_runs_all_three_phases_for_both_systems(fresh_db_url, tmp_p
     assert data["errors"] == {"qstore": [], "classic": []}
 
 
+def test_steady_bench_drives_qstore_through_its_worker_when_asked(fresh_db_url, tmp_path):
+    out = tmp_path / "steady.json"
+    proc = run_script("bench_steady.py", "--url", fresh_db_url, "--rate", "200", "--duration", "3",
+                      "--workers", "2", "--sample", "0.5", "--qstore-driver", "worker",
+                      "--json", str(out), "--plot", str(tmp_path / "steady.png"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["errors"] == {"qstore": [], "classic": []}
+    assert data["qstore_worker_stats"]["completed"] > 0
+    assert sum(s["qstore"]["completed_per_s"] or 0 for s in data["samples"]) > 0
+    assert any(key.endswith(":runs") for key in data["qstore_maintenance"])
+
+
 def bench_json(tmp_path: Path, script: str, *args: str) -> dict:
     """Run ``script`` with ``args`` and ``--json``; the run must exit 0 (valid)."""
     out = tmp_path / "out.json"
@@ -146,10 +159,26 @@ def test_steady_bench_counts_what_the_maintainer_leaves_dead_under_the_pinned_ho
 
 def test_worker_bench_drains_every_job_with_each_variant(fresh_db_url, tmp_path):
     out = tmp_path / "worker.json"
-    proc = run_script("bench_worker.py", "--url", fresh_db_url, "--jobs", "200", "--concurrency", "4",
-                      "--pickup-samples", "5", "--json", str(out))
+    proc = run_script("bench_worker_variants.py", "--url", fresh_db_url, "--jobs", "200",
+                      "--concurrency", "4", "--pickup-samples", "5", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert {r["variant"] for r in data["results"]} == {"loop", "plain", "claimers", "batch10", "prefetch", "async"}
     assert all((r["terminal"], r["running_left"]) == (200, 0) for r in data["results"])
     assert data["pickup"]["n"] == 5
+
+
+def test_worker_bench_drains_through_the_worker_beside_both_loops_and_times_pickup_via_defer(
+        fresh_db_url, tmp_path):
+    out = tmp_path / "worker_vs.json"
+    proc = run_script("bench_worker.py", "--url", fresh_db_url, "--jobs", "300", "--concurrency", "4",
+                      "--rate", "50", "--duration", "1", "--warmup", "0.2", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    drained = data["drain"]["results"]
+    assert {(r["system"], r["phase"]) for r in drained} == {
+        (s, p) for s in ("classic", "storage", "worker") for p in ("clean", "pinned")}
+    assert all(r["drain"]["jobs"] == 300 and not r["problems"] for r in drained)
+    picked = data["pickup"]["results"]
+    assert [r["phase"] for r in picked] == ["clean", "pinned"]
+    assert all(r["enqueued"] > 0 and not r["problems"] for r in picked)

@@ -63,6 +63,7 @@ from _benchlib import (
     server_info,
     verdict,
 )
+
 from qstore.tasks import App, JobContext
 from qstore.worker import Worker, WorkerSettings
 

@@ -120,6 +120,7 @@ class WorkerSettings:
     queues: Sequence[str] | None = None
     concurrency: int = 16
     claim_batch: int = 32
+    claimers_per_queue: int = 2
     prefetch: int | None = None
     poll_interval: float = 1.0
     listen: bool = True
@@ -346,7 +347,8 @@ class Worker:
 
         self._lock = threading.Lock()
         self._capacity = threading.Condition(self._lock)
-        self._free = self.settings.concurrency + self.settings.prefetch
+        self._capacity_total = self.settings.concurrency + (self.settings.prefetch or 0)
+        self._free = self._capacity_total
         self._batch_floor = max(1, self._free // 2)
         self._attempts: dict[tuple[int, int], _Attempt] = {}
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -399,7 +401,7 @@ class Worker:
         s = self.settings
         self._started = True
         with self._lock:  # handlers a previous stop left running still hold their places
-            self._free = s.concurrency + s.prefetch - len(self._attempts)
+            self._free = self._capacity_total - len(self._attempts)
         self._stop_requested.clear()
         self._closing.clear()
         self._hurry.clear()

@@ -298,10 +298,12 @@ def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[di
                 key = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
                 errors[key] = errors.get(key, 0) + 1
 
+            def defer_one(i: int, task: Any = task) -> int:
+                return int(task.defer(engine, n=i, payload="x" * 16))
+
             schedule = PacedSchedule(
                 rate=args.rate, seconds=args.duration, warmup=args.warmup,
-                enqueue_one=lambda i, task=task: task.defer(engine, n=i, payload="x" * 16),
-                producers=args.producers, on_error=note)
+                enqueue_one=defer_one, producers=args.producers, on_error=note)
             with pinned(engine, phase == "pinned"):
                 worker.start()
                 try:

@@ -120,7 +120,6 @@ class WorkerSettings:
     queues: Sequence[str] | None = None
     concurrency: int = 16
     claim_batch: int = 32
-    claimers_per_queue: int = 2
     prefetch: int | None = None
     poll_interval: float = 1.0
     listen: bool = True

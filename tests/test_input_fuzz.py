@@ -717,7 +717,7 @@ ADMIN: dict[str, dict[str, P]] = {
     "rescue_stale_heartbeats": {"staleness": P(spans, bad_spans)},
     "rescue_expired_deadlines": {},
     "rescue_expired_callbacks": {},
-    "rollup_terminal_count_deltas": {"max_slots": P(hs.integers(0, 2**70), hs.sampled_from([-1, "1", 1.5, None]))},
+    "rollup_terminal_count_deltas": {"max_slots": P(hs.integers(0, 2**31 - 1), hs.sampled_from([-1, 2**31, "1", 1.5, None]))},
 }
 flags = P(hs.one_of(hs.none(), hs.booleans()), hs.sampled_from([0, 1, "yes", "false", 1.0]))
 

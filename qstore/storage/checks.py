@@ -122,7 +122,7 @@ def shards(value: object, field: str) -> int | None:
 def slot_count(value: object, field: str) -> int:
     """A non-negative number of ring slots (0 is allowed and means none)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BATCH:
-        raise ValidationError(field, value, "must be a non-negative integer")
+        raise ValidationError(field, value, f"must be an integer from 0 to {MAX_BATCH}")
     return value
 
 

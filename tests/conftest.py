@@ -160,9 +160,11 @@ MakeStorage = Callable[..., QueueStorage]
 
 @pytest.fixture(scope="session")
 def background() -> Iterator[Worker]:
-    """The session's background thread: resets released installs, makes and drops databases
-    between tests. Started before any test, so no test counts it as a thread it left behind."""
-    worker = Worker()
+    """The session's background threads: reset released installs, make and drop databases
+    between tests (two at a time: a test that uses installs faster than one thread resets
+    them waits half as long). Started before any test, so no test counts them as threads it
+    left behind."""
+    worker = Worker(threads=2)
     yield worker
     worker.stop()
 

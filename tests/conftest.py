@@ -10,6 +10,10 @@ Isolation: every test that touches the database gets either a storage schema in 
 installed state (``make_storage`` / ``storage`` / ``st``: installs are pooled by shape and
 reset between two tests, see tests/installs.py) inside the session database, or a
 brand-new empty database (``fresh_db_url``). No state passes from one test to the next.
+
+Hypothesis: the ``ci`` profile (the default) derandomizes, so every run draws the same
+examples and a failure reproduces by running the test again; ``QSTORE_HYPOTHESIS_PROFILE=hunt``
+draws new ones each run (a bug hunt; combine with the tests' example-count knobs).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import settings as hypothesis_settings
 from installs import InstallPool, Worker, install, unique_schema
 from pytest_postgresql import factories
 from pytest_postgresql.executors import NoopExecutor
@@ -38,6 +43,10 @@ from sqlalchemy import URL, Engine, create_engine, text
 
 from qstore import QueueStorage, QueueStorageConfig
 from qstore.migrate import version_location
+
+hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+hypothesis_settings.register_profile("hunt", derandomize=False, database=None, print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("QSTORE_HYPOTHESIS_PROFILE", "ci"))
 
 # pytest-postgresql creates "<dbname>_tmpl" as the session template; a per-process name
 # keeps concurrent test runs against the same server apart.
@@ -151,9 +160,11 @@ MakeStorage = Callable[..., QueueStorage]
 
 @pytest.fixture(scope="session")
 def background() -> Iterator[Worker]:
-    """The session's background thread: resets released installs, makes and drops databases
-    between tests. Started before any test, so no test counts it as a thread it left behind."""
-    worker = Worker()
+    """The session's background threads: reset released installs, make and drop databases
+    between tests (two at a time: a test that uses installs faster than one thread resets
+    them waits half as long). Started before any test, so no test counts them as threads it
+    left behind."""
+    worker = Worker(threads=2)
     yield worker
     worker.stop()
 
@@ -238,7 +249,8 @@ def st(make_storage: MakeStorage) -> QueueStorage:
 # -- a fresh install on every call ----------------------------------------------------------
 # For tests that need many fresh installs one after another (e.g. one per example of a
 # hypothesis run): each call hands the previous install back to the pool, whose background
-# thread resets it while the caller works with the next one.
+# thread resets it while the caller works with the next one. The next one is taken before
+# the previous goes back, so two installs take turns and no call waits for a reset.
 
 
 def _one_after_another(pool: InstallPool, **shape: Any) -> Iterator[Callable[[], QueueStorage]]:
@@ -246,9 +258,9 @@ def _one_after_another(pool: InstallPool, **shape: Any) -> Iterator[Callable[[],
     held: list[QueueStorageConfig] = []
 
     def next_install() -> QueueStorage:
-        if held:
-            pool.release(held.pop())
         held.append(pool.acquire(**shape))
+        if len(held) > 1:
+            pool.release(held.pop(0))
         return QueueStorage(held[-1])
 
     yield next_install

@@ -5,8 +5,8 @@ the seed rows) costs 0.3-1.3 s; putting a used install back into its freshly ins
 costs a few tens of milliseconds. :class:`InstallPool` keeps installs by shape (every
 :class:`QueueStorageConfig` field but the schema name) and resets each one between two
 tests, so a test sees exactly what a fresh install would show it. Resets run on a
-background thread (:class:`Worker`) as soon as a test hands its install back, so the next
-test rarely waits for one.
+background thread (:class:`Worker`) as soon as a test hands its install back, and two
+installs of a shape take turns, so the next test rarely waits for one.
 
 What "exactly" means is spelled out by :func:`catalog_structure` (every relation, column,
 constraint, index, function, view, trigger, rule, policy, type and sequence definition of
@@ -42,6 +42,7 @@ __all__ = [
     "Worker",
     "catalog_contents",
     "catalog_digest",
+    "catalog_fingerprint",
     "catalog_structure",
     "install",
     "record_pristine",
@@ -55,6 +56,11 @@ __all__ = [
 #: with DELETE: it keeps dead tuples from piling up across tests, and keeps the planner in the
 #: regime of a fresh install (a never-vacuumed table of fewer than 10 pages is costed as 10).
 BLOAT_PAGES = 10
+
+#: A test that finds no reset install of its shape gets a new one while fewer than this many
+#: are being reset, else waits: two installs of a shape take turns, one reset while the
+#: other is used.
+RESETTING_BEFORE_WAITING = 2
 
 #: How long a released install waits for other sessions' locks on it to go away (a test that
 #: leaked a connection holding locks fails its teardown instead of hanging a later test).
@@ -191,6 +197,52 @@ def catalog_digest(conn: Connection, schema: str) -> tuple[tuple[str, int, int],
     return tuple(sorted(tuple(r) for r in conn.execute(text(_DIGEST), {"ns": ns})))
 
 
+#: Every catalog row that makes up a definition :data:`_STRUCTURE` lists, by the catalog's
+#: link to the schema. A change of a definition inserts, deletes or replaces such a row, and a
+#: row a transaction writes carries that transaction's id (``xmin``) from then on.
+_FINGERPRINT_ROWS = """
+    SELECT xmin FROM pg_class WHERE relnamespace = :ns
+    UNION ALL SELECT a.xmin FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+     WHERE c.relnamespace = :ns
+    UNION ALL SELECT d.xmin FROM pg_attrdef d JOIN pg_class c ON c.oid = d.adrelid
+     WHERE c.relnamespace = :ns
+    UNION ALL SELECT xmin FROM pg_constraint WHERE connamespace = :ns
+    UNION ALL SELECT x.xmin FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid
+     WHERE c.relnamespace = :ns
+    UNION ALL SELECT xmin FROM pg_proc WHERE pronamespace = :ns
+    UNION ALL SELECT r.xmin FROM pg_rewrite r JOIN pg_class c ON c.oid = r.ev_class
+     WHERE c.relnamespace = :ns
+    UNION ALL SELECT t.xmin FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+     WHERE c.relnamespace = :ns
+    UNION ALL SELECT p.xmin FROM pg_policy p JOIN pg_class c ON c.oid = p.polrelid
+     WHERE c.relnamespace = :ns
+    UNION ALL SELECT xmin FROM pg_type WHERE typnamespace = :ns
+    UNION ALL SELECT e.xmin FROM pg_enum e JOIN pg_type t ON t.oid = e.enumtypid
+     WHERE t.typnamespace = :ns
+    UNION ALL SELECT q.xmin FROM pg_sequence q JOIN pg_class c ON c.oid = q.seqrelid
+     WHERE c.relnamespace = :ns
+    UNION ALL SELECT xmin FROM pg_statistic_ext WHERE stxnamespace = :ns
+    UNION ALL SELECT t.xmin FROM pg_statistic t JOIN pg_class c ON c.oid = t.starelid
+     WHERE c.relnamespace = :ns
+    UNION ALL SELECT xmin FROM pg_namespace WHERE oid = :ns"""
+_FINGERPRINT = f"SELECT count(*), coalesce(sum(xmin::text::bigint), 0) FROM ({_FINGERPRINT_ROWS}) f"
+
+Fingerprint = tuple[int, int]
+
+
+def catalog_fingerprint(conn: Connection, schema: str) -> Fingerprint | None:
+    """The number of catalog rows of ``schema``'s definitions and the sum of the ids of the
+    transactions that wrote them: it changes whenever such a row is written (also by the
+    schema's own upkeep: TRUNCATE, a size-statistics update), so an unchanged fingerprint
+    means an unchanged :func:`catalog_digest`, read at a fraction of its cost. None when the
+    schema does not exist."""
+    ns = _schema_oid(conn, schema)
+    if ns is None:
+        return None
+    count, xids = conn.execute(text(_FINGERPRINT), {"ns": ns}).one()
+    return int(count), int(xids)
+
+
 def catalog_contents(conn: Connection, schema: str) -> dict[str, Any]:
     """What the rows of ``schema`` amount to: every table's rows (timestamps reduced to their
     type, the schema name to ``<schema>``), every sequence's position, and the sizes the
@@ -284,26 +336,31 @@ def record_pristine(conn: Connection, schema: str) -> Pristine:
     return Pristine(digest, _stats(conn, schema))
 
 
-def reset_install(conn: Connection, config: QueueStorageConfig, pristine: Pristine) -> bool:
+def reset_install(conn: Connection, config: QueueStorageConfig, pristine: Pristine,
+                  fingerprint: Fingerprint | None = None) -> Fingerprint | None:
     """Put the install of ``config`` back into the state ``pristine`` recorded, on ``conn``
-    (one transaction, the caller's). Returns False when its definitions no longer match,
-    having changed nothing but the lane sequences, or when size statistics need putting
-    back and the session may not write ``pg_class`` (not a superuser): the caller installs
-    it again.
+    (one transaction, the caller's). Returns the install's :func:`catalog_fingerprint` as
+    the reset left it, or None when its definitions no longer match, having changed nothing
+    but the lane sequences, or when size statistics need putting back and the session may
+    not write ``pg_class`` (not a superuser): the caller installs it again.
 
-    Drops the lane sequences enqueues and claims create at run time; empties every table
-    (TRUNCATE, ~5 ms a table, for a ring slot's table that was written to, as maintenance
-    reads their sizes, and for one whose heap or an index grew to :data:`BLOAT_PAGES`;
-    DELETE, much cheaper, for the rest); restarts every sequence; re-inserts the seed rows
-    and, if the install has one, its head-revision version row; and puts back the size
-    statistics (``pg_class``) that TRUNCATE and VACUUM change.
+    Drops the lane sequences enqueues and claims create at run time; compares the
+    definitions with ``pristine``'s digest, unless ``fingerprint`` (what the last reset or
+    the install returned) shows no catalog row of the schema changed since; empties every
+    table (TRUNCATE, ~5 ms a table, for a ring slot's table that was written to, as
+    maintenance reads their sizes, and for one whose heap or an index grew to
+    :data:`BLOAT_PAGES`; DELETE, much cheaper, for the rest); restarts every sequence;
+    re-inserts the seed rows and, if the install has one, its head-revision version row; and
+    puts back the size statistics (``pg_class``) that TRUNCATE and VACUUM change. Statements
+    that take no parameters go to the server together, in one round trip.
     """
     s = config.schema
-    for seq in conn.execute(text(f"SELECT c.relname {_IN_SCHEMA}{_LANE_SEQUENCES}"),
-                            {"s": s}).scalars().all():
-        conn.execute(text(f'DROP SEQUENCE "{s}"."{seq}"'))
-    if catalog_digest(conn, s) != pristine.digest:
-        return False
+    lane_sequences = conn.execute(text(f"SELECT c.relname {_IN_SCHEMA}{_LANE_SEQUENCES}"),
+                                  {"s": s}).scalars().all()
+    _run_all(conn, [f'DROP SEQUENCE "{s}"."{seq}"' for seq in lane_sequences])
+    unchanged = fingerprint is not None and catalog_fingerprint(conn, s) == fingerprint
+    if not unchanged and catalog_digest(conn, s) != pristine.digest:
+        return None
     tables = conn.execute(text(
         f"SELECT c.relname, c.relkind, c.relispartition, {_PAGES} AS heap_pages, greatest({_PAGES}, "
         "(SELECT max(pg_relation_size(x.indexrelid)) / 8192 FROM pg_index x "
@@ -311,14 +368,14 @@ def reset_install(conn: Connection, config: QueueStorageConfig, pristine: Pristi
         {"s": s}).all()
     grown = {t.relname for t in tables if t.relkind == "r"
              and ((t.relispartition and t.heap_pages > 0) or (t.pages or 0) >= BLOAT_PAGES)}
+    emptied = [f'DELETE FROM "{s}"."{t.relname}"' for t in tables
+               if not t.relispartition and t.relname not in grown]
     if grown:
-        conn.execute(text("TRUNCATE " + ", ".join(f'"{s}"."{t}"' for t in sorted(grown))))
-    for t in tables:
-        if not t.relispartition and t.relname not in grown:
-            conn.execute(text(f'DELETE FROM "{s}"."{t.relname}"'))
-    for seq in conn.execute(text(f"SELECT c.relname {_IN_SCHEMA}c.relkind = 'S'"),
-                            {"s": s}).scalars().all():
-        conn.execute(text(f'ALTER SEQUENCE "{s}"."{seq}" RESTART'))
+        emptied.insert(0, "TRUNCATE " + ", ".join(f'"{s}"."{t}"' for t in sorted(grown)))
+    _run_all(conn, emptied)
+    conn.execute(text(
+        "SELECT setval(format('%I.%I', schemaname, sequencename)::regclass, start_value, false) "
+        "FROM pg_sequences WHERE schemaname = :s"), {"s": s})
     seed_rows(conn, storage_schema(config))
     if any(t.relname == config.version_table for t in tables):
         conn.execute(text(f'INSERT INTO "{s}"."{config.version_table}" (version_num) VALUES (:v)'),
@@ -326,7 +383,7 @@ def reset_install(conn: Connection, config: QueueStorageConfig, pristine: Pristi
     changed = [(name, *pristine.stats[name]) for name, now in _stats(conn, s).items()
                if now != pristine.stats[name]]
     if changed and conn.execute(text("SHOW is_superuser")).scalar() != "on":
-        return False  # only a superuser may write pg_class: install it again instead
+        return None  # only a superuser may write pg_class: install it again instead
     if changed:
         conn.execute(text(
             "UPDATE pg_catalog.pg_class c SET relpages = v.pages, reltuples = v.tuples, "
@@ -335,21 +392,30 @@ def reset_install(conn: Connection, config: QueueStorageConfig, pristine: Pristi
             "WHERE c.relnamespace = CAST(:s AS regnamespace) AND c.relname = v.name"),
             {"s": f'"{s}"', "names": [c[0] for c in changed], "pages": [c[1] for c in changed],
              "tuples": [c[2] for c in changed], "visible": [c[3] for c in changed]})
-    return True
+    return catalog_fingerprint(conn, s)
+
+
+def _run_all(conn: Connection, statements: list[str]) -> None:
+    """Run parameterless ``statements`` in one round trip (the simple query protocol)."""
+    if statements:
+        conn.exec_driver_sql("; ".join(statements))
 
 
 # -- background work ------------------------------------------------------------------------
 
 
 class Worker:
-    """One daemon thread that runs submitted jobs in order, so a reset or a database drop
-    overlaps the next test instead of delaying it. Start it before any test records the
-    threads it starts (see ``tests/conftest.py``): it is no test's thread."""
+    """Daemon threads that run submitted jobs in the order submitted (``threads`` of them at
+    a time), so a reset or a database drop overlaps the next test instead of delaying it.
+    Start it before any test records the threads it starts (see ``tests/conftest.py``): they
+    are no test's threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 1) -> None:
         self._jobs: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="test-background", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"test-background-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         done: Future[T] = Future()
@@ -357,9 +423,11 @@ class Worker:
         return done
 
     def stop(self) -> None:
-        """Run what is queued, then end the thread."""
-        self._jobs.put(None)
-        self._thread.join()
+        """Run what is queued, then end the threads."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
@@ -377,6 +445,7 @@ class Worker:
 class _Install:
     config: QueueStorageConfig
     pristine: Pristine
+    fingerprint: Fingerprint | None = None  # as the install or the last reset left it
     reinstalls: int = 0
 
 
@@ -393,7 +462,6 @@ class InstallPool:
 
     engine: Engine
     worker: Worker
-    free: dict[Shape, list[_Install]] = field(default_factory=dict)
     resetting: dict[Shape, list[Future[_Install]]] = field(default_factory=dict)
     held: dict[str, _Install] = field(default_factory=dict)
     retired: list[str] = field(default_factory=list)
@@ -403,17 +471,25 @@ class InstallPool:
 
     def acquire(self, **shape: Any) -> QueueStorageConfig:
         """An install of ``shape`` (QueueStorageConfig fields but ``schema``) in its freshly
-        installed state: a reset one, one being reset (waited for), or a new one."""
+        installed state: one whose reset is done; else a new one while fewer than
+        :data:`RESETTING_BEFORE_WAITING` of that shape are being reset (so a test rarely
+        waits for the reset of the install the test before it used); else the one whose
+        reset began first, once done."""
         config = QueueStorageConfig(schema=unique_schema(), **shape)
         key = shape_of(config)
         inst = None
         while inst is None:
             with self.lock:
-                ready, coming = self.free.get(key), self.resetting.get(key)
-                if ready:
-                    inst = ready.pop()
-                    break
-                pending = coming.pop(0) if coming else None
+                coming = self.resetting.setdefault(key, [])
+                done = [f for f in coming if f.done()]
+                if done:
+                    pending: Future[_Install] | None = done[0]
+                elif len(coming) >= RESETTING_BEFORE_WAITING:
+                    pending = coming[0]
+                else:
+                    pending = None
+                if pending is not None:
+                    coming.remove(pending)
             if pending is None:
                 inst = self._create(config)
             elif pending.exception() is None:
@@ -474,19 +550,22 @@ class InstallPool:
         with self._begin() as conn:
             install(conn, config)
             pristine = record_pristine(conn, config.schema)
+            fingerprint = catalog_fingerprint(conn, config.schema)
         with self.lock:
             self.created += 1
-        return _Install(config, pristine)
+        return _Install(config, pristine, fingerprint)
 
     def _reset(self, inst: _Install) -> None:
         config = inst.config
         with self._begin() as conn:
-            if reset_install(conn, config, inst.pristine):
-                return
+            inst.fingerprint = reset_install(conn, config, inst.pristine, inst.fingerprint)
+        if inst.fingerprint is not None:
+            return
         with self._begin() as conn:
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{config.schema}" CASCADE'))
             install(conn, config)
             inst.pristine = record_pristine(conn, config.schema)
+            inst.fingerprint = catalog_fingerprint(conn, config.schema)
         inst.reinstalls += 1
         with self.lock:
             self.created += 1

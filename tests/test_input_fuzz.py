@@ -36,6 +36,7 @@ shrink runs database calls).
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import uuid
@@ -49,7 +50,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as hs
 from hypothesis.control import currently_in_test_context
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, TextClause, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from qstore import (
@@ -266,38 +267,36 @@ class Call:
         return f"{self.method}(<target>, {', '.join(shown)}) bad={sorted(self.bad)}"
 
 
-CENSUS_FUNCTION = r"""
-CREATE FUNCTION pg_temp.qstore_census(s text) RETURNS TABLE(rel text, n bigint, digest text)
-LANGUAGE plpgsql AS $$
-DECLARE r record;
-BEGIN
-  FOR r IN SELECT c.relname FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
-           WHERE ns.nspname = s AND c.relkind = 'r' LOOP
-    rel := r.relname;
-    -- every insert, update or delete changes the set of row versions (ctid, xmin)
-    EXECUTE format('SELECT count(*), md5(coalesce(string_agg(ctid::text || xmin::text, %L ORDER BY ctid), %L)) FROM %I.%I',
-                   ',', '', s, r.relname) INTO n, digest;
-    RETURN NEXT;
-  END LOOP;
-  FOR r IN SELECT sequencename, last_value FROM pg_sequences WHERE schemaname = s LOOP
-    rel := 'sequence ' || r.sequencename;
-    n := coalesce(r.last_value, 0);
-    digest := NULL;
-    RETURN NEXT;
-  END LOOP;
-END $$
-"""
+_TABLES = ("SELECT c.relname FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace "
+           "WHERE ns.nspname = :s AND c.relkind = 'r' ORDER BY c.relname")
+
+
+@functools.lru_cache(maxsize=16)
+def census_statement(schema: str, tables: tuple[str, ...]) -> TextClause:
+    """One statement reading every table's row count and a digest of its row versions
+    (``ctid``, ``xmin``: every insert, update or delete changes the set), and every
+    sequence's position: one round trip, planned once per connection."""
+    def quoted(name: str) -> str:
+        return '"' + name.replace('"', '""') + '"'
+
+    parts = [f"SELECT CAST(:t{i} AS text) AS rel, count(*) AS n, md5(coalesce(string_agg("
+             f"ctid::text || xmin::text, ',' ORDER BY ctid), '')) AS digest "
+             f"FROM {quoted(schema)}.{quoted(t)}" for i, t in enumerate(tables)]
+    parts.append("SELECT 'sequence ' || sequencename, coalesce(last_value, 0), NULL "
+                 "FROM pg_sequences WHERE schemaname = :s")
+    return text(" UNION ALL ".join(parts)).bindparams(
+        s=schema, **{f"t{i}": t for i, t in enumerate(tables)})
+
+
 JOB_ID_SEQ = "sequence job_id_seq"
 LIVE_QUEUE = "live\x01fixture"  # fuzzed calls never name it, so pausing or moving queues spares it
 
 
 @pytest.fixture(scope="module")
 def census_conn(engine: Engine, installed: QueueStorageConfig) -> Iterator[Connection]:
-    """An autocommit connection (it holds no snapshot or lock between censuses) with the
-    session-local census function."""
+    """An autocommit connection (it holds no snapshot or lock between censuses)."""
     with engine.connect() as conn:
         conn.execution_options(isolation_level="AUTOCOMMIT")
-        conn.execute(text(CENSUS_FUNCTION))
         yield conn
 
 
@@ -312,8 +311,9 @@ class World:
         return f"World({self.storage.schema()})"
 
     def census(self) -> dict[str, tuple[int, str | None]]:
-        rows = self.census_conn.execute(text("SELECT rel, n, digest FROM pg_temp.qstore_census(:s)"),
-                                        {"s": self.storage.schema()}).all()
+        schema = self.storage.schema()
+        tables = tuple(self.census_conn.execute(text(_TABLES), {"s": schema}).scalars())
+        rows = self.census_conn.execute(census_statement(schema, tables)).all()
         return {r.rel: (r.n, r.digest) for r in rows}
 
     def running(self, **opts: Any) -> ClaimedRuntimeJob:

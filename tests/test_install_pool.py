@@ -17,6 +17,7 @@ from installs import (
     InstallPool,
     Shape,
     catalog_contents,
+    catalog_fingerprint,
     catalog_structure,
     install,
     reset_install,
@@ -171,16 +172,19 @@ CHANGES = {
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("known", ["digest only", "fingerprint"])
 def test_a_reset_refuses_an_install_whose_definitions_changed(
         engine: Engine, make_storage: Callable[..., QueueStorage], install_pool: InstallPool,
-        change: str) -> None:
+        change: str, known: str) -> None:
     used = make_storage()
-    pristine = install_pool.held[used.schema()].pristine
+    held = install_pool.held[used.schema()]
+    fingerprint = held.fingerprint if known == "fingerprint" else None
     with engine.connect() as c, c.begin() as tx:
+        assert catalog_fingerprint(c, used.schema()) == held.fingerprint  # as the pool left it
         for statement in CHANGES[change].format(s=used.schema()).split("; "):
             c.execute(text(statement))
 
-        assert reset_install(c, used.config, pristine) is False
+        assert reset_install(c, used.config, held.pristine, fingerprint) is None
 
         tx.rollback()  # the next hand-out finds the install intact: no re-install needed
 

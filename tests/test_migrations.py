@@ -1,16 +1,34 @@
-"""Alembic carries the schema: the real ``alembic`` CLI against brand-new databases."""
+"""Alembic carries the schema: Alembic's command line against brand-new databases.
+
+Commands run in-process through Alembic's own command line (``alembic.config.CommandLine``,
+so arguments are parsed exactly as the shell passes them); one test runs the real
+``python -m alembic`` from another directory. A test whose starting point is a database some
+commands left (``migrated("upgrade", "0002")``) gets a copy of a template database those
+commands made once for the module (``CREATE DATABASE … TEMPLATE``: an exact copy of every
+object and row).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import os
+import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psycopg
 import pytest
+from alembic.config import CommandLine, Config
+from conftest import FreshDatabases, sqlalchemy_url
+from psycopg import sql
+from pytest_postgresql.executors import NoopExecutor
 from sqlalchemy import Engine, create_engine, inspect, pool, text
 
 import qstore
@@ -25,18 +43,97 @@ RESERVE = ("SELECT {s}.reserve_lanes(ARRAY['q'], ARRAY['q'], ARRAY[2]::smallint[
            "ARRAY[0]::smallint[], ARRAY[1])")
 
 
-def alembic(url: str, *args: str, ini: Path = INI, cwd: Path | None = None,
+def alembic(url: str, *args: str, ini: Path = INI,
             check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run the real ``alembic`` command line (as ``python -m alembic``)."""
-    env = {k: v for k, v in os.environ.items() if k != "QSTORE_DATABASE_URL"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "alembic", "-c", str(ini), "-x", f"url={url}", *args],
-        capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
-    )
+    """Run ``alembic -c ini -x url=url *args`` through Alembic's command line, in-process,
+    without ``QSTORE_DATABASE_URL``. The exit status is 0, or what the command exits with
+    (a refusal prints ``FAILED: …`` and exits), or 1 with the traceback on stderr."""
+    argv = ["-c", str(ini), "-x", f"url={url}", *args]
+    out, err = io.StringIO(), io.StringIO()
+    cli = CommandLine(prog="alembic")
+    options = cli.parser.parse_args(argv)
+    status = 0
+    with pytest.MonkeyPatch.context() as env, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        env.delenv("QSTORE_DATABASE_URL", raising=False)
+        try:
+            cli.run_cmd(Config(file_=str(ini), ini_section=options.name, cmd_opts=options,
+                               stdout=out), options)
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 1
+        except Exception:
+            status = 1
+            err.write(traceback.format_exc())
+    proc = subprocess.CompletedProcess(["alembic", *argv], status, out.getvalue(), err.getvalue())
     if check and proc.returncode != 0:
         raise AssertionError(
             f"alembic {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def alembic_process(url: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run the real ``python -m alembic`` command in ``cwd``; it must succeed."""
+    env = {k: v for k, v in os.environ.items() if k != "QSTORE_DATABASE_URL"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "alembic", "-c", str(INI), "-x", f"url={url}", *args],
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, f"alembic {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+class Templates:
+    """Template databases, one per list of ``alembic`` command lines, each made on first use
+    by running those commands against a brand-new database."""
+
+    def __init__(self, server: NoopExecutor, fresh: FreshDatabases) -> None:
+        self.server, self.fresh = server, fresh
+        self.made: dict[tuple[str, ...], str] = {}
+
+    def url(self, name: str) -> str:
+        return sqlalchemy_url(self.server, name)
+
+    def copy(self, commands: tuple[str, ...]) -> str:
+        """The name of a new database equal to what ``commands`` left in an empty one."""
+        if commands not in self.made:
+            name = self.fresh.take()
+            for command in commands:
+                alembic(self.url(name), *shlex.split(command))
+            self.made[commands] = name
+        copy = f"qstore_copy_{uuid.uuid4().hex[:10]}"
+        s = self.server
+        with psycopg.connect(host=s.host, port=s.port, user=s.user, password=s.password,
+                             dbname=s.maintenance_dbname, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(copy), sql.Identifier(self.made[commands])))
+        return copy
+
+    def close(self) -> None:
+        for name in self.made.values():
+            self.fresh.give_back(name)
+
+
+@pytest.fixture(scope="module")
+def templates(pg_server: NoopExecutor, fresh_databases: FreshDatabases) -> Iterator[Templates]:
+    made = Templates(pg_server, fresh_databases)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def migrated(templates: Templates, fresh_databases: FreshDatabases) -> Iterator[Callable[..., str]]:
+    """``migrated("upgrade 0002", …)`` → URL of a brand-new database holding exactly what
+    those ``alembic`` command lines (``-x url`` implied) leave in an empty one; dropped after
+    the test."""
+    copies: list[str] = []
+
+    def at(*commands: str) -> str:
+        copies.append(templates.copy(commands))
+        return templates.url(copies[-1])
+
+    yield at
+    for name in copies:
+        fresh_databases.give_back(name)
 
 
 @contextmanager
@@ -85,7 +182,7 @@ def _objects(url: str, schema: str) -> dict[str, set[str]]:
 
 
 def test_upgrade_head_on_empty_database_creates_default_schema_at_head(fresh_db_url, tmp_path):
-    alembic(fresh_db_url, "upgrade", "head", cwd=tmp_path)
+    alembic_process(fresh_db_url, "upgrade", "head", cwd=tmp_path)  # the real command, elsewhere
     with engine_on(fresh_db_url) as eng:
         insp = inspect(eng)
         assert "qstore" in insp.get_schema_names()
@@ -94,18 +191,18 @@ def test_upgrade_head_on_empty_database_creates_default_schema_at_head(fresh_db_
     assert _version(fresh_db_url, "qstore") == HEAD
 
 
-def test_upgrade_head_installs_default_shape_with_sixteen_queue_slots(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "head")
-    with engine_on(fresh_db_url) as eng:
+def test_upgrade_head_installs_default_shape_with_sixteen_queue_slots(migrated):
+    url = migrated("upgrade head")
+    with engine_on(url) as eng:
         assert QueueStorage.from_existing_schema("qstore", eng).config == QueueStorage().config
 
 
-def test_upgrade_with_x_schema_and_slot_count_creates_and_records_that_shape(fresh_db_url):
-    alembic(fresh_db_url, "-x", "schema=custom", "-x", "queue_slot_count=5", "upgrade", "head")
-    objs = _objects(fresh_db_url, "custom")
+def test_upgrade_with_x_schema_and_slot_count_creates_and_records_that_shape(migrated):
+    url = migrated("-x schema=custom -x queue_slot_count=5 upgrade head")
+    objs = _objects(url, "custom")
     assert {f"ready_entries_{k}" for k in range(5)} <= objs["r"]
     assert "ready_entries_5" not in objs["r"]
-    with engine_on(fresh_db_url) as eng:
+    with engine_on(url) as eng:
         with eng.connect() as conn:
             recorded = conn.execute(text(
                 "SELECT schema_name, queue_slot_count FROM custom.storage_config")).one()
@@ -114,9 +211,9 @@ def test_upgrade_with_x_schema_and_slot_count_creates_and_records_that_shape(fre
     assert (s.schema(), s.queue_slot_count(), s.lease_slot_count()) == ("custom", 5, 8)
 
 
-def test_upgrade_of_custom_schema_does_not_create_the_default_schema(fresh_db_url):
-    alembic(fresh_db_url, "-x", "schema=custom", "-x", "queue_slot_count=5", "upgrade", "head")
-    with engine_on(fresh_db_url) as eng:
+def test_upgrade_of_custom_schema_does_not_create_the_default_schema(migrated):
+    url = migrated("-x schema=custom -x queue_slot_count=5 upgrade head")
+    with engine_on(url) as eng:
         assert "qstore" not in inspect(eng).get_schema_names()
 
 
@@ -131,10 +228,10 @@ def test_two_storage_schemas_coexist_each_with_its_own_version_table(fresh_db_ur
     assert _version(fresh_db_url, "beta") == HEAD
 
 
-def test_upgrade_keeps_rows_written_at_the_previous_revision(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "0001")
-    assert _version(fresh_db_url, "qstore") == "0001"
-    with engine_on(fresh_db_url) as eng:
+def test_upgrade_keeps_rows_written_at_the_previous_revision(migrated):
+    url = migrated("upgrade 0001")
+    assert _version(url, "qstore") == "0001"
+    with engine_on(url) as eng:
         with eng.begin() as conn:
             assert "dlq_enabled" not in {c["name"] for c in inspect(conn).get_columns(
                 "queue_meta", schema="qstore")}
@@ -143,7 +240,7 @@ def test_upgrade_keeps_rows_written_at_the_previous_revision(fresh_db_url):
                 "INSERT INTO qstore.deferred_jobs (job_id, kind, queue, priority, state) "
                 "VALUES (42, 'send', 'mail', 2, 'scheduled')"))
             conn.execute(text(RESERVE.format(s="qstore")))
-        alembic(fresh_db_url, "upgrade", "head")
+        alembic(url, "upgrade", "head")
         with eng.connect() as conn:
             meta = conn.execute(text(
                 "SELECT queue, paused, dlq_enabled FROM qstore.queue_meta")).all()
@@ -155,7 +252,7 @@ def test_upgrade_keeps_rows_written_at_the_previous_revision(fresh_db_url):
     assert [tuple(r) for r in deferred] == [(42, "send", "mail")]
     assert [tuple(r) for r in heads] == [("q", 2)]
     assert next_pos == [2]
-    assert _version(fresh_db_url, "qstore") == HEAD
+    assert _version(url, "qstore") == HEAD
 
 
 def _complete_signatures(url: str) -> set[str]:
@@ -171,22 +268,22 @@ OLD_COMPLETE = "p_claim_slots integer[], p_job_ids bigint[], p_run_leases bigint
 NEW_COMPLETE = OLD_COMPLETE + ", p_kinds text[]"
 
 
-def test_revision_0002_installs_the_frozen_function_bodies(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "0002")
-    assert _complete_signatures(fresh_db_url) == {OLD_COMPLETE}
+def test_revision_0002_installs_the_frozen_function_bodies(migrated):
+    url = migrated("upgrade 0002")
+    assert _complete_signatures(url) == {OLD_COMPLETE}
 
 
-def test_upgrade_0003_replaces_the_completion_function(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "0002")
-    alembic(fresh_db_url, "upgrade", "0003")
-    assert _complete_signatures(fresh_db_url) == {NEW_COMPLETE}
+def test_upgrade_0003_replaces_the_completion_function(migrated):
+    url = migrated("upgrade 0002")
+    alembic(url, "upgrade", "0003")
+    assert _complete_signatures(url) == {NEW_COMPLETE}
 
 
-def test_downgrade_to_0002_restores_the_frozen_completion_function(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "head")
-    alembic(fresh_db_url, "downgrade", "0002")
-    assert _version(fresh_db_url, "qstore") == "0002"
-    assert _complete_signatures(fresh_db_url) == {OLD_COMPLETE}
+def test_downgrade_to_0002_restores_the_frozen_completion_function(migrated):
+    url = migrated("upgrade head")
+    alembic(url, "downgrade", "0002")
+    assert _version(url, "qstore") == "0002"
+    assert _complete_signatures(url) == {OLD_COMPLETE}
 
 
 def _lease_claim_indexes(url: str) -> dict[str, str]:
@@ -207,21 +304,21 @@ def _claim_body(url: str) -> str:
     return str(body)
 
 
-def test_upgrade_0004_claims_through_named_ring_children(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "0003")
-    assert "qstore.ready_entries_0 r" not in _claim_body(fresh_db_url)
-    alembic(fresh_db_url, "upgrade", "0004")
-    body = _claim_body(fresh_db_url)
+def test_upgrade_0004_claims_through_named_ring_children(migrated):
+    url = migrated("upgrade 0003")
+    assert "qstore.ready_entries_0 r" not in _claim_body(url)
+    alembic(url, "upgrade", "0004")
+    body = _claim_body(url)
     assert "qstore.ready_entries_0 r" in body and "qstore.ready_entries_15 r" in body
 
 
-def test_upgrade_0004_leaves_receipts_one_btree_and_a_ready_slot_brin(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "0003")
-    before = _lease_claim_indexes(fresh_db_url)
+def test_upgrade_0004_leaves_receipts_one_btree_and_a_ready_slot_brin(migrated):
+    url = migrated("upgrade 0003")
+    before = _lease_claim_indexes(url)
     assert before["lease_claims.lease_claims_stale_idx"] == "btree"
     assert before["lease_claims.lease_claims_ready_ref_idx"] == "btree"
-    alembic(fresh_db_url, "upgrade", "0004")
-    after = _lease_claim_indexes(fresh_db_url)
+    alembic(url, "upgrade", "0004")
+    after = _lease_claim_indexes(url)
     parent = {k: v for k, v in after.items() if k.startswith("lease_claims.")}
     child = sorted(v for k, v in after.items() if k.startswith("lease_claims_0."))
     assert parent == {"lease_claims.lease_claims_pkey": "btree",
@@ -230,57 +327,56 @@ def test_upgrade_0004_leaves_receipts_one_btree_and_a_ready_slot_brin(fresh_db_u
     assert child == ["brin", "brin", "btree"]  # PostgreSQL carries the parent's set over
 
 
-def test_downgrade_to_0003_restores_the_receipt_btrees(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "head")
-    alembic(fresh_db_url, "downgrade", "0003")
-    assert _version(fresh_db_url, "qstore") == "0003"
-    idx = _lease_claim_indexes(fresh_db_url)
+def test_downgrade_to_0003_restores_the_receipt_btrees(migrated):
+    url = migrated("upgrade head")
+    alembic(url, "downgrade", "0003")
+    assert _version(url, "qstore") == "0003"
+    idx = _lease_claim_indexes(url)
     assert "lease_claims.lease_claims_ready_slot_idx" not in idx
     assert idx["lease_claims.lease_claims_stale_idx"] == "btree"
     assert idx["lease_claims.lease_claims_ready_ref_idx"] == "btree"
-    assert "qstore.ready_entries_0 r" not in _claim_body(fresh_db_url)  # the frozen 0003 body
+    assert "qstore.ready_entries_0 r" not in _claim_body(url)  # the frozen 0003 body
 
 
 # -- check --------------------------------------------------------------------------------
 
 
-def test_alembic_check_reports_no_drift_after_upgrade(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "head")
-    proc = alembic(fresh_db_url, "check", check=False)
+def test_alembic_check_reports_no_drift_after_upgrade(migrated):
+    url = migrated("upgrade head")
+    proc = alembic(url, "check", check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "No new upgrade operations detected" in proc.stdout + proc.stderr
 
 
-def test_alembic_check_reports_no_drift_for_a_custom_shape(fresh_db_url):
-    alembic(fresh_db_url, "-x", "schema=custom", "-x", "queue_slot_count=5",
-            "-x", "claim_slot_count=3", "upgrade", "head")
-    proc = alembic(fresh_db_url, "-x", "schema=custom", "check", check=False)
+def test_alembic_check_reports_no_drift_for_a_custom_shape(migrated):
+    url = migrated("-x schema=custom -x queue_slot_count=5 -x claim_slot_count=3 upgrade head")
+    proc = alembic(url, "-x", "schema=custom", "check", check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_alembic_check_fails_when_a_function_body_drifts(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "head")
-    _execute(fresh_db_url,
+def test_alembic_check_fails_when_a_function_body_drifts(migrated):
+    url = migrated("upgrade head")
+    _execute(url,
              "CREATE OR REPLACE FUNCTION qstore.backoff_duration(attempt integer, "
              "max_attempts integer) RETURNS interval LANGUAGE sql VOLATILE AS "
              "$$ SELECT interval '1 second' $$")
-    proc = alembic(fresh_db_url, "check", check=False)
+    proc = alembic(url, "check", check=False)
     assert proc.returncode != 0
     assert "backoff_duration" in proc.stdout + proc.stderr
 
 
-def test_alembic_check_fails_when_an_index_is_dropped(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "head")
-    _execute(fresh_db_url, "DROP INDEX qstore.deferred_jobs_due_idx")
-    proc = alembic(fresh_db_url, "check", check=False)
+def test_alembic_check_fails_when_an_index_is_dropped(migrated):
+    url = migrated("upgrade head")
+    _execute(url, "DROP INDEX qstore.deferred_jobs_due_idx")
+    proc = alembic(url, "check", check=False)
     assert proc.returncode != 0
     assert "deferred_jobs_due_idx" in proc.stdout + proc.stderr
 
 
-def test_alembic_check_fails_when_a_partitioned_parent_index_is_dropped(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "head")
-    _execute(fresh_db_url, "DROP INDEX qstore.ready_entries_job_id_idx")
-    proc = alembic(fresh_db_url, "check", check=False)
+def test_alembic_check_fails_when_a_partitioned_parent_index_is_dropped(migrated):
+    url = migrated("upgrade head")
+    _execute(url, "DROP INDEX qstore.ready_entries_job_id_idx")
+    proc = alembic(url, "check", check=False)
     assert proc.returncode != 0
 
 
@@ -293,27 +389,27 @@ def test_create_all_install_has_no_drift_against_the_migrations(make_storage, db
 # -- downgrade ----------------------------------------------------------------------------
 
 
-def test_downgrade_base_removes_every_object_but_the_version_table(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "head")
-    _execute(fresh_db_url, RESERVE.format(s="qstore"))  # creates two runtime lane sequences
-    seqs = _objects(fresh_db_url, "qstore")["S"]
+def test_downgrade_base_removes_every_object_but_the_version_table(migrated):
+    url = migrated("upgrade head")
+    _execute(url, RESERVE.format(s="qstore"))  # creates two runtime lane sequences
+    seqs = _objects(url, "qstore")["S"]
     assert len({s for s in seqs if s.startswith(("queue_enqueue_seq_", "queue_claim_seq_"))}) == 2
-    alembic(fresh_db_url, "downgrade", "base")
-    left = _objects(fresh_db_url, "qstore")
+    alembic(url, "downgrade", "base")
+    left = _objects(url, "qstore")
     assert left.pop("r") == {"qstore_alembic_version"}
     assert left.pop("i") == {"qstore_alembic_version_pkc"}
     assert left.pop("functions") == set()
     assert left.pop("types") == {"qstore_alembic_version", "_qstore_alembic_version"}
     assert left == {}  # no sequences, views, partitioned tables or indexes
-    assert _version(fresh_db_url, "qstore") is None
+    assert _version(url, "qstore") is None
 
 
-def test_downgrade_then_upgrade_reinstalls_cleanly(fresh_db_url):
-    alembic(fresh_db_url, "upgrade", "head")
-    alembic(fresh_db_url, "downgrade", "base")
-    alembic(fresh_db_url, "upgrade", "head")
-    assert _version(fresh_db_url, "qstore") == HEAD
-    assert alembic(fresh_db_url, "check", check=False).returncode == 0
+def test_downgrade_then_upgrade_reinstalls_cleanly(migrated):
+    url = migrated("upgrade head")
+    alembic(url, "downgrade", "base")
+    alembic(url, "upgrade", "head")
+    assert _version(url, "qstore") == HEAD
+    assert alembic(url, "check", check=False).returncode == 0
 
 
 # -- packaging and branch label -----------------------------------------------------------
@@ -348,7 +444,7 @@ def test_pyproject_package_data_covers_the_revision_files():
 # -- a host application's own Alembic environment -----------------------------------------
 
 def test_host_app_upgrade_heads_creates_host_table_and_qstore_schema(fresh_db_url, host_app):
-    alembic(fresh_db_url, "upgrade", "heads", ini=host_app, cwd=host_app.parent)
+    alembic(fresh_db_url, "upgrade", "heads", ini=host_app)
     with engine_on(fresh_db_url) as eng:
         insp = inspect(eng)
         assert insp.has_table("host_orders", schema="public")

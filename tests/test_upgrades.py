@@ -51,12 +51,22 @@ def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def run_previous(release: Path, *args: str) -> Any:
+def start_previous(release: Path, *args: str) -> subprocess.Popen[str]:
+    """Start the previous release's worker script (see :func:`finish_previous`)."""
     env = {**os.environ, "PYTHONPATH": str(release)}
-    proc = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return subprocess.Popen([sys.executable, str(WORKER), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish_previous(proc: subprocess.Popen[str]) -> Any:
+    """What the script printed (JSON), once it exited 0."""
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out)
+
+
+def run_previous(release: Path, *args: str) -> Any:
+    return finish_previous(start_previous(release, *args))
 
 
 def migrate_to(engine: Engine, cfg: QueueStorageConfig, revision: str) -> None:
@@ -87,10 +97,15 @@ def upgraded(module_engine: tuple[str, Engine], previous_release: Path) -> dict[
     every state by the previous release, then upgraded to head by this release."""
     url, engine = module_engine
     cases = {(rev, mode): config(f"up_{rev}_{mode}", mode) for rev in PREVIOUS_REVISIONS for mode in MODES}
-    for (rev, _mode), cfg in cases.items():
-        migrate_to(engine, cfg, rev)
-    spec = [{"url": url, "schema": cfg.schema, "general": rev < "0003"} for (rev, _), cfg in cases.items()]
-    manifests = run_previous(previous_release, "states", json.dumps(spec))
+    keys = list(cases)
+    writers = []  # each half is written by a process of its own while the next half migrates
+    for half in (keys[:len(keys) // 2], keys[len(keys) // 2:]):
+        for rev, mode in half:
+            migrate_to(engine, cases[rev, mode], rev)
+        spec = [{"url": url, "schema": cases[rev, mode].schema, "general": rev < "0003"}
+                for rev, mode in half]
+        writers.append(start_previous(previous_release, "states", json.dumps(spec)))
+    manifests = [m for proc in writers for m in finish_previous(proc)]
     for cfg in cases.values():
         migrate_to(engine, cfg, "heads")
     return {key: (cfg, manifest) for (key, cfg), manifest in zip(cases.items(), manifests, strict=True)}

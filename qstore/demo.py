@@ -323,6 +323,7 @@ DEMO_STEPS: list[DemoStep] = [step_install, step_run_jobs]
 TABLE_STEPS: list[DemoStep] = [step_show_rings, step_show_tables]
 DEFAULT_JOBS = 50_000
 DEFAULT_TIMEOUT = 600.0
+MAX_JOBS = 10_000_000
 
 
 def run_demo(engine: Engine, storage: QueueStorage, out: TextIO,
@@ -336,16 +337,29 @@ def run_demo(engine: Engine, storage: QueueStorage, out: TextIO,
 
 
 def _jobs(text_: str) -> int:
+    """``--jobs`` as an integer in 0..10,000,000, or a one-line refusal naming it."""
     try:
         value = int(text_.strip(), 10)
     except ValueError:
         value = -1
-    if not 0 <= value <= 10_000_000:
-        raise argparse.ArgumentTypeError(f"invalid --jobs {text_!r}: expected 0..10000000")
+    if not 0 <= value <= MAX_JOBS:
+        raise CommandFailed(f"invalid --jobs {text_!r}: expected an integer from 0 to {MAX_JOBS}")
+    return value
+
+
+def _timeout(text_: str) -> float:
+    """``--timeout`` as a positive finite number of seconds, or a one-line refusal."""
+    try:
+        value = float(text_)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise CommandFailed(f"invalid --timeout {text_!r}: expected a positive number of seconds")
     return value
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
+    jobs, timeout = _jobs(args.jobs), _timeout(args.timeout)
     storage = QueueStorage(_config(args))
     steps = [step_install, *(TABLE_STEPS if args.show_tables else []), step_run_jobs]
     with database_url(args.url, out) as url:
@@ -353,8 +367,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         checked.dispose()
         engine = create_engine(checked.url, pool_size=DEMO_CONCURRENCY + 6, max_overflow=8)
         try:
-            run_demo(engine, storage, out, steps, jobs=args.jobs, plot=args.plot,
-                     timeout=args.timeout)
+            run_demo(engine, storage, out, steps, jobs=jobs, plot=args.plot, timeout=timeout)
         finally:
             engine.dispose()
     return 0
@@ -365,13 +378,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     demo = sub.add_parser("demo", parents=[common],
                           help="install the schema (embedded server without --url) and run "
                                "jobs through a worker")
-    demo.add_argument("--jobs", type=_jobs, default=DEFAULT_JOBS,
+    demo.add_argument("--jobs", default=str(DEFAULT_JOBS),
                       help=f"jobs to run (default {DEFAULT_JOBS}; 0: none)")
     demo.add_argument("--plot", metavar="FILE.png",
                       help="draw throughput and dead tuples over time (needs matplotlib)")
     demo.add_argument("--show-tables", action="store_true",
                       help="also print the three rings and every table of the schema")
-    demo.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+    demo.add_argument("--timeout", default=str(DEFAULT_TIMEOUT),
                       help=f"give up when the jobs are not all terminal after this many "
                            f"seconds (default {DEFAULT_TIMEOUT:g})")
     demo.set_defaults(func=cmd_demo)

@@ -263,7 +263,7 @@ def test_cli_install_installs_and_activates_the_schema(fresh_db_url, fresh_engin
 
 def test_cli_demo_prints_the_three_rings_and_the_tables(fresh_db_url):
     out = io.StringIO()
-    assert cli.main(["demo", "--url", fresh_db_url, "--schema", "demo",
+    assert cli.main(["demo", "--url", fresh_db_url, "--schema", "demo", "--show-tables", "--jobs", "0",
                      "--queue-slot-count", "4", "--lease-slot-count", "2"], out=out) == 0
     text_out = out.getvalue()
     assert "queue ring: current_slot=0 generation=0 slot_count=4" in text_out

@@ -308,7 +308,7 @@ def step_job_lifecycle(ctx: DemoContext) -> None:
 
 
 def step_maintenance(ctx: DemoContext) -> None:
-    """Rotate and prune the three rings once, as the maintenance loop would every second."""
+    """Rotate and prune the three rings once, as the maintenance loop does on its cadences."""
     s, e = ctx.storage, ctx.engine
     ctx.say("\nmaintenance tick:")
     for name, op in (("rotate queue ring", s.rotate), ("prune queue ring", s.prune_oldest),

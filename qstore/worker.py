@@ -77,6 +77,9 @@ MAX_ERROR_CHARS = 2000
 #: How long a dispatcher waits for more free handlers before claiming for fewer than half
 #: of them (seconds).
 CLAIM_LINGER = 0.005
+#: How soon a dispatcher whose claim came back partly filled claims again without a
+#: notification (seconds; at most ``poll_interval``).
+PARTIAL_RECHECK = 0.05
 #: Attempts at applying an outcome while the database is unreachable.
 OUTCOME_TRIES = (0.1, 0.5, 2.0)
 
@@ -615,8 +618,12 @@ class Worker:
                     self._attempts[a.pair] = a
             if jobs:
                 self._launch([self._attempts[(j.job.id, j.job.run_lease)] for j in jobs])
-            else:
-                wake.wait(s.poll_interval)
+            if len(jobs) < want:
+                # The queue had no more for this claim. Claiming again at once would mostly
+                # come back empty (and an empty claim is the costliest kind: it looks in
+                # every ring child); wait for a notification instead. After a partial claim
+                # the rest may sit in lanes another claimer held, so look again soon.
+                wake.wait(s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK))
 
     def _launch(self, attempts: list[_Attempt]) -> None:
         """Hand claimed attempts to their handlers: sync ones to the thread pool, async

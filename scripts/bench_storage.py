@@ -240,6 +240,8 @@ class QstoreSystem:
         """Drop and reinstall the schema (every enqueue notifies, ``notify`` or not)."""
         self.storage.reset(engine)
         self.storage.prepare_schema(engine)
+        # pooled sessions may hold prepared statements that name types of the dropped schema
+        engine.dispose()
         if self.shards is not None:  # None: the install's default (eight lanes per priority)
             self.storage.set_queue_options(engine, QUEUE, enqueue_shards=self.shards)
 

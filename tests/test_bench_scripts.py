@@ -131,11 +131,14 @@ def test_steady_bench_counts_what_the_maintainer_leaves_dead_under_the_pinned_ho
         fresh_db_url, tmp_path):
     # rotate the queue ring ten times a second and vacuum five times a second: rotations and
     # prunes while pinned must leave no dead ring bookkeeping rows behind (no VACUUM could
-    # remove them before the census)
+    # remove them before the census). The 3-second pin is shorter than the counter rollup's
+    # default grace (a snapshot counts as a pin after 5 s), so a rollup landing in the pin
+    # would fold by design; the test lowers the grace to 1 ms to hold the rollup to the pin.
     data = bench_json(tmp_path, "bench_steady.py", "--url", fresh_db_url, "--rate", "100",
                       "--workers", "2", "--clean-seconds", "1", "--pinned-seconds", "3",
                       "--recovery-seconds", "1", "--sample", "0.5", "--vacuum-interval", "0.2",
-                      "--schedule", "queue_ring_every=0.1", "--plot", str(tmp_path / "s.png"))
+                      "--schedule", "queue_ring_every=0.1", "--schedule", "rollup_pinned_after=0.001",
+                      "--plot", str(tmp_path / "s.png"))
     assert data["errors"] == {"qstore": [], "classic": []}
     assert data["upkeep"]["kind"] == "maintainer"
     ran = data["qstore_maintenance"]

@@ -523,3 +523,23 @@ def test_a_claim_locks_its_ring_children_not_every_child_of_the_ring(engine, sto
         assert len(storage.claim_runtime_batch(conn, "q", 4)) == 4
         taken = relation_locks(conn) - baseline
     assert taken <= 40, taken
+
+
+def ready_children_locked(conn, storage) -> list[str]:
+    """The ``ready_entries`` children (tables, not indexes) ``conn``'s backend holds a lock on."""
+    return sorted(conn.execute(text(
+        "SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation' AND n.nspname = :s "
+        "AND c.relkind = 'r' AND c.relname LIKE 'ready\\_entries\\_%'"), {"s": storage.schema()}).scalars())
+
+
+def test_a_claim_that_empties_its_lanes_looks_at_no_other_ring_child(engine, storage):
+    # Past the lane's last position the claim would look for the lane's next row in every
+    # queue-ring child (share-locking all of them, and waiting behind a prune's exclusive
+    # lock); the lane's enqueue sequence says no such row can exist, so it does not look.
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])
+    with engine.connect() as conn, conn.begin():
+        assert len(storage.claim_runtime_batch(conn, "q", 10)) == 4
+        assert storage.claim_runtime_batch(conn, "q", 10) == []
+        assert ready_children_locked(conn, storage) == ["ready_entries_0"]

@@ -17,6 +17,7 @@ from qstore.errors import UniqueConflictError, ValidationError
 from qstore.model import BusyCounts, PruneOutcome, RotateOutcome, SkipReason
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
 from qstore.storage.planes.upkeep import slot_generation
+from qstore.storage.rings import TAIL_PROBE
 
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}
 Q = "rq"
@@ -106,6 +107,35 @@ def test_queue_rotation_moves_only_into_empty_slots(small: QueueStorage, engine:
     assert out.kind == "skipped_busy" and out.busy is not None
     assert (out.busy.queue_ready, out.busy.queue_done, out.busy.queue_claim_ranges) == (1, 1, 1)
     assert out.busy.queue_terminal_deltas >= 1
+
+
+def test_prune_reports_a_backlog_from_the_ends_of_its_lanes(small: QueueStorage, engine: Engine) -> None:
+    # a backlog is found among the last TAIL_PROBE rows of its lane, without a full count
+    small.set_queue_options(engine, Q, enqueue_shards=1)
+    enqueue(small, engine, 3 * TAIL_PROBE)
+    assert small.rotate(engine).kind == "rotated"
+    out = small.prune_oldest(engine)
+    assert out == PruneOutcome.skipped_active(0, SkipReason.QUEUE_PENDING_READY, TAIL_PROBE)
+    assert rows_in(small, engine, "ready_entries_0") == 3 * TAIL_PROBE
+
+
+def test_prune_counts_the_whole_slot_when_the_ends_of_its_lanes_are_spent(
+        small: QueueStorage, engine: Engine) -> None:
+    # A range covering only a lane's last TAIL_PROBE rows (no claim writes one, as claims
+    # consume a lane in order) hides the rest from the tail probe: the full count finds them.
+    small.set_queue_options(engine, Q, enqueue_shards=1)
+    enqueue(small, engine, 20)
+    assert small.rotate(engine).kind == "rotated"
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"INSERT INTO {qualified(small, 'ready_claim_ranges')} (ready_slot, ready_generation, queue, "
+            "priority, enqueue_shard, first_seq, last_seq) "
+            "SELECT ready_slot, ready_generation, queue, priority, enqueue_shard, min(lane_seq), max(lane_seq) "
+            f"FROM (SELECT * FROM {qualified(small, 'ready_entries_0')} ORDER BY lane_seq DESC LIMIT :n) t "
+            "GROUP BY ready_slot, ready_generation, queue, priority, enqueue_shard"), {"n": TAIL_PROBE})
+    assert small.prune_oldest(engine) == PruneOutcome.skipped_active(
+        0, SkipReason.QUEUE_PENDING_READY, 20 - TAIL_PROBE)
+    assert rows_in(small, engine, "ready_entries_0") == 20
 
 
 def test_prune_skips_slot_with_unclaimed_ready_row(small: QueueStorage, engine: Engine) -> None:

@@ -491,6 +491,24 @@ def test_a_notification_wakes_an_idle_worker_long_before_its_poll_interval(engin
     assert time.monotonic() - started < 2
 
 
+def test_a_trickle_of_jobs_costs_one_claim_per_job_not_two(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    # After a claim that came back partly filled the dispatcher waits for the next
+    # notification (or 50 ms) instead of claiming again at once into an empty queue.
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None: ...
+
+    w = run_worker(app, poll_interval=30)
+    eventually(lambda: w.stats.empty_claims >= 1)  # idle, waiting
+    before = w.stats.claim_calls
+    n = 20
+    for _ in range(n):
+        handler.defer(engine)
+        time.sleep(0.01)
+    eventually(lambda: w.stats.completed == n, timeout=10)
+    # one claim per job (fewer when jobs arrive during a claim), plus the odd recheck
+    assert w.stats.claim_calls - before <= n + 3, w.stats
+
+
 def test_without_listen_the_worker_polls(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
     @app.task(kind="k")
     def handler(ctx: JobContext) -> None: ...

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 #: Revision ids in order; the declaration below is the shape of the last one (the head).
-REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009")
 SEED_KEY = "qstore_seed"
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection
 
 from qstore.config import QueueStorageConfig
-from qstore.migrations.frozen import r0001, r0004, r0006, r0007, r0008
+from qstore.migrations.frozen import r0001, r0004, r0006, r0007, r0008, r0009
 
 __all__ = ["ServerFunction", "ServerView", "declare_functions", "declare_views", "execute_ddl"]
 
@@ -84,7 +84,7 @@ def declare_functions(cfg: QueueStorageConfig) -> tuple[ServerFunction, ...]:
     statements = (backoff,
                   r0008.ensure_lane(s),           # revision 0008
                   reserve_lanes,
-                  r0006.claim_ready(cfg),         # revision 0006
+                  r0009.claim_ready(cfg),         # revision 0009
                   r0004.complete_receipts(cfg),   # revision 0004
                   r0007.enqueue_jobs(cfg))        # revision 0007
     return tuple(ServerFunction.parse(s, x) for x in statements)

@@ -75,8 +75,6 @@ _activity = sa_table(
     sa_column("query_start"),
     schema="pg_catalog",
 )
-#: A snapshot held longer than this pins the horizon for the rollup (see the module doc).
-PINNED_AFTER = timedelta(seconds=5)
 
 _PINNED = select(
     select(literal(1)).select_from(_activity).where(

@@ -31,7 +31,10 @@ Guarantees
 
   - G1 ``QUEUE_ACTIVE_LEASES``: leases (any lease slot) with ``ready_slot = k``;
   - G2 ``QUEUE_PENDING_READY``: ready rows of slot k neither tombstoned nor covered by a
-    ``ready_claim_ranges`` row of their lane;
+    ``ready_claim_ranges`` row of their lane. The last ``TAIL_PROBE`` rows of every lane are
+    probed first (claims consume a lane in position order, so a backlog shows there); the
+    skip then reports the pending rows found among them, a lower bound. Only when none is
+    pending is the whole slot counted, so a backlog of any size costs a few index probes;
   - G3 ``QUEUE_OPEN_CLAIMS``: claims (any claim slot) with ``ready_slot = k`` and no closure.
 
   A slot whose jobs were claimed and then completed, retried, rescued, cancelled or moved to
@@ -74,6 +77,7 @@ from sqlalchemy import (
     insert,
     literal,
     select,
+    true,
 )
 
 from qstore.model import PruneOutcome, RotateOutcome, SkipReason
@@ -87,11 +91,17 @@ __all__ = ["oldest_initialised_slot", "prune_oldest", "prune_oldest_claims", "pr
            "rotate_claims", "rotate_leases", "vacuum_leases"]
 
 
+#: Rows at the end of each lane the queue-ring prune probes for pending work before it
+#: counts the slot's pending rows in full.
+TAIL_PROBE = 8
+
+
 @dataclass(frozen=True)
 class QueueGates:
     """Gates G1-G3 and the fold/release statements of one queue slot."""
 
     active_leases: Select[Any]
+    tail_pending: Select[Any]
     pending_ready: Select[Any]
     open_claims: Select[Any]
     ready_rows: Select[Any]
@@ -107,23 +117,33 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
     le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
     ledger, live = sch.rollup_ledger, sch.live_counts
 
-    def same_lane(x: Any) -> Any:
-        return and_(x.c.queue == r.c.queue, x.c.priority == r.c.priority,
-                    x.c.enqueue_shard == r.c.enqueue_shard)
+    def same_lane(x: Any, row: Any = r) -> Any:
+        return and_(x.c.queue == row.c.queue, x.c.priority == row.c.priority,
+                    x.c.enqueue_shard == row.c.enqueue_shard)
 
-    def covered(cr: Any) -> Any:
+    def covered(cr: Any, row: Any) -> Any:
         # Ranges of a lane are disjoint (a claim consumes positions once), so the covering
         # range, if any, is the one with the greatest first_seq <= lane_seq: one index probe.
         # Were ranges ever to overlap this could only report a spent row as pending (safe).
-        last = (select(cr.c.last_seq).where(same_lane(cr), cr.c.first_seq <= r.c.lane_seq)
+        last = (select(cr.c.last_seq).where(same_lane(cr, row), cr.c.first_seq <= row.c.lane_seq)
                 .order_by(cr.c.first_seq.desc()).limit(1).scalar_subquery())
-        return func.coalesce(last >= r.c.lane_seq, false())
+        return func.coalesce(last >= row.c.lane_seq, false())
 
-    tombstoned = select(t.c.lane_seq).where(same_lane(t), t.c.lane_seq == r.c.lane_seq).exists()
+    def is_pending(row: Any) -> Any:
+        # The slot's own range child first (where ranges live); the parent only for rows it
+        # does not cover, so the common case costs one probe per row.
+        tombstoned = select(t.c.lane_seq).where(same_lane(t, row), t.c.lane_seq == row.c.lane_seq).exists()
+        return and_(~tombstoned, ~covered(crk, row), ~covered(crp, row))
+
     closed = receipt_closed(cl, c)
-    # The slot's own range child first (where ranges live); the parent only for rows it
-    # does not cover, so the common case costs one probe per row.
-    pending = select(literal(1)).select_from(r).where(~tombstoned, ~covered(crk), ~covered(crp))
+    pending = select(literal(1)).select_from(r).where(is_pending(r))
+    # Claims consume a lane in position order, so a slot that still holds a backlog has
+    # pending rows at the end of its lanes: probing the last few rows of every lane finds
+    # them without visiting the claimed rows before them (the full count would).
+    h = sch.claim_heads
+    tail = (select(r.c.queue, r.c.priority, r.c.enqueue_shard, r.c.lane_seq)
+            .where(same_lane(h)).order_by(r.c.lane_seq.desc()).limit(TAIL_PROBE).lateral("tail"))
+    tail_pending = select(func.count()).select_from(h.join(tail, true())).where(is_pending(tail))
     # ground truth of the slot's terminal history, appended to the ledger (no row updated)
     n = func.count()
     fold = insert(ledger).from_select(
@@ -142,6 +162,7 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
     )
     return QueueGates(
         active_leases=bounded_count(select(literal(1)).select_from(le).where(le.c.ready_slot == k)),
+        tail_pending=tail_pending,
         pending_ready=bounded_count(pending),
         open_claims=bounded_count(select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed)),
         ready_rows=select(func.count()).select_from(r),
@@ -204,7 +225,8 @@ def _queue_gate_failure(conn: Connection, gates: QueueGates, k: int) -> PruneOut
     # rows first. A claim commits its range and its lease or receipt together; if it commits
     # after the G2 statement, the G1/G3 statements that follow see its attempt. Checked the
     # other way round, a claim committing between the lease gate and G2 passes both.
-    for stmt, reason in ((gates.pending_ready, SkipReason.QUEUE_PENDING_READY),
+    for stmt, reason in ((gates.tail_pending, SkipReason.QUEUE_PENDING_READY),
+                         (gates.pending_ready, SkipReason.QUEUE_PENDING_READY),
                          (gates.active_leases, SkipReason.QUEUE_ACTIVE_LEASES),
                          (gates.open_claims, SkipReason.QUEUE_OPEN_CLAIMS)):
         n = int(conn.execute(stmt).scalar_one())

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from sqlalchemy import create_engine
 
+from qstore.cli_common import CommandFailed, _engine, _url
 from qstore.config import DEFAULT_SCHEMA
 from qstore.errors import QueueStorageError
 
@@ -25,8 +26,6 @@ __all__ = ["cmd_worker", "load_app", "register"]
 
 
 def _failed(message: str) -> QueueStorageError:
-    from qstore.cli_common import CommandFailed
-
     return CommandFailed(message)
 
 
@@ -55,8 +54,7 @@ def load_app(path: str) -> Any:
 
 
 def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
-    from qstore.cli_common import _engine, _url
-    from qstore.worker import Worker, WorkerSettings
+    from qstore.worker import Worker, WorkerSettings  # the runtime only when a worker runs
 
     app = load_app(args.app)
     # the shared --schema option defaults to the default schema: a value other than that one

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 import os
 import platform
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -32,6 +35,7 @@ __all__ = [
     "drain",
     "ensure_database",
     "ensure_pgstattuple",
+    "finish",
     "format_table",
     "latency_summary",
     "make_engine",
@@ -48,6 +52,18 @@ __all__ = [
 ]
 
 _SLOT_SUFFIX = re.compile(r"_\d+$")
+
+
+def finish(json_path: Path | None, payload: dict[str, Any], problems: list[str]) -> int:
+    """End a benchmark run: write ``payload`` as JSON when a path was given, name the
+    problems that make the run invalid, and return the exit status (2 when there are any)."""
+    if json_path:
+        json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        print(f"\nwrote {json_path}")
+    if problems:
+        print("\nINVALID RUN:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
+    return 0
 
 
 # -- setup ------------------------------------------------------------------------------

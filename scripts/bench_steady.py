@@ -28,14 +28,14 @@ began. With the autovacuum stand-in, qstore's schema is vacuumed right before th
 the end-of-pinned count is what the pinned phase left; the stand-in keeps running while
 pinned, but VACUUM cannot remove a tuple deleted after the pin began, so it hides nothing.
 
-Output: a JSON time series, a PNG plot (matplotlib) and a verdict against the targets of
-issue 5: qstore dead tuples <= 1 % of the classic queue's at the end of the pinned phase;
+Output: a JSON time series (``--json``), a PNG plot (``--plot``, matplotlib; neither is
+written unless asked) and a verdict against these targets: qstore dead tuples <= 1 % of the classic queue's at the end of the pinned phase;
 qstore total bytes back within 10 % of the clean-phase level by the end of recovery; no
 throughput collapse while pinned (completed rate >= 90 % of the offered rate); and the
 upkeep target: <= 50 dead tuples in the whole qstore schema at the end of a 10-minute
 pinned phase.
 
-    python scripts/bench_steady.py --rate 1000 --duration 600 --plot docs/steady.png
+    python scripts/bench_steady.py --rate 1000 --duration 600 --json docs/steady.json --plot docs/steady.png
     python scripts/bench_steady.py --clean-seconds 60 --pinned-seconds 600 --recovery-seconds 60
 """
 
@@ -674,8 +674,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="enqueue shards of the benchmark queue (default: qstore's default, 8)")
     p.add_argument("--qstore-schema", default="steady_qstore")
     p.add_argument("--classic-schema", default="steady_classic")
-    p.add_argument("--json", type=Path, default=Path("docs/steady.json"))
-    p.add_argument("--plot", type=Path, default=Path("docs/steady.png"))
+    p.add_argument("--json", type=Path, default=None, help="write the run's series and verdicts here")
+    p.add_argument("--plot", type=Path, default=None, help="draw the run into this PNG file")
     p.add_argument("--keep", action="store_true")
     a = p.parse_args(argv)
     a.schedule = parse_schedule(p, a.schedule)
@@ -708,14 +708,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     result["command"] = " ".join(["python", "scripts/bench_steady.py", *(argv or sys.argv[1:])])
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    slim = dict(result, samples=[{k: v for k, v in s.items()} for s in result["samples"]])
-    args.json.write_text(json.dumps(slim, indent=1, default=str) + "\n")
-    try:
-        plot(result, args.plot)
-        print(f"wrote {args.plot}")
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[dev]'): no plot", file=sys.stderr)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        slim = dict(result, samples=[{k: v for k, v in s.items()} for s in result["samples"]])
+        args.json.write_text(json.dumps(slim, indent=1, default=str) + "\n")
+    if args.plot is not None:
+        try:
+            plot(result, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print("matplotlib is not installed (pip install -e '.[dev]'): no plot", file=sys.stderr)
     print_census(result, args.qstore_schema, args.classic_schema)
     print(json.dumps(result["verdict"], indent=2))
     up = result["verdict"]["upkeep_dead_end_of_pinned"]

@@ -20,7 +20,7 @@ system:
    exactly once (count == N, no duplicate id);
 5. dead tuples per table family (``pgstattuple`` when available, else ``n_dead_tup``).
 
-Then ratios and the targets of issue 3 (PASS/FAIL).
+Then ratios and the targets (PASS/FAIL).
 
 ``natural`` — what a user's first worker loop does, qstore with its defaults. Per phase and
 system, on one fresh schema: (a) one thread enqueues single jobs back to back for
@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -79,6 +78,7 @@ from _benchlib import (
     drain,
     ensure_database,
     ensure_pgstattuple,
+    finish,
     format_table,
     latency_summary,
     make_engine,
@@ -649,7 +649,7 @@ def print_report(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
           f"(qstore {fmt(s['copy_enqueue_jobs_per_s']['qstore'])} j/s, "
           f"classic {fmt(s['copy_enqueue_jobs_per_s']['classic'])} j/s)")
     print(f"  dead tuples pinned   {fmt(s['pinned_dead_pct'], '.1f')} %")
-    print("\nTargets (issue 3):")
+    print("\nTargets:")
     for key, v in s["targets"].items():
         value = "n/a" if v["value"] is None else (
             f"{v['value']:,.0f}" if key == "copy_enqueue_jobs_per_s" else f"{v['value']:.2f}")
@@ -1004,6 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarise(results)
         print_report(results, summary)
     problems = [f"{r['system']}/{r['phase']}: {p}" for r in results for p in r["problems"]]
+    payload: dict[str, Any] = {}
     if args.json:
         payload = {
             "mode": args.mode,
@@ -1017,12 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
             "summary": summary,
             "problems": problems,
         }
-        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-        print(f"\nwrote {args.json}")
-    if problems:
-        print("\nINVALID RUN:\n  " + "\n  ".join(problems), file=sys.stderr)
-        return 2
-    return 0
+    return finish(args.json, payload, problems)
 
 
 if __name__ == "__main__":

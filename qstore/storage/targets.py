@@ -14,6 +14,8 @@ policy                        ``Engine`` / ``AsyncEngine``                  ``Co
 ============================  ==========================================  ==================================
 ``JOIN``                      one transaction, committed (rolled back on   the caller's transaction (autobegun),
                               error)                                       never committed here
+``SNAPSHOT``                  one REPEATABLE READ transaction: every       the caller's transaction (its
+                              statement of a read sees one snapshot        isolation is the caller's choice)
 ``ATOMIC``                    one transaction, committed                   a SAVEPOINT inside the caller's
                                                                            transaction: an error leaves nothing
                                                                            half-written and the caller's
@@ -81,6 +83,7 @@ class Policy(enum.Enum):
     """The transaction an operation gets, per kind of target (see the module's table)."""
 
     JOIN = "join"
+    SNAPSHOT = "snapshot"
     ATOMIC = "atomic"
     STATEMENT = "statement"
     UNITS = "units"
@@ -101,6 +104,16 @@ def _callers_connection(target: Connection | Session) -> Connection:
 def _own_transaction(engine: Engine) -> Iterator[Connection]:
     with engine.begin() as conn:
         yield conn.execution_options(**{OWNED: True})
+
+
+@contextmanager
+def _own_snapshot(engine: Engine) -> Iterator[Connection]:
+    # psycopg sends the level with the BEGIN, and the pool restores it at check-in: no
+    # round trip of its own
+    with engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="REPEATABLE READ", **{OWNED: True})
+        with conn.begin():
+            yield conn
 
 
 @contextmanager
@@ -248,6 +261,9 @@ def run(policy: Policy, target: Target, body: Callable[[Any], R]) -> R:
     if isinstance(target, Engine):
         if policy is Policy.NO_TRANSACTION:
             with _own_statement(target) as conn:
+                return body(conn)
+        if policy is Policy.SNAPSHOT:
+            with _own_snapshot(target) as conn:
                 return body(conn)
         with _own_transaction(target) as conn:
             return body(conn)

@@ -182,7 +182,7 @@ def _ring_work(maintainer: Maintainer) -> tuple[int, int]:
             tick = report.result
             if isinstance(tick, RingTick):
                 rotations += tick.rotate.kind == "rotated"
-                prunes += tick.prune is not None and tick.prune.kind == "pruned"
+                prunes += tick.slots_pruned
     return rotations, prunes
 
 

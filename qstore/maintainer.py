@@ -125,18 +125,30 @@ class TaskReport:
 
 @dataclass(frozen=True)
 class RingTick:
-    """One ring tick: the rotation's outcome, and the prune's (``None`` while backing off)."""
+    """One ring tick: the rotation's outcome, and the prune's (``None`` while backing off).
+    ``caught_up``: further sealed slots pruned in the same tick after a first ``pruned``."""
 
     rotate: RotateOutcome
     prune: PruneOutcome | None
+    caught_up: int = 0
+
+    @property
+    def slots_pruned(self) -> int:
+        """Slots this tick truncated."""
+        return (self.prune is not None and self.prune.kind == "pruned") + self.caught_up
 
 
 class _Ring:
-    """Rotate every tick; prune unless backing off after prunes that pruned nothing."""
+    """Rotate every tick; prune unless backing off after prunes that pruned nothing.
+
+    A tick that prunes goes on pruning (each slot its own call) until a prune prunes
+    nothing or ``most`` slots went: one rotation a tick and one prune a tick would never
+    win back a slot that a skipped prune (a slot still busy, or backing off) left behind,
+    and the ring would keep one more slot of history on disk for good each time."""
 
     def __init__(self, rotate: Callable[[], RotateOutcome], prune: Callable[[], PruneOutcome],
-                 backoff_limit: int) -> None:
-        self._rotate, self._prune, self._limit = rotate, prune, backoff_limit
+                 backoff_limit: int, most: int) -> None:
+        self._rotate, self._prune, self._limit, self._most = rotate, prune, backoff_limit, most
         self._misses = 0
         self._skip = 0
 
@@ -146,12 +158,15 @@ class _Ring:
             self._skip -= 1
             return RingTick(rotated, None)
         pruned = self._prune()
+        caught_up = 0
         if pruned.kind == "pruned":
             self._misses = 0
+            while caught_up + 1 < self._most and self._prune().kind == "pruned":
+                caught_up += 1
         else:
             self._misses += 1
             self._skip = 2 ** min(self._misses, self._limit) - 1
-        return RingTick(rotated, pruned)
+        return RingTick(rotated, pruned, caught_up)
 
 
 @dataclass
@@ -201,11 +216,13 @@ class Maintainer:
         lim = sch.prune_backoff_limit
         return [
             _Task("queue_ring", sch.queue_ring_every,
-                  _Ring(lambda: s.rotate(e), lambda: s.prune_oldest(e), lim)),
+                  _Ring(lambda: s.rotate(e), lambda: s.prune_oldest(e), lim, s.queue_slot_count())),
             _Task("lease_ring", sch.lease_ring_every,
-                  _Ring(lambda: s.rotate_leases(e), lambda: s.prune_oldest_leases(e), lim)),
+                  _Ring(lambda: s.rotate_leases(e), lambda: s.prune_oldest_leases(e), lim,
+                        s.lease_slot_count())),
             _Task("claim_ring", sch.claim_ring_every,
-                  _Ring(lambda: s.rotate_claims(e), lambda: s.prune_oldest_claims(e), lim)),
+                  _Ring(lambda: s.rotate_claims(e), lambda: s.prune_oldest_claims(e), lim,
+                        s.claim_slot_count())),
             _Task("promote", sch.promote_every, self._promote),
             _Task("rescue", sch.rescue_every, self._rescue),
             _Task("rollup", sch.rollup_every,

@@ -620,9 +620,9 @@ class Worker:
                 self._launch([self._attempts[(j.job.id, j.job.run_lease)] for j in jobs])
             if len(jobs) < want:
                 # The queue had no more for this claim. Claiming again at once would mostly
-                # come back empty (and an empty claim is the costliest kind: it looks in
-                # every ring child); wait for a notification instead. After a partial claim
-                # the rest may sit in lanes another claimer held, so look again soon.
+                # come back empty (a round trip and a claim's server time for nothing); wait
+                # for a notification instead, which a claim in flight does not lose. After a
+                # partial claim the rest may sit in lanes another claimer held: look again soon.
                 wake.wait(s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK))
 
     def _launch(self, attempts: list[_Attempt]) -> None:

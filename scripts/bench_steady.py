@@ -228,11 +228,12 @@ class QstoreWorkerSystem(QstoreSystem):
 
 def maintainer_summary(m: Maintainer) -> dict[str, int]:
     """``{"<task>:runs": n, "<task>:errors": n, "<ring task>:rotate:<kind>": n,
-    "<ring task>:prune:<kind>": n}`` over every report the maintainer kept."""
+    "<ring task>:prune:<kind>": n, "<ring task>:prune:caught_up": slots}`` over every
+    report the maintainer kept."""
     out: dict[str, int] = {}
 
-    def bump(key: str) -> None:
-        out[key] = out.get(key, 0) + 1
+    def bump(key: str, n: int = 1) -> None:
+        out[key] = out.get(key, 0) + n
 
     for r in m.reports():
         bump(f"{r.task}:runs")
@@ -244,6 +245,8 @@ def maintainer_summary(m: Maintainer) -> dict[str, int]:
             bump(f"{r.task}:rotate:{rotated.kind}")
             pruned = r.result.prune
             bump(f"{r.task}:prune:{pruned.kind if pruned is not None else 'backing_off'}")
+            if r.result.caught_up:
+                bump(f"{r.task}:prune:caught_up", r.result.caught_up)
     return out
 
 
@@ -637,8 +640,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper left")
     cfg = result["config"]
-    fig.suptitle(f"steady soak: {cfg['rate']} jobs/s offered, {cfg['workers']} workers/system, "
-                 f"batch {cfg['batch']}, maintenance every {cfg['rotate']} s")
+    classic = f"classic: {cfg['workers']} threads, claim {cfg['batch']}"
+    if cfg.get("qstore_driver") == "worker":
+        qstore = "qstore: Worker, default settings, maintainer inside"
+    else:
+        upkeep = ("Maintainer" if cfg.get("upkeep") == "maintainer"
+                  else f"rings every {cfg['rotate']:g} s")
+        qstore = f"qstore: {cfg['workers']} threads, claim {cfg['batch']}, {upkeep}"
+    fig.suptitle(f"steady soak, {cfg['rate']:,.0f} jobs/s offered to each; {qstore}; {classic}",
+                 fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

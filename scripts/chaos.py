@@ -741,6 +741,7 @@ class MaintStats:
             self.c[f"{task}.rotate.{result.rotate.kind}"] += 1
             if result.prune is not None:
                 self.c[f"{task}.prune.{result.prune.kind}"] += 1
+            self.c[f"{task}.prune.caught_up"] += result.caught_up
         elif isinstance(result, TerminalDeltaRollupOutcome):
             self.c[f"{task}.rolled_slots"] += result.rolled_slots
             self.c[f"{task}.delta_rows"] += result.delta_rows

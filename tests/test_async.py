@@ -40,6 +40,24 @@ def test_async_engine_enqueue_claim_complete_round_trip(db_url, async_storage): 
     assert (counts.available, counts.running, counts.terminal) == (0, 0, 4)
 
 
+def test_async_engine_load_job_reads_the_job_in_its_own_snapshot(db_url, async_storage):  # type: ignore[no-untyped-def]
+    async def main():  # type: ignore[no-untyped-def]
+        engine = create_async_engine(db_url)
+        try:
+            await async_storage.enqueue_params_batch(engine, [InsertParams("k", {"i": 7})])
+            (claimed,) = await async_storage.claim_runtime_batch(engine, "default", 1)
+            running = await async_storage.load_job(engine, claimed.job.id)
+            await async_storage.complete_runtime_batch(engine, [claimed])
+            done = await async_storage.load_job(engine, claimed.job.id)
+        finally:
+            await engine.dispose()
+        return running, done
+
+    running, done = _run(main())
+    assert (running.state.value, running.args) == ("running", {"i": 7})
+    assert done.state.value == "completed"
+
+
 def test_async_session_rollback_discards_the_enqueue(db_url, async_storage):  # type: ignore[no-untyped-def]
     async def main():  # type: ignore[no-untyped-def]
         engine = create_async_engine(db_url)

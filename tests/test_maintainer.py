@@ -334,3 +334,21 @@ def test_cli_maintain_runs_until_terminated_and_releases_leadership(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_ring_tick_prunes_every_spent_slot_a_skipped_prune_left_behind(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    # Three sealed slots of finished jobs, then one tick: it rotates once and prunes all three
+    # (one prune a tick would keep two of them for good).
+    m = maintainers(schedule=MaintenanceSchedule(prune_backoff_limit=0))
+    for _ in range(3):
+        enqueue(small, engine, 2)
+        assert small.rotate(engine).kind == "rotated"
+    claimed = small.claim_runtime_batch(engine, Q, 10)
+    assert len(small.complete_runtime_batch(engine, claimed)) == 6
+    tick = run(m, "queue_ring")
+    assert isinstance(tick, RingTick) and tick.prune is not None
+    assert tick.slots_pruned == 3, tick
+    assert small.prune_oldest(engine).kind == "noop"
+    counts = small.queue_counts(engine, Q)
+    assert (counts.available, counts.running, counts.terminal) == (0, 0, 6)

@@ -425,3 +425,24 @@ def test_completion_after_claim_prune_of_other_slot(small: QueueStorage, engine:
     assert small.prune_oldest_claims(engine) == PruneOutcome.pruned(0)
     assert small.prune_oldest(engine) == PruneOutcome.pruned(0)
     assert small.queue_counts(engine, Q).terminal == 2
+
+
+def relfilenodes(st: QueueStorage, engine: Engine, *names: str) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {n: conn.execute(text("SELECT pg_relation_filenode(CAST(:t AS regclass))"),
+                                {"t": f'"{st.schema()}"."{n}"'}).scalar_one() for n in names}
+
+
+def test_prune_truncates_only_the_children_that_were_written(small: QueueStorage, engine: Engine) -> None:
+    # a slot of finished jobs with no tombstone: the tombstone child keeps its files (a
+    # TRUNCATE would rebuild them, index syncs and all, to reclaim nothing)
+    enqueue(small, engine, 3)
+    assert small.rotate(engine).kind == "rotated"
+    assert drain(small, engine) == 3
+    before = relfilenodes(small, engine, "ready_entries_0", "ready_tombstones_0")
+    assert small.prune_oldest(engine) == PruneOutcome.pruned(0)
+    after = relfilenodes(small, engine, "ready_entries_0", "ready_tombstones_0")
+    assert after["ready_tombstones_0"] == before["ready_tombstones_0"]
+    assert after["ready_entries_0"] != before["ready_entries_0"]
+    assert rows_in(small, engine, "ready_entries_0") == 0
+    assert small.prune_oldest(engine).kind == "noop"

@@ -19,8 +19,9 @@ Guarantees
 * **Prune** takes the ring lock, runs the cheap gates *without* the exclusive lock (a busy
   slot never queues an ``ACCESS EXCLUSIVE`` request in front of hot readers), then
   ``lock_timeout = 50ms`` + ``LOCK … IN ACCESS EXCLUSIVE MODE`` on every child of the slot,
-  re-checks what could have changed while the lock was awaited, and truncates all children
-  in one ``TRUNCATE``. The locked section runs in a SAVEPOINT: a lock timeout (SQLSTATE
+  re-checks what could have changed while the lock was awaited, and truncates every child
+  that was written (heap not zero bytes) in one ``TRUNCATE``: an unwritten child holds
+  nothing, and truncating it would still create its files anew and sync each index build. The locked section runs in a SAVEPOINT: a lock timeout (SQLSTATE
   55P03, or a deadlock 40P01) rolls the savepoint back and is reported as
   ``PruneOutcome(kind="blocked")`` — never raised — and the caller's transaction stays
   usable. The 50 ms timeout is restored before the savepoint is released, so it never
@@ -254,7 +255,7 @@ def _prune_queue_slot(conn: Connection, sch: StorageSchema, k: int) -> PruneOutc
             return late
     control.append_prune_fold(conn, sch, gates.fold, gates.drop_live)
     control.release_keys_where(conn, sch, gates.owners)
-    upkeep.truncate_tables(conn, sch.queue_ring.children(k))
+    upkeep.truncate_tables(conn, upkeep.written(conn, sch.queue_ring, k))
     return PruneOutcome.pruned(k)
 
 
@@ -302,7 +303,7 @@ def _prune_derived_slot(conn: Connection, sch: StorageSchema, ring: Ring, k: int
     n = int(conn.execute(gate).scalar_one())
     if n:
         return PruneOutcome.skipped_active(k, _ACTIVE[ring.name], n)
-    upkeep.truncate_tables(conn, ring.children(k))
+    upkeep.truncate_tables(conn, upkeep.written(conn, ring, k))
     return PruneOutcome.pruned(k)
 
 

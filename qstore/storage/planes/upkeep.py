@@ -126,8 +126,9 @@ def lock_exclusive(conn: Connection, tables: Sequence[Table]) -> None:
 
 
 def truncate_tables(conn: Connection, tables: Sequence[Table]) -> None:
-    """One ``TRUNCATE`` statement for all ``tables``."""
-    conn.execute(text(f"TRUNCATE {_qualified(conn, tables)}"))
+    """One ``TRUNCATE`` statement for all ``tables`` (none: nothing is sent)."""
+    if tables:
+        conn.execute(text(f"TRUNCATE {_qualified(conn, tables)}"))
 
 
 def vacuum(conn: Connection, tables: Sequence[Table]) -> None:
@@ -208,6 +209,15 @@ def pristine(conn: Connection, ring: Ring, slot: int) -> bool:
     """True when nothing was ever written to ``slot``'s children since they were created or
     last truncated (every heap is zero bytes; rolled-back writes count as written)."""
     return not any(conn.execute(_slot_probes(ring, slot).sizes).one())
+
+
+def written(conn: Connection, ring: Ring, slot: int) -> list[Table]:
+    """``slot``'s children whose heap is not zero bytes: the ones a ``TRUNCATE`` has anything
+    to reclaim from. Truncating an unwritten child changes nothing but costs as much (new
+    files, an index build and a file sync per index), so a prune leaves those alone. Call
+    it under the children's exclusive lock, or a write may land after it."""
+    sizes = conn.execute(_slot_probes(ring, slot).sizes).one()
+    return [t for t, size in zip(ring.children(slot), sizes, strict=True) if size]
 
 
 def busy(conn: Connection, ring: Ring, slot: int) -> BusyCounts:

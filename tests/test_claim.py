@@ -534,6 +534,7 @@ def ready_children_locked(conn, storage) -> list[str]:
         "AND c.relkind = 'r' AND c.relname LIKE 'ready\\_entries\\_%'"), {"s": storage.schema()}).scalars())
 
 
+@both_receipt_modes("storage")
 def test_a_claim_that_empties_its_lanes_looks_at_no_other_ring_child(engine, storage):
     # Past the lane's last position the claim would look for the lane's next row in every
     # queue-ring child (share-locking all of them, and waiting behind a prune's exclusive

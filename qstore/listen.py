@@ -136,7 +136,7 @@ class Listener:
                 driver.rollback()
             driver.autocommit = True
             driver.add_notify_handler(self._on_notify)
-            for channel in [*self.channels, *([self.cancel_channel] if self.cancel_channel else [])]:
+            for channel in dict.fromkeys([*self.channels, *([self.cancel_channel] if self.cancel_channel else [])]):
                 driver.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         except BaseException:
             raw.close()
@@ -156,7 +156,9 @@ class Listener:
         self._take(n.channel, n.payload)
 
     def _take(self, channel: str, payload: str) -> None:
-        if channel == self.cancel_channel:
+        # A queue named "cancel" has the cancel channel's name: a wake-up carries no
+        # payload, a cancel always a JSON object, so the payload tells the two apart.
+        if payload and channel == self.cancel_channel:
             try:
                 data = json.loads(payload)
                 self._pending.cancels.append((int(data["job_id"]), int(data["run_lease"])))

@@ -78,6 +78,17 @@ def test_without_cancel_the_listener_ignores_operator_cancels(engine, st, listen
     assert not listener.wait(0.3)
 
 
+def test_a_queue_named_cancel_is_woken_by_its_enqueues_and_still_gets_operator_cancels(engine, st, listen):  # type: ignore[no-untyped-def]
+    # the queue's channel and the cancel channel have the same name
+    assert st.config.notify_channel("cancel") == st.config.cancel_channel
+    listener = listen(["cancel"])
+    st.enqueue(engine, job("cancel"))
+    assert listener.wait(5) == Wakeup(queues=frozenset({"cancel"}))
+    claimed = st.claim_runtime_batch(engine, "cancel", 1)[0]
+    st.cancel_job(engine, claimed.job.id)
+    assert listener.wait(5) == Wakeup(cancels=((claimed.job.id, claimed.job.run_lease),))
+
+
 def test_interrupt_ends_a_wait_from_another_thread(listen):  # type: ignore[no-untyped-def]
     listener = listen()
     threading.Timer(0.1, listener.interrupt).start()

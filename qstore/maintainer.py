@@ -115,12 +115,14 @@ class MaintenanceSchedule:
 @dataclass(frozen=True)
 class TaskReport:
     """What one run of one task did: ``result`` on success, ``error`` (the exception's
-    text) on failure. ``duration`` is in seconds."""
+    text) on failure. ``duration`` is in seconds; ``started`` is the ``time.monotonic()``
+    reading when the run began (to line runs up with other events of the process)."""
 
     task: str
     result: Any
     error: str | None
     duration: float
+    started: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -285,7 +287,7 @@ class Maintainer:
         except Exception as exc:  # a task's failure must not stop the other tasks
             log.warning("qstore maintenance task %s failed: %s", task.name, exc, exc_info=True)
             result, error = None, f"{type(exc).__name__}: {exc}"
-        report = TaskReport(task.name, result, error, time.monotonic() - started)
+        report = TaskReport(task.name, result, error, time.monotonic() - started, started)
         task.reports.append(report)
         del task.reports[:-self._keep]
         return report

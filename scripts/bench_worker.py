@@ -281,6 +281,61 @@ def print_drain(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     bs.print_targets(summary["targets"], "worker drain")
 
 
+class TaskRuns:
+    """Every run of the worker's maintenance tasks during a pickup phase, collected from
+    :meth:`Maintainer.reports` (which keeps only the latest runs per task) every 0.2 s."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.maintainer = worker.maintainer
+        self.runs: dict[tuple[str, float], float] = {}  # (task, started) -> duration
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="bench-task-runs", daemon=True)
+
+    def _collect(self) -> None:
+        if self.maintainer is not None:
+            for r in self.maintainer.reports():
+                self.runs[(r.task, r.started)] = r.duration
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            self._collect()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._collect()
+
+
+def tail_overlap(runs: TaskRuns, pickups: list[tuple[float, float]], tail: float = 0.05) -> dict[str, Any]:
+    """Per maintenance task: how many runs, their median length, and the share of all
+    pickups and of the slowest ``tail`` of them whose wait (enqueue commit → handler start,
+    on ``time.perf_counter``) overlapped at least one run. A task the tail overlaps far more
+    often than the rest is part of the tail."""
+    shift = time.perf_counter() - time.monotonic()  # the same clock on Linux; kept exact anyway
+    by_task: dict[str, list[tuple[float, float]]] = {}
+    for (task, started), duration in runs.runs.items():
+        by_task.setdefault(task, []).append((started + shift, started + shift + duration))
+    ordered = sorted(pickups, key=lambda p: p[1] - p[0])
+    slowest = ordered[int(len(ordered) * (1 - tail)):]
+
+    def share(group: list[tuple[float, float]], spans: list[tuple[float, float]]) -> float:
+        if not group:
+            return 0.0
+        hit = sum(1 for a, b in group if any(s <= b and e >= a for s, e in spans))
+        return hit / len(group)
+
+    out = {}
+    for task, spans in sorted(by_task.items()):
+        spans.sort()
+        lengths = sorted(e - s for s, e in spans)
+        out[task] = {"runs": len(spans), "run_p50_ms": lengths[len(lengths) // 2] * 1000,
+                     "all_share": share(ordered, spans), "tail_share": share(slowest, spans)}
+    return out
+
+
 def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[dict[str, Any]]:
     qsys = bs.QstoreSystem(args.qstore_schema, None, deadline=None)
     results = []
@@ -304,15 +359,19 @@ def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[di
             schedule = PacedSchedule(
                 rate=args.rate, seconds=args.duration, warmup=args.warmup,
                 enqueue_one=defer_one, producers=args.producers, on_error=note)
+            runs = TaskRuns(worker)
             with pinned(engine, phase == "pinned"):
                 worker.start()
+                runs.start()
                 try:
                     schedule.run()
                     schedule.settle(recorder.started, recorder.lock, 30.0)
                 finally:
                     worker.stop(timeout=30.0)
+                    runs.stop()
                 dead = dead_tuples(engine, qsys.schema, exact)
             m = schedule.measured(recorder.started)
+            pickups = [(schedule.commit_at[i], recorder.started[i]) for i in m.jobs if i in recorder.started]
             achieved = len(m.jobs) / m.producer_seconds if m.producer_seconds else 0.0
             problems = []
             if m.missing:
@@ -327,6 +386,7 @@ def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[di
                 "producer_lag_ms": latency_summary(m.lag_seconds),
                 "errors": errors, "stats": stats_of(worker),
                 "dead_total": sum(f["dead"] for f in dead.values()), "problems": problems,
+                "tail_overlap": tail_overlap(runs, pickups),
             })
     finally:
         qsys.drop(engine)
@@ -356,6 +416,11 @@ def print_pickup(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
     print(format_table(["phase", "rate j/s", "holds", "jobs", "pickup p50 ms", "p95", "p99",
                         "defer p50 ms", "errors", "dead", "check"], rows))
     bs.print_targets(summary["targets"], "worker pickup")
+    print("\nMaintenance runs the pickups overlapped (all pickups vs the slowest 5%):")
+    rows = [[r["phase"], task, o["runs"], f"{o['run_p50_ms']:.1f}", f"{o['all_share']:.1%}",
+             f"{o['tail_share']:.1%}"]
+            for r in results for task, o in r["tail_overlap"].items()]
+    print(format_table(["phase", "task", "runs", "run p50 ms", "of all pickups", "of slowest 5%"], rows))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

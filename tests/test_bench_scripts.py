@@ -185,3 +185,7 @@ def test_worker_bench_drains_through_the_worker_beside_both_loops_and_times_pick
     picked = data["pickup"]["results"]
     assert [r["phase"] for r in picked] == ["clean", "pinned"]
     assert all(r["enqueued"] > 0 and not r["problems"] for r in picked)
+    for r in picked:  # the maintainer's runs during the phase, lined up with the pickups
+        overlap = r["tail_overlap"]
+        assert overlap["promote"]["runs"] >= 2  # every 0.25 s by default
+        assert all(0.0 <= o["all_share"] <= 1.0 and 0.0 <= o["tail_share"] <= 1.0 for o in overlap.values())

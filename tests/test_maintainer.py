@@ -242,6 +242,20 @@ def test_reports_are_kept_per_task_and_bounded(small: QueueStorage, engine: Engi
         m.reports("nope")
 
 
+def test_each_report_says_when_its_run_began_on_the_monotonic_clock(small: QueueStorage, engine: Engine) -> None:
+    m = Maintainer(small, engine)
+    before = time.monotonic()
+    first = m.run_all()
+    second = m.run_all()
+    after = time.monotonic()
+    for r in first + second:
+        assert before <= r.started <= r.started + r.duration <= after
+    # runs of one pass follow each other, and the second pass begins after the first ended
+    starts = [r.started for r in first]
+    assert starts == sorted(starts)
+    assert min(r.started for r in second) >= max(r.started + r.duration for r in first)
+
+
 # -- background thread ---------------------------------------------------------------------------
 def test_background_maintainer_promotes_and_rescues_on_its_own(
         small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:

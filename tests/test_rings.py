@@ -16,7 +16,7 @@ from qstore import QueueStorage
 from qstore.errors import UniqueConflictError, ValidationError
 from qstore.model import BusyCounts, PruneOutcome, RotateOutcome, SkipReason
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
-from qstore.storage.planes.upkeep import slot_generation
+from qstore.storage.planes.upkeep import pristine, pristine_slots, slot_generation
 from qstore.storage.rings import TAIL_PROBE
 
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}
@@ -446,3 +446,23 @@ def test_prune_truncates_only_the_children_that_were_written(small: QueueStorage
     assert after["ready_entries_0"] != before["ready_entries_0"]
     assert rows_in(small, engine, "ready_entries_0") == 0
     assert small.prune_oldest(engine).kind == "noop"
+
+
+def test_the_slots_pristine_state_is_read_in_one_statement_as_slot_by_slot(
+        small: QueueStorage, engine: Engine) -> None:
+    # slot 0 written and drained, slot 1 written and pruned away after rotating on, slot 2
+    # written: the prune looks for the oldest written slot with this one read
+    ring = small._ctx.schema.queue_ring
+    enqueue(small, engine, 2)
+    assert small.rotate(engine).kind == "rotated"
+    enqueue(small, engine, 1)
+    with engine.connect() as conn:
+        got = pristine_slots(conn, ring)
+        assert got == [pristine(conn, ring, k) for k in range(ring.slot_count)]
+    assert got[:3] == [False, False, True] and all(got[2:])
+    assert drain(small, engine) == 3
+    assert small.prune_oldest(engine) == PruneOutcome.pruned(0)
+    with engine.connect() as conn:
+        got = pristine_slots(conn, ring)
+        assert got == [pristine(conn, ring, k) for k in range(ring.slot_count)]
+    assert got[:2] == [True, False]

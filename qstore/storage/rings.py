@@ -271,7 +271,8 @@ def prune_oldest(ctx: StorageContext, conn: Connection) -> PruneOutcome:
     n = ring.slot_count
     upkeep.lock_ring(conn, sch, ring)
     cur = upkeep.generation(conn, ring) % n
-    k = next((slot for slot in ((cur + i) % n for i in range(1, n)) if not upkeep.pristine(conn, ring, slot)), None)
+    clean = upkeep.pristine_slots(conn, ring)
+    k = next((slot for slot in ((cur + i) % n for i in range(1, n)) if not clean[slot]), None)
     if k is None:
         return PruneOutcome.noop()
     result = upkeep.guarded(conn, lambda: _prune_queue_slot(conn, sch, k))

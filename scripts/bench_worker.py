@@ -37,6 +37,7 @@ holding the offered rate.
 from __future__ import annotations
 
 import argparse
+import bisect
 import sys
 import threading
 import time
@@ -322,10 +323,14 @@ def tail_overlap(runs: TaskRuns, pickups: list[tuple[float, float]], tail: float
     slowest = ordered[int(len(ordered) * (1 - tail)):]
 
     def share(group: list[tuple[float, float]], spans: list[tuple[float, float]]) -> float:
-        if not group:
-            return 0.0
-        hit = sum(1 for a, b in group if any(s <= b and e >= a for s, e in spans))
-        return hit / len(group)
+        # the runs of one task follow each other, so the last run that began before a
+        # pickup ended is the only one that can still have been going when it started
+        starts = [s for s, _ in spans]
+        hit = 0
+        for a, b in group:
+            i = bisect.bisect_right(starts, b) - 1
+            hit += i >= 0 and spans[i][1] >= a
+        return hit / len(group) if group else 0.0
 
     out = {}
     for task, spans in sorted(by_task.items()):

@@ -23,7 +23,9 @@ default 20,000) are loaded with COPY into a fresh schema, then drained with
 ``pickup`` — a producer calls ``task.defer(engine, ...)`` once per job at ``--rate`` jobs/s
 for ``--duration`` seconds (after ``--warmup`` seconds that are not measured) while a
 default worker runs; pickup latency = handler start - the clock read right after ``defer``
-returned (one process, one clock), clean and pinned. The classic queue's figure for the same
+returned (one process, one clock), clean and pinned. It also lines the worker maintainer's
+runs up with the pickups: per task, the share of all pickups and of the slowest 5% whose
+wait overlapped one of its runs (``tail_overlap``). The classic queue's figure for the same
 schedule comes from ``bench_storage.py --mode steady`` (its LISTEN/NOTIFY-woken loop).
 
 Targets: worker >= 0.6x classic clean and >= 1.2x pinned, >= 8,000 jobs/s in both, >= 0.8x the

@@ -2,9 +2,12 @@
 (and rolls up deltas) as fast as it can. At the end every job completed exactly once, none
 is lost, and exact counts equal the number enqueued.
 
-Producers keep the backlog short, so rings turn over while every party is busy. The race
-runs until maintenance has met each interesting case a few times (:func:`met`: a rotation
-and a prune of each ring in use, and each refusing to act on live work), at most
+Producers keep the backlog short, so rings turn over while every party is busy. Every
+:data:`STALL_EVERY` seconds the workers pause for :data:`STALL` seconds while producers and
+maintenance go on, so the ring comes round to slots that still hold unclaimed jobs however
+fast prunes are (a rotation into a busy slot is one of the cases the race must meet). The
+race runs until maintenance has met each interesting case a few times (:func:`met`: a
+rotation and a prune of each ring in use, and each refusing to act on live work), at most
 :data:`MAX_SECONDS`."""
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ TIMES_EACH = 3
 MAX_BACKLOG = 400  # enqueued but not yet claimed jobs at which producers wait
 PRODUCERS = 2
 WORKERS = 3
+STALL_EVERY = 1.5  # seconds between the starts of two worker pauses
+STALL = 0.3  # seconds each pause lasts
 
 
 def met(receipts: bool) -> set[str]:
@@ -92,8 +97,13 @@ def test_rotate_prune_race_loses_and_duplicates_nothing(
                 run.enqueued += n
             time.sleep(0.002)
 
+    started = time.monotonic()
+
     def worker() -> None:
         while not run.stop_working.is_set():
+            if not run.stop_producing.is_set() and (time.monotonic() - started) % STALL_EVERY < STALL:
+                time.sleep(0.01)  # a slow-consumer spell (see the module docstring)
+                continue
             claimed = st.claim_runtime_batch(engine, Q, 8)
             if not claimed:
                 time.sleep(0.003)

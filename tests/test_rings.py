@@ -450,8 +450,8 @@ def test_prune_truncates_only_the_children_that_were_written(small: QueueStorage
 
 def test_the_slots_pristine_state_is_read_in_one_statement_as_slot_by_slot(
         small: QueueStorage, engine: Engine) -> None:
-    # slot 0 written and drained, slot 1 written and pruned away after rotating on, slot 2
-    # written: the prune looks for the oldest written slot with this one read
+    # slots 0 and 1 written, the rest never; after a drain and a prune, slot 0 pristine
+    # again: the prune looks for the oldest written slot with this one read
     ring = small._ctx.schema.queue_ring
     enqueue(small, engine, 2)
     assert small.rotate(engine).kind == "rotated"

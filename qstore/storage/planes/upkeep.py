@@ -194,11 +194,16 @@ class SlotProbes:
     counts: Select[Any]
 
 
+def _heap_sizes(tables: Sequence[Table]) -> Select[Any]:
+    """One row: the heap size in bytes of each of ``tables``, in order."""
+    return select(*(func.pg_relation_size(regclass(t)) for t in tables))
+
+
 @functools.lru_cache(maxsize=4096)
 def _slot_probes(ring: Ring, slot: int) -> SlotProbes:
     kids = ring.children(slot)
     return SlotProbes(
-        sizes=select(*(func.pg_relation_size(regclass(c)) for c in kids)),
+        sizes=_heap_sizes(kids),
         counts=select(*(
             bounded_count(select(literal(1)).select_from(c)).scalar_subquery().label(f.name)
             for f, c in zip(ring.families, kids, strict=True)
@@ -214,8 +219,7 @@ def pristine(conn: Connection, ring: Ring, slot: int) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _ring_sizes(ring: Ring) -> Select[Any]:
-    return select(*(func.pg_relation_size(regclass(c))
-                    for slot in range(ring.slot_count) for c in ring.children(slot)))
+    return _heap_sizes([c for slot in range(ring.slot_count) for c in ring.children(slot)])
 
 
 def pristine_slots(conn: Connection, ring: Ring) -> list[bool]:

@@ -151,7 +151,10 @@ class _Ring:
     A tick that prunes goes on pruning (each slot its own call) until a prune prunes
     nothing or ``most`` slots went: one rotation a tick and one prune a tick would never
     win back a slot that a skipped prune (a slot still busy, or backing off) left behind,
-    and the ring would keep one more slot of history on disk for good each time."""
+    and the ring would keep one more slot of history on disk for good each time. The lease
+    and claim rings prune only the oldest slot of the current generation, the same slot on
+    every call of one tick, so they are built with ``most=1``: a second call could only find
+    that slot already truncated."""
 
     def __init__(self, rotate: Callable[[], RotateOutcome], prune: Callable[[], PruneOutcome],
                  backoff_limit: int, most: int) -> None:
@@ -225,11 +228,9 @@ class Maintainer:
             _Task("queue_ring", sch.queue_ring_every,
                   _Ring(lambda: s.rotate(e), lambda: s.prune_oldest(e), lim, s.queue_slot_count())),
             _Task("lease_ring", sch.lease_ring_every,
-                  _Ring(lambda: s.rotate_leases(e), lambda: s.prune_oldest_leases(e), lim,
-                        s.lease_slot_count())),
+                  _Ring(lambda: s.rotate_leases(e), lambda: s.prune_oldest_leases(e), lim, 1)),
             _Task("claim_ring", sch.claim_ring_every,
-                  _Ring(lambda: s.rotate_claims(e), lambda: s.prune_oldest_claims(e), lim,
-                        s.claim_slot_count())),
+                  _Ring(lambda: s.rotate_claims(e), lambda: s.prune_oldest_claims(e), lim, 1)),
             _Task("promote", sch.promote_every, self._promote),
             _Task("rescue", sch.rescue_every, self._rescue),
             _Task("rollup", sch.rollup_every,

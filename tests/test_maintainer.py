@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine, event, text
 
 from qstore import QueueStorage, ValidationError
 from qstore.cli import main as cli_main
@@ -366,3 +366,30 @@ def test_a_ring_tick_prunes_every_spent_slot_a_skipped_prune_left_behind(
     assert small.prune_oldest(engine).kind == "noop"
     counts = small.queue_counts(engine, Q)
     assert (counts.available, counts.running, counts.terminal) == (0, 0, 6)
+
+
+@pytest.mark.parametrize("ring", ["claim_ring", "lease_ring"])
+def test_a_derived_ring_tick_that_prunes_takes_the_ring_lock_once_per_rotate_and_prune(
+        make_storage: Callable[..., QueueStorage], engine: Engine,
+        maintainers: Callable[..., Maintainer], ring: str) -> None:
+    # The lease and claim rings prune only the oldest slot of the generation: a second
+    # prune in the same tick could only find it truncated, so the tick does not try one.
+    st = make_storage(lease_claim_receipts=ring == "claim_ring", **SMALL)
+    m = maintainers(storage=st, schedule=MaintenanceSchedule(prune_backoff_limit=0))
+    enqueue(st, engine, 2)
+    claimed = st.claim_runtime_batch(engine, Q, 2)
+    assert len(st.complete_runtime_batch(engine, claimed)) == 2
+    ring_locks: list[str] = []
+
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "pg_advisory_xact_lock" in statement:
+            ring_locks.append(statement)
+
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        tick = m._run(next(t for t in m._tasks if t.name == ring)).result
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
+    assert isinstance(tick, RingTick) and tick.rotate.kind == "rotated"
+    assert tick.prune is not None and tick.prune.kind == "pruned", tick
+    assert len(ring_locks) == 2, ring_locks

@@ -294,12 +294,14 @@ def oldest_initialised_slot(current: int, generation: int, slot_count: int) -> i
 
 
 def _prune_derived_slot(conn: Connection, sch: StorageSchema, ring: Ring, k: int) -> PruneOutcome:
+    # Sizes first: a slot already truncated and not written since needs no gate. (Reading
+    # a size share-locks the child, so this too runs under the guard's lock timeout.)
+    if upkeep.pristine(conn, ring, k):
+        return PruneOutcome.noop()
     gate = _derived_gate(sch, ring.name, k)
     n = int(conn.execute(gate).scalar_one())
     if n:
         return PruneOutcome.skipped_active(k, _ACTIVE[ring.name], n)
-    if upkeep.pristine(conn, ring, k):
-        return PruneOutcome.noop()  # already truncated, nothing written since
     upkeep.lock_exclusive(conn, ring.children(k))
     n = int(conn.execute(gate).scalar_one())
     if n:

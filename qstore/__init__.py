@@ -3,6 +3,7 @@
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import (
     CallbackNotFoundError,
+    CallbackWaitEndedError,
     DatabaseError,
     PartialCommitError,
     QueueStorageError,
@@ -37,6 +38,7 @@ __all__ = [
     "CallbackConfig",
     "CallbackNotFoundError",
     "CallbackPollResult",
+    "CallbackWaitEndedError",
     "ClaimedEntry",
     "ClaimedRuntimeJob",
     "DatabaseError",

@@ -17,6 +17,7 @@ from sqlalchemy import exc as sa_exc
 
 __all__ = [
     "CallbackNotFoundError",
+    "CallbackWaitEndedError",
     "DatabaseError",
     "InvariantError",
     "PartialCommitError",
@@ -96,6 +97,21 @@ class CallbackNotFoundError(QueueStorageError):
     def __init__(self, callback_id: uuid.UUID) -> None:
         self.callback_id = callback_id
         super().__init__(f"callback {callback_id} not found")
+
+
+class CallbackWaitEndedError(QueueStorageError):
+    """A handler waiting for its callback learned that its attempt no longer waits on it:
+    the callback timed out and the attempt was rescued, the job was failed, retried or
+    cancelled from outside, or the worker closed the attempt (``outcome`` says which:
+    ``stale``, ``unexpected_state``, ``not_found`` or ``cancelled``). The handler should
+    stop; whatever it writes for the attempt afterwards is refused as stale."""
+
+    def __init__(self, callback_id: uuid.UUID, outcome: str, state: object = None) -> None:
+        self.callback_id = callback_id
+        self.outcome = outcome
+        self.state = state
+        where = f" (job is {getattr(state, 'value', state)})" if state is not None else ""
+        super().__init__(f"wait for callback {callback_id} ended: {outcome}{where}")
 
 
 class SchemaNotInstalledError(QueueStorageError):

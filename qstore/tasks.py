@@ -36,6 +36,7 @@ returning *or* raising one of the outcomes below; :mod:`qstore.worker` applies t
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import threading
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 
 from sqlalchemy import Engine
 
-from qstore.errors import ValidationError
+from qstore.errors import CallbackWaitEndedError, ValidationError
 from qstore.model import ClaimedRuntimeJob, JobRow
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import (
@@ -264,6 +265,53 @@ class JobContext:
         outside system, then return ``WaitForCallback(callback_id)``."""
         seconds = _seconds(timeout, "timeout", positive=True)
         return self.storage.register_callback(self._engine(), self.job_id, self.run_lease, seconds)
+
+    def wait_for_callback(self, callback_id: uuid.UUID, *, poll_interval: float = 0.5) -> Any:
+        """Wait in the handler until the outside system resumes this attempt with
+        ``complete_external(callback_id, payload, resume=True)``, and return ``payload``.
+
+        Register first (``callback_id = ctx.register_callback(timeout=...)``) and hand the id
+        out. The attempt waits as ``waiting_external`` (its heartbeat and deadline are off,
+        the callback's timeout applies) and runs again once resumed; this handler then goes
+        on and its outcome is written as usual. Polls every ``poll_interval`` seconds (one
+        round trip each). Raises :class:`~qstore.errors.CallbackWaitEndedError` when the
+        attempt stopped waiting on this callback in any other way (timed out and rescued,
+        failed or retried from outside) or was closed under the handler (``is_cancelled``).
+        Blocks the calling thread: ``async def`` handlers use
+        :meth:`wait_for_callback_async`."""
+        interval = _seconds(poll_interval, "poll_interval", positive=True)
+        engine = self._engine()
+        self.storage.enter_callback_wait(engine, self.job_id, self.run_lease, callback_id)
+        while True:
+            found = self._callback_result(engine, callback_id)
+            if found is not _UNSET:
+                return found
+            if self.cancelled.wait(interval):
+                raise CallbackWaitEndedError(callback_id, "cancelled")
+
+    async def wait_for_callback_async(self, callback_id: uuid.UUID, *, poll_interval: float = 0.5) -> Any:
+        """:meth:`wait_for_callback` for ``async def`` handlers: the same calls, run off the
+        event loop, and ``asyncio.sleep`` between polls (a cancelled task stops waiting)."""
+        interval = _seconds(poll_interval, "poll_interval", positive=True)
+        engine = self._engine()
+        await asyncio.to_thread(self.storage.enter_callback_wait, engine, self.job_id, self.run_lease,
+                                callback_id)
+        while True:
+            found = await asyncio.to_thread(self._callback_result, engine, callback_id)
+            if found is not _UNSET:
+                return found
+            if self.is_cancelled:
+                raise CallbackWaitEndedError(callback_id, "cancelled")
+            await asyncio.sleep(interval)
+
+    def _callback_result(self, engine: Engine, callback_id: uuid.UUID) -> Any:
+        """The resumed payload, ``_UNSET`` while still waiting; raises when the wait ended."""
+        poll = self.storage.check_callback_state(engine, self.job_id, callback_id)
+        if poll.kind == "resolved":
+            return poll.payload
+        if poll.kind == "pending":
+            return _UNSET
+        raise CallbackWaitEndedError(callback_id, poll.kind, poll.state)
 
     def defer(self, task: Task[Any, Any] | Deferral, /, *args: Any, **kwargs: Any) -> None:
         """Enqueue a follow-up job *with this attempt's completion*: the worker writes it in

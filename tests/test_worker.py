@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import text
 
 from qstore.batcher import CompletionBatcher
-from qstore.errors import PartialCommitError, ValidationError
+from qstore.errors import CallbackWaitEndedError, PartialCommitError, ValidationError
 from qstore.maintainer import MaintenanceSchedule
 from qstore.model import JobState
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
@@ -191,6 +191,87 @@ def test_wait_for_callback_without_an_id_registers_one(engine, st, app, run_work
     assert row.callback_id is not None
     st.fail_external(engine, row.callback_id, "declined")
     assert state_of(engine, st, job_id) == JobState.FAILED
+
+
+def test_a_handler_waiting_for_its_callback_goes_on_with_the_resumed_payload(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    tokens: list[Any] = []
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> str:
+        token = ctx.register_callback(timeout=600)
+        tokens.append(token)
+        payload = ctx.wait_for_callback(token, poll_interval=0.02)
+        return f"paid {payload['amount']}"
+
+    job_id = handler.defer(engine)
+    run_worker(app)
+    settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
+    resumed = st.complete_external(engine, tokens[0], {"amount": 5}, resume=True)
+    assert resumed.state == JobState.RUNNING
+    row = settles_in(engine, st, job_id, JobState.COMPLETED)
+    assert row.run_lease == resumed.run_lease  # the same attempt went on, not a retry
+
+
+def test_an_async_handler_waiting_for_its_callback_goes_on_with_the_resumed_payload(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    tokens: list[Any] = []
+    ran: list[Any] = []
+
+    @app.task(kind="k")
+    async def handler(ctx: JobContext) -> None:
+        token = await asyncio.to_thread(ctx.register_callback, 600)
+        tokens.append(token)
+        ran.append(await ctx.wait_for_callback_async(token, poll_interval=0.02))
+
+    job_id = handler.defer(engine)
+    run_worker(app)
+    settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
+    st.complete_external(engine, tokens[0], [1, 2], resume=True)
+    settles_in(engine, st, job_id, JobState.COMPLETED)
+    assert ran == [[1, 2]]
+
+
+def test_a_wait_for_a_callback_failed_from_outside_ends_with_a_typed_error(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    tokens: list[Any] = []
+    ended: list[BaseException] = []
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        token = ctx.register_callback(timeout=600)
+        tokens.append(token)
+        try:
+            ctx.wait_for_callback(token, poll_interval=0.02)
+        except CallbackWaitEndedError as err:
+            ended.append(err)
+            raise
+
+    job_id = handler.defer(engine)
+    run_worker(app)
+    settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
+    st.fail_external(engine, tokens[0], "declined")
+    eventually(lambda: ended, what="the waiting handler to stop")
+    assert str(tokens[0]) in str(ended[0]) and ended[0].outcome != "cancelled"
+    time.sleep(0.2)  # the handler's error is written as a retry of a closed attempt: refused
+    assert state_of(engine, st, job_id) == JobState.FAILED
+
+
+def test_a_wait_for_a_callback_ends_when_the_worker_closes_the_attempt(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    ended: list[CallbackWaitEndedError] = []
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        token = ctx.register_callback(timeout=600)
+        try:
+            ctx.wait_for_callback(token, poll_interval=30)
+        except CallbackWaitEndedError as err:
+            ended.append(err)
+
+    job_id = handler.defer(engine)
+    run_worker(app)
+    settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
+    assert st.cancel_job(engine, job_id) is not None
+    eventually(lambda: ended, what="the waiting handler to see the cancel")
+    assert ended[0].outcome == "cancelled"
+    assert state_of(engine, st, job_id) == JobState.CANCELLED
 
 
 def test_a_job_of_an_unknown_kind_fails_for_good_naming_the_kind(engine, st, app, run_worker):  # type: ignore[no-untyped-def]

@@ -230,6 +230,23 @@ def test_an_async_handler_waiting_for_its_callback_goes_on_with_the_resumed_payl
     assert ran == [[1, 2]]
 
 
+def test_a_bad_poll_interval_is_refused_before_the_attempt_starts_waiting(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    refused: list[str] = []
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        token = ctx.register_callback(timeout=600)
+        try:
+            ctx.wait_for_callback(token, poll_interval=0)
+        except ValidationError as err:
+            refused.append(str(err))
+
+    job_id = handler.defer(engine)
+    run_worker(app)
+    settles_in(engine, st, job_id, JobState.COMPLETED)  # never parked as waiting_external
+    assert refused and "poll_interval" in refused[0]
+
+
 def test_a_wait_for_a_callback_failed_from_outside_ends_with_a_typed_error(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
     tokens: list[Any] = []
     ended: list[BaseException] = []

@@ -40,6 +40,7 @@ import asyncio
 import inspect
 import math
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -198,6 +199,8 @@ class JobContext:
         self.progress: Any = None
         self.followups: list[InsertParams] = []
         self._lock = threading.Lock()
+        self._wait_began: float | None = None
+        self._waited = 0.0
 
     # -- the attempt ---------------------------------------------------------------------------
     @property
@@ -277,32 +280,55 @@ class JobContext:
         round trip each). Raises :class:`~qstore.errors.CallbackWaitEndedError` when the
         attempt stopped waiting on this callback in any other way (timed out and rescued,
         failed or retried from outside) or was closed under the handler (``is_cancelled``).
+        The task's ``deadline`` does not count the wait (the callback's timeout bounds it).
         Blocks the calling thread: ``async def`` handlers use
         :meth:`wait_for_callback_async`."""
         interval = _seconds(poll_interval, "poll_interval", positive=True)
         engine = self._engine()
-        self.storage.enter_callback_wait(engine, self.job_id, self.run_lease, callback_id)
-        while True:
-            found = self._callback_result(engine, callback_id)
-            if found is not _UNSET:
-                return found
-            if self.cancelled.wait(interval):
-                raise CallbackWaitEndedError(callback_id, "cancelled")
+        self._begin_wait()
+        try:
+            self.storage.enter_callback_wait(engine, self.job_id, self.run_lease, callback_id)
+            while True:
+                found = self._callback_result(engine, callback_id)
+                if found is not _UNSET:
+                    return found
+                if self.cancelled.wait(interval):
+                    raise CallbackWaitEndedError(callback_id, "cancelled")
+        finally:
+            self._end_wait()
 
     async def wait_for_callback_async(self, callback_id: uuid.UUID, *, poll_interval: float = 0.5) -> Any:
         """:meth:`wait_for_callback` for ``async def`` handlers: the same calls, run off the
         event loop, and ``asyncio.sleep`` between polls (a cancelled task stops waiting)."""
         interval = _seconds(poll_interval, "poll_interval", positive=True)
         engine = self._engine()
-        await asyncio.to_thread(self.storage.enter_callback_wait, engine, self.job_id, self.run_lease,
-                                callback_id)
-        while True:
-            found = await asyncio.to_thread(self._callback_result, engine, callback_id)
-            if found is not _UNSET:
-                return found
-            if self.is_cancelled:
-                raise CallbackWaitEndedError(callback_id, "cancelled")
-            await asyncio.sleep(interval)
+        self._begin_wait()
+        try:
+            await asyncio.to_thread(self.storage.enter_callback_wait, engine, self.job_id, self.run_lease,
+                                    callback_id)
+            while True:
+                found = await asyncio.to_thread(self._callback_result, engine, callback_id)
+                if found is not _UNSET:
+                    return found
+                if self.is_cancelled:
+                    raise CallbackWaitEndedError(callback_id, "cancelled")
+                await asyncio.sleep(interval)
+        finally:
+            self._end_wait()
+
+    def waited(self, now: float) -> tuple[bool, float]:
+        """Whether the handler is waiting for its callback at ``now`` (``time.monotonic()``),
+        and the seconds it has spent waiting so far: a task's deadline counts neither."""
+        began = self._wait_began
+        return began is not None, self._waited + (now - began if began is not None else 0.0)
+
+    def _begin_wait(self) -> None:
+        self._wait_began = time.monotonic()
+
+    def _end_wait(self) -> None:
+        if self._wait_began is not None:
+            self._waited += time.monotonic() - self._wait_began
+            self._wait_began = None
 
     def _callback_result(self, engine: Engine, callback_id: uuid.UUID) -> Any:
         """The resumed payload, ``_UNSET`` while still waiting; raises when the wait ended."""

@@ -849,11 +849,20 @@ class Worker:
             log.debug("qstore worker: job %s: %s", pair[0], reason)
             self._close_under_handler(a, reason)
 
+    @staticmethod
+    def _ran_past(a: _Attempt, now: float, deadline: float) -> bool:
+        """The handler ran (time waiting for its callback not counted) longer than
+        ``deadline``; never while it waits (the attempt is then ``waiting_external``, which
+        the callback's timeout bounds)."""
+        assert a.started_at is not None
+        waiting, waited = a.ctx.waited(now)
+        return not waiting and now - a.started_at - waited > deadline
+
     def _check_deadlines(self, now: float) -> None:
         with self._lock:
             late = [a for a in self._attempts.values()
                     if a.task is not None and a.task.deadline is not None and a.started_at is not None
-                    and not a.deadline_closed and now - a.started_at > a.task.deadline]
+                    and not a.deadline_closed and self._ran_past(a, now, a.task.deadline)]
         for a in late:
             a.deadline_closed = True
             assert a.task is not None and a.task.deadline is not None

@@ -291,6 +291,24 @@ def test_a_wait_for_a_callback_ends_when_the_worker_closes_the_attempt(engine, s
     assert state_of(engine, st, job_id) == JobState.CANCELLED
 
 
+def test_a_tasks_deadline_does_not_count_the_wait_for_its_callback(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    tokens: list[Any] = []
+
+    @app.task(kind="k", deadline=0.3)
+    def handler(ctx: JobContext) -> Any:
+        token = ctx.register_callback(timeout=600)
+        tokens.append(token)
+        return ctx.wait_for_callback(token, poll_interval=0.02)
+
+    job_id = handler.defer(engine)
+    w = run_worker(app, heartbeat_interval=0.2)
+    settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
+    time.sleep(0.8)  # well past the deadline, all of it waiting
+    st.complete_external(engine, tokens[0], "ok", resume=True)
+    settles_in(engine, st, job_id, JobState.COMPLETED)
+    assert w.stats.deadline_exceeded == 0
+
+
 def test_a_job_of_an_unknown_kind_fails_for_good_naming_the_kind(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
     @app.task(kind="known")
     def known(ctx: JobContext) -> None: ...

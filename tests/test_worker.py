@@ -309,6 +309,30 @@ def test_a_tasks_deadline_does_not_count_the_wait_for_its_callback(engine, st, a
     assert w.stats.deadline_exceeded == 0
 
 
+def test_a_stopping_worker_ends_the_wait_and_leaves_the_attempt_waiting_for_its_callback(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    tokens: list[Any] = []
+    ended: list[CallbackWaitEndedError] = []
+
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        token = ctx.register_callback(timeout=600)
+        tokens.append(token)
+        try:
+            ctx.wait_for_callback(token, poll_interval=5)
+        except CallbackWaitEndedError as err:
+            ended.append(err)
+
+    job_id = handler.defer(engine)
+    w = run_worker(app)
+    settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
+    w.stop(0.2)
+    assert [e.outcome for e in ended] == ["cancelled"]
+    # nobody holds the wait now: the callback still decides the job
+    assert state_of(engine, st, job_id) == JobState.WAITING_EXTERNAL
+    st.complete_external(engine, tokens[0], "done")
+    assert state_of(engine, st, job_id) == JobState.COMPLETED
+
+
 def test_a_job_of_an_unknown_kind_fails_for_good_naming_the_kind(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
     @app.task(kind="known")
     def known(ctx: JobContext) -> None: ...

@@ -69,9 +69,9 @@ _LIMITS: dict[str, float] = {
 class MaintenanceSchedule:
     """Cadences (seconds) and batch limits of the maintenance tasks.
 
-    The queue ring rotates every 5 s by default: every rotation leads to one prune, and a
-    prune's ``TRUNCATE`` rebuilds a dozen empty relations (each index build syncs its file),
-    a burst of I/O that every concurrent commit waits behind. Measured at 500 jobs/s
+    The queue ring rotates every 5 s by default: every rotation leads to one prune (gates
+    that read the slot's rows, an exclusive lock on its tables and a ``TRUNCATE`` of a dozen
+    relations), a burst of server work that slows the claims around it. Measured at 500 jobs/s
     through a worker, rotating every second put the pickup p95 at 9-11 ms, every 5 s at
     3-7 ms; the price is that a slot holds 5 s of jobs, so finished jobs stay readable (and
     their bytes stay on disk) for 5-10 s instead of 1-2 s. The claim ring keeps 1 s: its

@@ -42,7 +42,8 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
@@ -285,8 +286,7 @@ class JobContext:
         :meth:`wait_for_callback_async`."""
         interval = _seconds(poll_interval, "poll_interval", positive=True)
         engine = self._engine()
-        self._begin_wait()
-        try:
+        with self._waiting():
             self.storage.enter_callback_wait(engine, self.job_id, self.run_lease, callback_id)
             while True:
                 found = self._callback_result(engine, callback_id)
@@ -294,16 +294,13 @@ class JobContext:
                     return found
                 if self.cancelled.wait(interval):
                     raise CallbackWaitEndedError(callback_id, "cancelled")
-        finally:
-            self._end_wait()
 
     async def wait_for_callback_async(self, callback_id: uuid.UUID, *, poll_interval: float = 0.5) -> Any:
         """:meth:`wait_for_callback` for ``async def`` handlers: the same calls, run off the
         event loop, and ``asyncio.sleep`` between polls (a cancelled task stops waiting)."""
         interval = _seconds(poll_interval, "poll_interval", positive=True)
         engine = self._engine()
-        self._begin_wait()
-        try:
+        with self._waiting():
             await asyncio.to_thread(self.storage.enter_callback_wait, engine, self.job_id, self.run_lease,
                                     callback_id)
             while True:
@@ -313,8 +310,6 @@ class JobContext:
                 if self.is_cancelled:
                     raise CallbackWaitEndedError(callback_id, "cancelled")
                 await asyncio.sleep(interval)
-        finally:
-            self._end_wait()
 
     def waited(self, now: float) -> tuple[bool, float]:
         """Whether the handler is waiting for its callback at ``now`` (``time.monotonic()``),
@@ -322,12 +317,14 @@ class JobContext:
         began = self._wait_began
         return began is not None, self._waited + (now - began if began is not None else 0.0)
 
-    def _begin_wait(self) -> None:
-        self._wait_began = time.monotonic()
-
-    def _end_wait(self) -> None:
-        if self._wait_began is not None:
-            self._waited += time.monotonic() - self._wait_began
+    @contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Time spent inside is waiting time (see :meth:`waited`)."""
+        self._wait_began = began = time.monotonic()
+        try:
+            yield
+        finally:
+            self._waited += time.monotonic() - began
             self._wait_began = None
 
     def _callback_result(self, engine: Engine, callback_id: uuid.UUID) -> Any:

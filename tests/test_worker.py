@@ -193,20 +193,36 @@ def test_wait_for_callback_without_an_id_registers_one(engine, st, app, run_work
     assert state_of(engine, st, job_id) == JobState.FAILED
 
 
+class CallbackWaiter:
+    """A task (kind ``k``) whose handler registers a callback (timeout 600 s), notes its id in
+    ``tokens``, waits for it, and returns the payload; a :class:`CallbackWaitEndedError` is
+    noted in ``ended`` (and raised again when ``reraise``)."""
+
+    def __init__(self, app: App, poll_interval: float, *, reraise: bool = False, **task_opts: Any) -> None:
+        self.tokens: list[Any] = []
+        self.ended: list[CallbackWaitEndedError] = []
+
+        @app.task(kind="k", **task_opts)
+        def handler(ctx: JobContext) -> Any:
+            token = ctx.register_callback(timeout=600)
+            self.tokens.append(token)
+            try:
+                return ctx.wait_for_callback(token, poll_interval=poll_interval)
+            except CallbackWaitEndedError as err:
+                self.ended.append(err)
+                if reraise:
+                    raise
+                return None
+
+        self.task = handler
+
+
 def test_a_handler_waiting_for_its_callback_goes_on_with_the_resumed_payload(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
-    tokens: list[Any] = []
-
-    @app.task(kind="k")
-    def handler(ctx: JobContext) -> str:
-        token = ctx.register_callback(timeout=600)
-        tokens.append(token)
-        payload = ctx.wait_for_callback(token, poll_interval=0.02)
-        return f"paid {payload['amount']}"
-
-    job_id = handler.defer(engine)
+    waiter = CallbackWaiter(app, 0.02)
+    job_id = waiter.task.defer(engine)
     run_worker(app)
     settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
-    resumed = st.complete_external(engine, tokens[0], {"amount": 5}, resume=True)
+    resumed = st.complete_external(engine, waiter.tokens[0], {"amount": 5}, resume=True)
     assert resumed.state == JobState.RUNNING
     row = settles_in(engine, st, job_id, JobState.COMPLETED)
     assert row.run_lease == resumed.run_lease  # the same attempt went on, not a retry
@@ -248,88 +264,49 @@ def test_a_bad_poll_interval_is_refused_before_the_attempt_starts_waiting(engine
 
 
 def test_a_wait_for_a_callback_failed_from_outside_ends_with_a_typed_error(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
-    tokens: list[Any] = []
-    ended: list[BaseException] = []
-
-    @app.task(kind="k")
-    def handler(ctx: JobContext) -> None:
-        token = ctx.register_callback(timeout=600)
-        tokens.append(token)
-        try:
-            ctx.wait_for_callback(token, poll_interval=0.02)
-        except CallbackWaitEndedError as err:
-            ended.append(err)
-            raise
-
-    job_id = handler.defer(engine)
+    waiter = CallbackWaiter(app, 0.02, reraise=True)
+    job_id = waiter.task.defer(engine)
     run_worker(app)
     settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
-    st.fail_external(engine, tokens[0], "declined")
-    eventually(lambda: ended, what="the waiting handler to stop")
-    assert str(tokens[0]) in str(ended[0]) and ended[0].outcome != "cancelled"
+    st.fail_external(engine, waiter.tokens[0], "declined")
+    eventually(lambda: waiter.ended, what="the waiting handler to stop")
+    assert str(waiter.tokens[0]) in str(waiter.ended[0]) and waiter.ended[0].outcome != "cancelled"
     time.sleep(0.2)  # the handler's error is written as a retry of a closed attempt: refused
     assert state_of(engine, st, job_id) == JobState.FAILED
 
 
 def test_a_wait_for_a_callback_ends_when_the_worker_closes_the_attempt(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
-    ended: list[CallbackWaitEndedError] = []
-
-    @app.task(kind="k")
-    def handler(ctx: JobContext) -> None:
-        token = ctx.register_callback(timeout=600)
-        try:
-            ctx.wait_for_callback(token, poll_interval=30)
-        except CallbackWaitEndedError as err:
-            ended.append(err)
-
-    job_id = handler.defer(engine)
+    waiter = CallbackWaiter(app, 30)
+    job_id = waiter.task.defer(engine)
     run_worker(app)
     settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
     assert st.cancel_job(engine, job_id) is not None
-    eventually(lambda: ended, what="the waiting handler to see the cancel")
-    assert ended[0].outcome == "cancelled"
+    eventually(lambda: waiter.ended, what="the waiting handler to see the cancel")
+    assert waiter.ended[0].outcome == "cancelled"
     assert state_of(engine, st, job_id) == JobState.CANCELLED
 
 
 def test_a_tasks_deadline_does_not_count_the_wait_for_its_callback(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
-    tokens: list[Any] = []
-
-    @app.task(kind="k", deadline=0.3)
-    def handler(ctx: JobContext) -> Any:
-        token = ctx.register_callback(timeout=600)
-        tokens.append(token)
-        return ctx.wait_for_callback(token, poll_interval=0.02)
-
-    job_id = handler.defer(engine)
+    waiter = CallbackWaiter(app, 0.02, deadline=0.3)
+    job_id = waiter.task.defer(engine)
     w = run_worker(app, heartbeat_interval=0.2)
     settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
     time.sleep(0.8)  # well past the deadline, all of it waiting
-    st.complete_external(engine, tokens[0], "ok", resume=True)
+    st.complete_external(engine, waiter.tokens[0], "ok", resume=True)
     settles_in(engine, st, job_id, JobState.COMPLETED)
     assert w.stats.deadline_exceeded == 0
 
 
 def test_a_stopping_worker_ends_the_wait_and_leaves_the_attempt_waiting_for_its_callback(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
-    tokens: list[Any] = []
-    ended: list[CallbackWaitEndedError] = []
-
-    @app.task(kind="k")
-    def handler(ctx: JobContext) -> None:
-        token = ctx.register_callback(timeout=600)
-        tokens.append(token)
-        try:
-            ctx.wait_for_callback(token, poll_interval=5)
-        except CallbackWaitEndedError as err:
-            ended.append(err)
-
-    job_id = handler.defer(engine)
+    waiter = CallbackWaiter(app, 5)
+    job_id = waiter.task.defer(engine)
     w = run_worker(app)
     settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
     w.stop(0.2)
-    assert [e.outcome for e in ended] == ["cancelled"]
+    assert [e.outcome for e in waiter.ended] == ["cancelled"]
     # nobody holds the wait now: the callback still decides the job
     assert state_of(engine, st, job_id) == JobState.WAITING_EXTERNAL
-    st.complete_external(engine, tokens[0], "done")
+    st.complete_external(engine, waiter.tokens[0], "done")
     assert state_of(engine, st, job_id) == JobState.COMPLETED
 
 

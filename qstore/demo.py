@@ -181,7 +181,7 @@ def _ring_work(maintainer: Maintainer) -> tuple[int, int]:
         for report in maintainer.reports(name):
             tick = report.result
             if isinstance(tick, RingTick):
-                rotations += tick.rotate.kind == "rotated"
+                rotations += tick.rotated
                 prunes += tick.slots_pruned
     return rotations, prunes
 

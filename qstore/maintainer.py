@@ -74,23 +74,30 @@ class MaintenanceSchedule:
     relations), a burst of server work that slows the claims around it. Measured at 500 jobs/s
     through a worker, rotating every second put the pickup p95 at 9-11 ms, every 5 s at
     3-7 ms; the price is that a slot holds 5 s of jobs, so finished jobs stay readable (and
-    their bytes stay on disk) for 5-10 s instead of 1-2 s. The claim ring keeps 1 s: its
-    ticks (a two-table ``TRUNCATE`` each) run under about a quarter of the slowest pickups,
-    and ``claim_ring_every=5`` cut the pickup p95 by a third in 150 s runs at 500 jobs/s, but
-    it keeps five times the receipts on disk, and each prune then frees them in one step
-    (at 2,000 jobs/s the schema's size swung between 35 and 46 MiB instead of holding at
-    25 MiB, and that soak's worker fell behind while the horizon was pinned).
+    their bytes stay on disk) for 5-10 s instead of 1-2 s.
 
-    Every field must be a positive finite number, except ``prune_backoff_limit`` which may
-    be 0 (no backoff). After ``k`` consecutive prunes of a ring that pruned nothing, the
-    next ``2**min(k, prune_backoff_limit) - 1`` ticks of that ring only rotate. The values
-    the tasks pass on are bounded as the storage calls require: ``heartbeat_staleness`` and
-    ``leader_retry_every`` at most one day, ``promote_batch_size`` at most 2**31 - 1.
+    The claim ring turns by volume: its task runs every ``claim_ring_every`` seconds, reads
+    how many bytes the current slot's receipts and closures take (one statement), and turns
+    the ring (prune the oldest slot, a two-table ``TRUNCATE``, and rotate into it) only once they
+    reach ``claim_ring_turn_bytes`` (512 KiB, about 1,700 claimed jobs) or the slot has been
+    current for ``claim_ring_turn_after`` seconds. A slot then holds about the same bytes at
+    any claim rate: at 2,000 jobs/s it turns every second, at 500 jobs/s every 3-4 s
+    instead of every second, and a claim-ring turn runs under fewer of the slowest pickups.
+    ``claim_ring_turn_bytes=0`` turns it on every run (a fixed clock).
+
+    Every field must be a positive finite number, except ``prune_backoff_limit`` and
+    ``claim_ring_turn_bytes``, which may be 0. After ``k`` consecutive prunes of a ring that
+    pruned nothing, the next ``2**min(k, prune_backoff_limit) - 1`` ticks of that ring only
+    rotate. The values the tasks pass on are bounded as the storage calls require:
+    ``heartbeat_staleness`` and ``leader_retry_every`` at most one day,
+    ``promote_batch_size`` at most 2**31 - 1.
     """
 
     queue_ring_every: float = 5.0
     lease_ring_every: float = 0.25
     claim_ring_every: float = 1.0
+    claim_ring_turn_bytes: int = 512 * 1024
+    claim_ring_turn_after: float = 5.0
     promote_every: float = 0.25
     promote_batch_size: int = 4096
     promote_max_batches: int = 32
@@ -105,12 +112,12 @@ class MaintenanceSchedule:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            floor_ok = f.name == "prune_backoff_limit"
+            floor_ok = f.name in ("prune_backoff_limit", "claim_ring_turn_bytes")
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not _finite(value) or value < 0 or (value == 0 and not floor_ok)):
                 raise ValidationError(f.name, value, "must be a positive finite number"
                                       if not floor_ok else "must be a non-negative integer")
-            if f.name.endswith(("_size", "_batches", "_slots", "_limit")) and not isinstance(value, int):
+            if f.name.endswith(("_size", "_batches", "_slots", "_limit", "_bytes")) and not isinstance(value, int):
                 raise ValidationError(f.name, value, "must be an integer")
             limit = _LIMITS.get(f.name)
             if limit is not None and value > limit:
@@ -133,40 +140,88 @@ class TaskReport:
 @dataclass(frozen=True)
 class RingTick:
     """One ring tick: the rotation's outcome, and the prune's (``None`` while backing off).
-    ``caught_up``: further sealed slots pruned in the same tick after a first ``pruned``."""
+    ``caught_up``: further sealed slots pruned in the same tick after a first ``pruned``.
+    A claim-ring tick that found the current slot not yet due to turn (below its byte
+    threshold and younger than its age limit) did nothing: ``rotate`` and ``prune`` are
+    ``None`` and ``slot_bytes`` holds the bytes it found."""
 
-    rotate: RotateOutcome
+    rotate: RotateOutcome | None
     prune: PruneOutcome | None
     caught_up: int = 0
+    slot_bytes: int | None = None
 
     @property
     def slots_pruned(self) -> int:
         """Slots this tick truncated."""
         return (self.prune is not None and self.prune.kind == "pruned") + self.caught_up
 
+    @property
+    def rotated(self) -> bool:
+        """True when this tick moved the ring to its next slot."""
+        return self.rotate is not None and self.rotate.kind == "rotated"
+
+
+@dataclass(frozen=True)
+class TurnWhen:
+    """When a ring whose slots should hold a bounded volume turns: once ``filled()`` (bytes
+    written to the current slot) reaches ``bytes``, or ``after`` seconds after the ring last
+    turned (or was found idle), whichever comes first."""
+
+    filled: Callable[[], int]
+    bytes: int
+    after: float
+
 
 class _Ring:
-    """Rotate every tick; prune unless backing off after prunes that pruned nothing.
+    """Prune, then rotate, every tick; the prune is left out while backing off after prunes
+    that pruned nothing.
+
+    Pruning first means a tick prunes slots that were sealed a tick ago or earlier, never the
+    slot its own rotation seals: that slot still holds the jobs of the last moments (some
+    not claimed or not finished yet), and the lanes' claim cursors have not yet passed its
+    last rows, so its prune would often be refused, or pay for a row-by-row pending count,
+    for history that goes a tick later anyway. A queue slot is therefore kept for one tick
+    after it is sealed. For the lease and claim rings, which prune the slot their next
+    rotation enters, pruning first lets that rotation happen in the same tick.
 
     A tick that prunes goes on pruning (each slot its own call) until a prune prunes
-    nothing or ``most`` slots went: one rotation a tick and one prune a tick would never
-    win back a slot that a skipped prune (a slot still busy, or backing off) left behind,
-    and the ring would keep one more slot of history on disk for good each time. The lease
-    and claim rings prune only the oldest slot of the current generation, the same slot on
-    every call of one tick, so they are built with ``most=1``: a second call could only find
-    that slot already truncated."""
+    nothing or ``most`` slots went: one prune a tick would never win back a slot that a
+    skipped prune (a slot still busy, or backing off) left behind, and the ring would keep
+    one more slot of history on disk for good each time. The lease and claim rings prune
+    only the oldest slot of the current generation, the same slot on every call of one
+    tick, so they are built with ``most=1``: a second call could only find that slot
+    already truncated.
+
+    With ``turn`` (the claim ring), a tick first asks whether the ring is due to turn and
+    does nothing else when it is not. Due stays true until a rotation happens: a turn
+    refused because the oldest slot is still busy (its prune skipped or blocked) is retried
+    on every following tick."""
 
     def __init__(self, rotate: Callable[[], RotateOutcome], prune: Callable[[], PruneOutcome],
-                 backoff_limit: int, most: int) -> None:
+                 backoff_limit: int, most: int, turn: TurnWhen | None = None) -> None:
         self._rotate, self._prune, self._limit, self._most = rotate, prune, backoff_limit, most
+        self._turn = turn
         self._misses = 0
         self._skip = 0
+        self._turned_at = -math.inf
 
-    def __call__(self) -> RingTick:
+    def __call__(self, force: bool = False) -> RingTick:
+        """One tick; ``force`` turns the ring whatever ``turn`` says (a full pass)."""
+        if self._turn is not None and not force:
+            due_by_age = time.monotonic() - self._turned_at >= self._turn.after
+            filled = None if due_by_age else self._turn.filled()
+            if filled is not None and filled < self._turn.bytes:
+                return RingTick(None, None, slot_bytes=filled)
+        pruned, caught_up = self._prune_slots()
         rotated = self._rotate()
+        if rotated.kind in ("rotated", "skipped_idle"):
+            self._turned_at = time.monotonic()
+        return RingTick(rotated, pruned, caught_up)
+
+    def _prune_slots(self) -> tuple[PruneOutcome | None, int]:
         if self._skip > 0:
             self._skip -= 1
-            return RingTick(rotated, None)
+            return None, 0
         pruned = self._prune()
         caught_up = 0
         if pruned.kind == "pruned":
@@ -176,7 +231,7 @@ class _Ring:
         else:
             self._misses += 1
             self._skip = 2 ** min(self._misses, self._limit) - 1
-        return RingTick(rotated, pruned, caught_up)
+        return pruned, caught_up
 
 
 @dataclass
@@ -184,6 +239,7 @@ class _Task:
     name: str
     every: float
     run: Callable[[], Any]
+    full: Callable[[], Any] | None = None  # what a full pass (run_all) runs instead
     due: float = 0.0
     reports: list[TaskReport] = field(default_factory=list)
 
@@ -224,13 +280,15 @@ class Maintainer:
     def _build_tasks(self) -> list[_Task]:
         s, e, sch = self.storage, self.engine, self.schedule
         lim = sch.prune_backoff_limit
+        by_volume = TurnWhen(lambda: s.claim_slot_bytes(e), sch.claim_ring_turn_bytes,
+                             sch.claim_ring_turn_after) if sch.claim_ring_turn_bytes else None
+        claim_ring = _Ring(lambda: s.rotate_claims(e), lambda: s.prune_oldest_claims(e), lim, 1, by_volume)
         return [
             _Task("queue_ring", sch.queue_ring_every,
                   _Ring(lambda: s.rotate(e), lambda: s.prune_oldest(e), lim, s.queue_slot_count())),
             _Task("lease_ring", sch.lease_ring_every,
                   _Ring(lambda: s.rotate_leases(e), lambda: s.prune_oldest_leases(e), lim, 1)),
-            _Task("claim_ring", sch.claim_ring_every,
-                  _Ring(lambda: s.rotate_claims(e), lambda: s.prune_oldest_claims(e), lim, 1)),
+            _Task("claim_ring", sch.claim_ring_every, claim_ring, lambda: claim_ring(force=True)),
             _Task("promote", sch.promote_every, self._promote),
             _Task("rescue", sch.rescue_every, self._rescue),
             _Task("rollup", sch.rollup_every,
@@ -286,10 +344,10 @@ class Maintainer:
             raise ValidationError("task", task, f"not one of {self.task_names}")
         return [r for t in chosen for r in t.reports]
 
-    def _run(self, task: _Task) -> TaskReport:
+    def _run(self, task: _Task, *, full: bool = False) -> TaskReport:
         started = time.monotonic()
         try:
-            result, error = task.run(), None
+            result, error = (task.full if full and task.full is not None else task.run)(), None
         except Exception as exc:  # a task's failure must not stop the other tasks
             log.warning("qstore maintenance task %s failed: %s", task.name, exc, exc_info=True)
             result, error = None, f"{type(exc).__name__}: {exc}"
@@ -299,11 +357,12 @@ class Maintainer:
         return report
 
     def run_all(self) -> list[TaskReport]:
-        """Run every task once now, whether due or not (leadership is not checked)."""
+        """Run every task once now, whether due or not (leadership is not checked); every
+        ring turns if it can, whatever its volume."""
         now = time.monotonic()
         out = []
         for t in self._tasks:
-            out.append(self._run(t))
+            out.append(self._run(t, full=True))
             t.due = now + t.every
         return out
 

@@ -241,6 +241,8 @@ def maintainer_summary(m: Maintainer) -> dict[str, int]:
             bump(f"{r.task}:errors")
             continue
         rotated = getattr(r.result, "rotate", None)
+        if rotated is None and getattr(r.result, "slot_bytes", None) is not None:
+            bump(f"{r.task}:not_due")  # a claim-ring run that found its slot not full yet
         if rotated is not None:
             bump(f"{r.task}:rotate:{rotated.kind}")
             pruned = r.result.prune

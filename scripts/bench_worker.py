@@ -67,6 +67,7 @@ from _benchlib import (
     verdict,
 )
 
+from qstore.maintainer import MaintenanceSchedule
 from qstore.tasks import App, JobContext
 from qstore.worker import Worker, WorkerSettings
 
@@ -154,7 +155,8 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
     recorder.reset(n)
     res: dict[str, Any] = {"system": "worker", "phase": phase, "jobs": n}
     with pinned(engine, phase == "pinned"):
-        worker = Worker(app, engine, WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency))
+        worker = Worker(app, engine, WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency,
+                                                        schedule=args.schedule))
         xacts0 = server_xacts(engine)
         cpu0 = time.process_time()
         t0 = time.perf_counter()
@@ -343,6 +345,15 @@ def tail_overlap(runs: TaskRuns, pickups: list[tuple[float, float]], tail: float
     return out
 
 
+def schedule_setting(text: str) -> tuple[str, float | int]:
+    """``FIELD=VALUE`` of ``--schedule``: an int for a field whose default is an int."""
+    name, _, value = text.partition("=")
+    default = getattr(MaintenanceSchedule(), name, None)
+    if default is None or not value:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE with a MaintenanceSchedule field, got {text!r}")
+    return name, int(value) if isinstance(default, int) else float(value)
+
+
 def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[dict[str, Any]]:
     qsys = bs.QstoreSystem(args.qstore_schema, None, deadline=None)
     results = []
@@ -353,7 +364,8 @@ def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[di
             app, task = make_app(qsys, recorder)
             qsys.fresh(engine)
             checkpoint(engine)
-            worker = Worker(app, engine, WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency))
+            worker = Worker(app, engine, WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency,
+                                                        schedule=args.schedule))
             errors: dict[str, int] = {}
 
             def note(exc: Exception, errors: dict[str, int] = errors) -> None:
@@ -446,7 +458,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--qstore-schema", default="bench_worker_qstore")
     p.add_argument("--classic-schema", default="bench_worker_classic")
     p.add_argument("--json", type=Path)
-    return p.parse_args(argv)
+    p.add_argument("--schedule", type=schedule_setting, action="append", default=[], metavar="FIELD=VALUE",
+                   help="a MaintenanceSchedule field of the worker's maintainer (repeatable), e.g. "
+                        "claim_ring_turn_bytes=0")
+    args = p.parse_args(argv)
+    args.schedule = MaintenanceSchedule(**dict(args.schedule)) if args.schedule else None
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -177,7 +177,8 @@ class ChaosOptions:
 def schedule_for(opts: ChaosOptions) -> MaintenanceSchedule:
     """The aggressive cadences of the chaos maintainers."""
     return MaintenanceSchedule(
-        queue_ring_every=0.1, lease_ring_every=0.05, claim_ring_every=0.1, promote_every=0.05,
+        queue_ring_every=0.1, lease_ring_every=0.05, claim_ring_every=0.1, claim_ring_turn_bytes=16384,
+        claim_ring_turn_after=0.5, promote_every=0.05,
         rescue_every=1.0, heartbeat_staleness=opts.heartbeat_staleness, rollup_every=1.0,
         prune_backoff_limit=2, leader_retry_every=0.5,
     )
@@ -738,7 +739,8 @@ class MaintStats:
     def note(self, task: str, result: Any) -> None:
         self.c[f"{task}.runs"] += 1
         if isinstance(result, RingTick):
-            self.c[f"{task}.rotate.{result.rotate.kind}"] += 1
+            turned = result.rotate.kind if result.rotate is not None else "not_due"
+            self.c[f"{task}.rotate.{turned}"] += 1
             if result.prune is not None:
                 self.c[f"{task}.prune.{result.prune.kind}"] += 1
             self.c[f"{task}.prune.caught_up"] += result.caught_up

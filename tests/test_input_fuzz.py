@@ -844,7 +844,7 @@ TARGET_CALLS: list[tuple[str, tuple[Any, ...]]] = [
     ("bulk_retry_from_dlq", (ListDlqFilter(kind="k"),)), ("discard_failed_by_kind", ("k",)), ("list_dlq", ()),
     ("load_dlq_entry", (1,)), ("purge_dlq", ("k",)), ("rotate", ()),
     ("prune_oldest", ()), ("rotate_leases", ()), ("prune_oldest_leases", ()), ("rotate_claims", ()),
-    ("prune_oldest_claims", ()), ("vacuum_leases", ()), ("rollup_terminal_count_deltas", (1,)),
+    ("prune_oldest_claims", ()), ("claim_slot_bytes", ()), ("vacuum_leases", ()), ("rollup_terminal_count_deltas", (1,)),
     ("rebuild_terminal_counters", ()), ("terminal_counter_trusted", ()), ("prepare_schema", ()),
     ("activate_backend", ()), ("install", ()), ("reset", ()), ("active_schema", ()),
 ]

@@ -79,6 +79,7 @@ def test_the_runtime_role_enqueues_claims_completes_rotates_and_prunes(granted):
     assert len(storage.complete_runtime_batch(granted, claimed)) == 3
     assert storage.rotate(granted).kind == "rotated"
     assert storage.prune_oldest(granted) == PruneOutcome.pruned(0)  # TRUNCATE of ring slots
+    assert storage.claim_slot_bytes(granted) > 0  # sizes of the claim ring's current children
     assert storage.rotate_claims(granted).kind == "rotated"
     assert storage.prune_oldest_claims(granted) == PruneOutcome.pruned(0)
     assert storage.rebuild_terminal_counters(granted) >= 0  # TRUNCATE of the live counts

@@ -92,7 +92,8 @@ def deferred_ids(st: QueueStorage, engine: Engine) -> list[int]:
 @pytest.mark.parametrize(("name", "value"), [
     ("queue_ring_every", 0), ("promote_every", -1.0), ("rescue_every", float("nan")),
     ("promote_batch_size", 0), ("rollup_max_slots", 2.5), ("prune_backoff_limit", -1),
-    ("lease_ring_every", True),
+    ("lease_ring_every", True), ("claim_ring_turn_bytes", -1), ("claim_ring_turn_bytes", 1024.5),
+    ("claim_ring_turn_after", 0),
 ])
 def test_schedule_rejects_bad_values_naming_the_field(name: str, value: object) -> None:
     with pytest.raises(ValidationError) as err:
@@ -102,6 +103,10 @@ def test_schedule_rejects_bad_values_naming_the_field(name: str, value: object) 
 
 def test_schedule_allows_no_prune_backoff() -> None:
     assert MaintenanceSchedule(prune_backoff_limit=0).prune_backoff_limit == 0
+
+
+def test_schedule_allows_a_claim_ring_on_a_fixed_clock() -> None:
+    assert MaintenanceSchedule(claim_ring_turn_bytes=0).claim_ring_turn_bytes == 0
 
 
 def test_maintainer_refuses_an_async_engine_or_a_connection(small: QueueStorage, engine: Engine) -> None:
@@ -204,6 +209,20 @@ def test_ring_tasks_rotate_and_prune_spent_history(
     assert pruned >= 3
     counts = small.queue_counts(engine, Q)
     assert (counts.available, counts.running, counts.terminal) == (0, 0, 12)
+
+
+def test_a_queue_ring_tick_prunes_slots_sealed_before_it_not_the_one_it_seals(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    m = maintainers(schedule=MaintenanceSchedule(prune_backoff_limit=0))
+    enqueue(small, engine, 2)
+    claimed = small.claim_runtime_batch(engine, Q, 2)
+    assert len(small.complete_runtime_batch(engine, claimed)) == 2
+    first = run(m, "queue_ring")
+    assert first.rotated and first.prune is not None and first.prune.kind == "noop", first
+    assert small.load_job(engine, claimed[0].job.id) is not None  # finished, still readable
+    second = run(m, "queue_ring")
+    assert second.prune is not None and second.prune.kind == "pruned" and second.prune.slot == 0, second
+    assert small.load_job(engine, claimed[0].job.id) is None
 
 
 def test_prune_backs_off_after_prunes_that_prune_nothing(maintainers: Callable[..., Maintainer]) -> None:
@@ -379,6 +398,8 @@ def test_a_derived_ring_tick_that_prunes_takes_the_ring_lock_once_per_rotate_and
     enqueue(st, engine, 2)
     claimed = st.claim_runtime_batch(engine, Q, 2)
     assert len(st.complete_runtime_batch(engine, claimed)) == 2
+    turn = st.rotate_claims if ring == "claim_ring" else st.rotate_leases
+    assert turn(engine).kind == "rotated"  # the spent slot is sealed: the tick prunes it, then rotates into it
     ring_locks: list[str] = []
 
     def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -390,6 +411,133 @@ def test_a_derived_ring_tick_that_prunes_takes_the_ring_lock_once_per_rotate_and
         tick = m._run(next(t for t in m._tasks if t.name == ring)).result
     finally:
         event.remove(engine, "before_cursor_execute", note)
-    assert isinstance(tick, RingTick) and tick.rotate.kind == "rotated"
+    assert isinstance(tick, RingTick) and tick.rotate is not None  # (idle: nothing written since)
     assert tick.prune is not None and tick.prune.kind == "pruned", tick
     assert len(ring_locks) == 2, ring_locks
+
+
+# -- the claim ring turns by volume ----------------------------------------------------------------
+def tick(m: Maintainer, task: str) -> RingTick:
+    """One scheduled run of ``task`` (not a full pass): what ``run_pending`` does when it is due."""
+    report = m._run(next(t for t in m._tasks if t.name == task))
+    assert report.error is None and isinstance(report.result, RingTick), report
+    return report.result
+
+
+def claim_generation(st: QueueStorage, engine: Engine) -> int:
+    with engine.connect() as c:
+        return int(c.execute(text(f'SELECT generation FROM "{st.schema()}".claim_ring_state')).scalar_one())
+
+
+def claim_and_complete(st: QueueStorage, engine: Engine, n: int) -> None:
+    enqueue(st, engine, n)
+    claimed = st.claim_runtime_batch(engine, Q, n)
+    assert len(st.complete_runtime_batch(engine, claimed)) == n
+
+
+def by_volume(turn_bytes: int, turn_after: float = 3600.0) -> MaintenanceSchedule:
+    return MaintenanceSchedule(claim_ring_turn_bytes=turn_bytes, claim_ring_turn_after=turn_after,
+                               prune_backoff_limit=0)
+
+
+def test_claim_slot_bytes_grows_with_claims_and_starts_again_from_zero_after_a_turn(
+        small: QueueStorage, engine: Engine) -> None:
+    assert small.claim_slot_bytes(engine) == 0
+    claim_and_complete(small, engine, 20)
+    written = small.claim_slot_bytes(engine)
+    assert written > 0
+    claim_and_complete(small, engine, 200)
+    assert small.claim_slot_bytes(engine) > written
+    assert small.rotate_claims(engine).kind == "rotated"
+    assert small.claim_slot_bytes(engine) == 0  # the incoming slot was empty
+
+
+def test_claim_slot_bytes_stays_zero_when_claims_take_leases(make_storage: Callable[..., QueueStorage],
+                                                              engine: Engine) -> None:
+    st = make_storage(lease_claim_receipts=False, **SMALL)
+    claim_and_complete(st, engine, 20)
+    assert st.claim_slot_bytes(engine) == 0
+
+
+def test_the_claim_ring_does_not_turn_while_its_slot_is_below_the_threshold(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    m = maintainers(schedule=by_volume(1 << 30))
+    assert tick(m, "claim_ring").rotate is not None  # a new maintainer looks at once
+    claim_and_complete(small, engine, 20)
+    generation = claim_generation(small, engine)
+    ticks = [tick(m, "claim_ring") for _ in range(3)]
+    assert all(t.rotate is None and t.prune is None for t in ticks), ticks
+    assert all(t.slot_bytes == small.claim_slot_bytes(engine) > 0 for t in ticks)
+    assert claim_generation(small, engine) == generation
+
+
+def test_the_claim_ring_turns_once_its_slot_holds_the_threshold(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    m = maintainers(schedule=by_volume(64 * 1024))
+    tick(m, "claim_ring")
+    claim_and_complete(small, engine, 5)
+    assert small.claim_slot_bytes(engine) < 64 * 1024
+    assert tick(m, "claim_ring").rotate is None
+    while small.claim_slot_bytes(engine) < 64 * 1024:
+        claim_and_complete(small, engine, 10)
+    generation = claim_generation(small, engine)
+    assert tick(m, "claim_ring").rotated
+    assert claim_generation(small, engine) == generation + 1
+    assert tick(m, "claim_ring").rotate is None  # the new slot starts empty
+
+
+def test_the_claim_ring_turns_after_its_age_limit_with_little_written(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    m = maintainers(schedule=by_volume(1 << 30, turn_after=0.3))
+    tick(m, "claim_ring")
+    claim_and_complete(small, engine, 2)
+    assert tick(m, "claim_ring").rotate is None
+    time.sleep(0.35)
+    assert tick(m, "claim_ring").rotated
+
+
+def test_an_idle_claim_ring_is_looked_at_once_per_age_limit(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    m = maintainers(schedule=by_volume(1 << 30, turn_after=0.3))
+    first = tick(m, "claim_ring")
+    assert first.rotate is not None and first.rotate.kind == "skipped_idle"
+    assert tick(m, "claim_ring").rotate is None  # idle: the next look is an age limit away
+    time.sleep(0.35)
+    assert tick(m, "claim_ring").rotate is not None
+
+
+def test_a_refused_claim_ring_turn_is_retried_on_every_tick_until_it_goes_through(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    # Two slots: after one turn the incoming slot is the one still holding an open claim.
+    m = maintainers(schedule=by_volume(64 * 1024))
+    enqueue(small, engine, 1)
+    open_claim = small.claim_runtime_batch(engine, Q, 1)
+    assert tick(m, "claim_ring").rotated  # the open claim's slot is sealed now
+    while small.claim_slot_bytes(engine) < 64 * 1024:
+        claim_and_complete(small, engine, 10)
+    for _ in range(3):
+        t = tick(m, "claim_ring")
+        assert t.rotate is not None and t.rotate.kind == "skipped_busy", t
+        assert t.prune is not None and t.prune.kind == "skipped_active", t
+    assert len(small.complete_runtime_batch(engine, open_claim)) == 1
+    t = tick(m, "claim_ring")  # the prune goes through, and the rotation into the pruned slot
+    assert t.prune is not None and t.prune.kind == "pruned", t
+    assert t.rotated
+
+
+def test_a_full_pass_turns_the_claim_ring_whatever_its_slot_holds(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    m = maintainers(schedule=by_volume(1 << 30))
+    tick(m, "claim_ring")
+    claim_and_complete(small, engine, 2)
+    generation = claim_generation(small, engine)
+    assert run(m, "claim_ring").rotated
+    assert claim_generation(small, engine) == generation + 1
+
+
+def test_a_zero_byte_threshold_turns_the_claim_ring_on_every_tick(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    m = maintainers(schedule=by_volume(0))
+    for _ in range(3):
+        claim_and_complete(small, engine, 1)
+        assert tick(m, "claim_ring").rotated

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy import Engine, create_engine, event, func, select, text
 
 from qstore import QueueStorage
 from qstore.errors import UniqueConflictError, ValidationError
@@ -136,6 +136,56 @@ def test_prune_counts_the_whole_slot_when_the_ends_of_its_lanes_are_spent(
     assert small.prune_oldest(engine) == PruneOutcome.skipped_active(
         0, SkipReason.QUEUE_PENDING_READY, 20 - TAIL_PROBE)
     assert rows_in(small, engine, "ready_entries_0") == 20
+
+
+def row_probes_of_a_prune(st: QueueStorage, engine: Engine) -> tuple[PruneOutcome, list[str]]:
+    """``prune_oldest`` and the statements it sent that probe the slot's rows one by one
+    (the pending-rows counts, which look up each row's tombstone)."""
+    seen: list[str] = []
+
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("SELECT count(*)") and "ready_tombstones_" in statement:
+            seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        return st.prune_oldest(engine), seen
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
+
+
+def test_prune_of_a_slot_every_lane_cursor_has_passed_probes_no_row(small: QueueStorage, engine: Engine) -> None:
+    enqueue(small, engine, 20)
+    assert drain(small, engine) == 20  # its last, empty claim walks every lane's cursor past the slot
+    assert small.rotate(engine).kind == "rotated"
+    out, probes = row_probes_of_a_prune(small, engine)
+    assert out == PruneOutcome.pruned(0)
+    assert probes == []
+    assert small.queue_counts(engine, Q).terminal == 20
+
+
+def test_prune_of_a_slot_a_lane_cursor_has_not_passed_counts_its_rows_and_still_prunes(
+        small: QueueStorage, engine: Engine) -> None:
+    small.set_queue_options(engine, Q, enqueue_shards=1)
+    enqueue(small, engine, 5)
+    claimed = small.claim_runtime_batch(engine, Q, 5)  # no later claim walks the lane's cursor past them
+    assert len(small.complete_runtime_batch(engine, claimed)) == 5
+    assert small.rotate(engine).kind == "rotated"
+    out, probes = row_probes_of_a_prune(small, engine)
+    assert out == PruneOutcome.pruned(0)
+    assert probes  # the cursor could not vouch for the rows: each was looked at
+
+
+def test_prune_of_a_slot_with_a_row_beyond_its_lane_cursor_finds_it_pending(
+        small: QueueStorage, engine: Engine) -> None:
+    small.set_queue_options(engine, Q, enqueue_shards=1)
+    enqueue(small, engine, 6)
+    claimed = small.claim_runtime_batch(engine, Q, 5)
+    assert len(small.complete_runtime_batch(engine, claimed)) == 5
+    assert small.rotate(engine).kind == "rotated"
+    out, probes = row_probes_of_a_prune(small, engine)
+    assert out == PruneOutcome.skipped_active(0, SkipReason.QUEUE_PENDING_READY, 1)
+    assert probes
 
 
 def test_prune_skips_slot_with_unclaimed_ready_row(small: QueueStorage, engine: Engine) -> None:

@@ -199,6 +199,7 @@ class Operations:
     vacuum_leases = op(NO_TRANSACTION, rings.vacuum_leases)
     rotate_claims = op(JOIN, rings.rotate_claims)
     prune_oldest_claims = op(JOIN, rings.prune_oldest_claims)
+    claim_slot_bytes = op(JOIN, rings.claim_slot_bytes)
     rollup_terminal_count_deltas = op(UNITS, counters.rollup_terminal_count_deltas, max_slots=C.slot_count)
     rebuild_terminal_counters = op(JOIN, counters.rebuild_terminal_counters)
     terminal_counter_trusted = op(JOIN, counters.terminal_counter_trusted)

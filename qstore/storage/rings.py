@@ -32,7 +32,11 @@ Guarantees
 
   - G1 ``QUEUE_ACTIVE_LEASES``: leases (any lease slot) with ``ready_slot = k``;
   - G2 ``QUEUE_PENDING_READY``: ready rows of slot k neither tombstoned nor covered by a
-    ``ready_claim_ranges`` row of their lane. The last ``TAIL_PROBE`` rows of every lane are
+    ``ready_claim_ranges`` row of their lane. The lanes' claim cursors are read first: a
+    claim moves its lane's cursor only over positions it found covered by committed claim
+    ranges (or spent: aborted reservations, truncated history), so when no lane has a row
+    in the slot beyond its cursor, nothing there is pending, at one index probe per lane.
+    Otherwise the last ``TAIL_PROBE`` rows of every lane are
     probed first (claims consume a lane in position order, so a backlog shows there); the
     skip then reports the pending rows found among them, a lower bound. Only when none is
     pending is the whole slot counted, so a backlog of any size costs a few index probes;
@@ -88,7 +92,7 @@ from qstore.storage.planes import control, upkeep
 from qstore.storage.planes.upkeep import Blocked, bounded_count
 from qstore.storage.sql import receipt_closed
 
-__all__ = ["oldest_initialised_slot", "prune_oldest", "prune_oldest_claims", "prune_oldest_leases", "rotate",
+__all__ = ["claim_slot_bytes", "oldest_initialised_slot", "prune_oldest", "prune_oldest_claims", "prune_oldest_leases", "rotate",
            "rotate_claims", "rotate_leases", "vacuum_leases"]
 
 
@@ -102,6 +106,7 @@ class QueueGates:
     """Gates G1-G3 and the fold/release statements of one queue slot."""
 
     active_leases: Select[Any]
+    lanes_past_cursor: Select[Any]
     tail_pending: Select[Any]
     pending_ready: Select[Any]
     open_claims: Select[Any]
@@ -145,6 +150,14 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
     tail = (select(r.c.queue, r.c.priority, r.c.enqueue_shard, r.c.lane_seq)
             .where(same_lane(h)).order_by(r.c.lane_seq.desc()).limit(TAIL_PROBE).lateral("tail"))
     tail_pending = select(func.count()).select_from(h.join(tail, true())).where(is_pending(tail))
+    # A lane's claim cursor (its claim sequence) is only moved over positions a claim found
+    # covered by committed claim ranges, or spent (see claim_ready): a lane whose last row in
+    # the slot lies at or below its cursor has no pending row there. Lanes are never deleted,
+    # so every row of the slot has its lane's head here.
+    last = (select(r.c.lane_seq).where(same_lane(h)).order_by(r.c.lane_seq.desc()).limit(1)
+            .lateral("last_row"))
+    cursor = func.coalesce(func.pg_sequence_last_value(h.c.claim_seq), 0)
+    lanes_past_cursor = select(func.count()).select_from(h.join(last, true())).where(last.c.lane_seq > cursor)
     # ground truth of the slot's terminal history, appended to the ledger (no row updated)
     n = func.count()
     fold = insert(ledger).from_select(
@@ -163,6 +176,7 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
     )
     return QueueGates(
         active_leases=bounded_count(select(literal(1)).select_from(le).where(le.c.ready_slot == k)),
+        lanes_past_cursor=lanes_past_cursor,
         tail_pending=tail_pending,
         pending_ready=bounded_count(pending),
         open_claims=bounded_count(select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed)),
@@ -220,16 +234,32 @@ def rotate_claims(ctx: StorageContext, conn: Connection) -> RotateOutcome:
     return _rotate(conn, ctx.schema, ctx.schema.claim_ring)
 
 
+def claim_slot_bytes(ctx: StorageContext, conn: Connection) -> int:
+    """Bytes written to the claim ring's current slot since it was (re)initialised: the heap
+    sizes of its receipt and closure children, summed (one statement, no lock beyond a
+    read of those two children). A maintainer turns the ring once this passes a threshold
+    (or the slot has been current long enough) instead of on a fixed clock, so the bytes a
+    slot holds follow the claim volume, not the claim rate."""
+    return upkeep.current_bytes(conn, ctx.schema.claim_ring)
+
+
 # -- prune: queue ring -----------------------------------------------------------------------
 def _queue_gate_failure(conn: Connection, gates: QueueGates, k: int) -> PruneOutcome | None:
     # Each gate is its own statement (its own snapshot), so the order matters: pending ready
     # rows first. A claim commits its range and its lease or receipt together; if it commits
     # after the G2 statement, the G1/G3 statements that follow see its attempt. Checked the
     # other way round, a claim committing between the lease gate and G2 passes both.
-    for stmt, reason in ((gates.tail_pending, SkipReason.QUEUE_PENDING_READY),
-                         (gates.pending_ready, SkipReason.QUEUE_PENDING_READY),
-                         (gates.active_leases, SkipReason.QUEUE_ACTIVE_LEASES),
-                         (gates.open_claims, SkipReason.QUEUE_OPEN_CLAIMS)):
+    # G2 starts from the lanes' claim cursors: when no lane has a row in the slot beyond its
+    # cursor, every row there is spent (the cursor moved over committed claims only, which
+    # committed their attempts with them), and the per-row probes are not needed. Only a lane
+    # whose cursor has not passed the slot (a backlog, or a lane whose last claim no later
+    # claim has walked over yet) sends the gate to the probes.
+    gates_to_run = [(gates.active_leases, SkipReason.QUEUE_ACTIVE_LEASES),
+                    (gates.open_claims, SkipReason.QUEUE_OPEN_CLAIMS)]
+    if int(conn.execute(gates.lanes_past_cursor).scalar_one()):
+        gates_to_run[:0] = [(gates.tail_pending, SkipReason.QUEUE_PENDING_READY),
+                            (gates.pending_ready, SkipReason.QUEUE_PENDING_READY)]
+    for stmt, reason in gates_to_run:
         n = int(conn.execute(stmt).scalar_one())
         if n:
             return PruneOutcome.skipped_active(k, reason, n)

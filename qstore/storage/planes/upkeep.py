@@ -20,6 +20,7 @@ from sqlalchemy import (
     Select,
     Table,
     bindparam,
+    case,
     cast,
     func,
     literal,
@@ -228,6 +229,24 @@ def pristine_slots(conn: Connection, ring: Ring) -> list[bool]:
     sizes = conn.execute(_ring_sizes(ring)).one()
     per_slot = len(ring.families)
     return [not any(sizes[i:i + per_slot]) for i in range(0, len(sizes), per_slot)]
+
+
+@functools.lru_cache(maxsize=192)
+def _current_bytes(ring: Ring) -> Select[Any]:
+    cur = ring.state.c.generation % ring.slot_count
+    per_slot = [
+        (cur == k, sum((func.pg_relation_size(regclass(t)) for t in ring.children(k)), literal(0)))
+        for k in range(ring.slot_count)
+    ]
+    return select(case(*per_slot, else_=literal(0))).select_from(ring.state)
+
+
+def current_bytes(conn: Connection, ring: Ring) -> int:
+    """Heap bytes of the children of ``ring``'s current slot, summed: how much has been
+    written to the slot (deleted and rolled-back rows included) since it was (re)initialised.
+    One statement, which opens the current slot's children only (a prune never truncates the
+    current slot, so it does not queue behind one)."""
+    return int(conn.execute(_current_bytes(ring)).scalar_one())
 
 
 def written(conn: Connection, ring: Ring, slot: int) -> list[Table]:

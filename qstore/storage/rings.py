@@ -249,11 +249,8 @@ def _queue_gate_failure(conn: Connection, gates: QueueGates, k: int) -> PruneOut
     # rows first. A claim commits its range and its lease or receipt together; if it commits
     # after the G2 statement, the G1/G3 statements that follow see its attempt. Checked the
     # other way round, a claim committing between the lease gate and G2 passes both.
-    # G2 starts from the lanes' claim cursors: when no lane has a row in the slot beyond its
-    # cursor, every row there is spent (the cursor moved over committed claims only, which
-    # committed their attempts with them), and the per-row probes are not needed. Only a lane
-    # whose cursor has not passed the slot (a backlog, or a lane whose last claim no later
-    # claim has walked over yet) sends the gate to the probes.
+    # G2 starts from the lanes' claim cursors (see _queue_gates); the per-row probes run only
+    # when some lane has a row in the slot beyond its cursor.
     gates_to_run = [(gates.active_leases, SkipReason.QUEUE_ACTIVE_LEASES),
                     (gates.open_claims, SkipReason.QUEUE_OPEN_CLAIMS)]
     if int(conn.execute(gates.lanes_past_cursor).scalar_one()):

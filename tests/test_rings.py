@@ -188,6 +188,17 @@ def test_prune_of_a_slot_with_a_row_beyond_its_lane_cursor_finds_it_pending(
     assert probes
 
 
+def test_claim_slot_bytes_on_a_callers_connection_counts_its_own_uncommitted_claims(
+        small: QueueStorage, engine: Engine) -> None:
+    enqueue(small, engine, 3)
+    with engine.connect() as conn, conn.begin():
+        assert small.claim_slot_bytes(conn) == 0
+        assert len(small.claim_runtime_batch(conn, Q, 3)) == 3
+        assert small.claim_slot_bytes(conn) > 0  # sizes count written pages, committed or not
+        conn.rollback()
+    assert small.claim_slot_bytes(engine) > 0  # rolled-back writes still take their pages
+
+
 def test_prune_skips_slot_with_unclaimed_ready_row(small: QueueStorage, engine: Engine) -> None:
     enqueue(small, engine, 3)
     assert small.rotate(engine).kind == "rotated"

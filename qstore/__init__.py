@@ -4,6 +4,7 @@ from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import (
     CallbackNotFoundError,
     CallbackWaitEndedError,
+    CallerTransactionRefusedError,
     DatabaseError,
     PartialCommitError,
     QueueStorageError,
@@ -39,6 +40,7 @@ __all__ = [
     "CallbackNotFoundError",
     "CallbackPollResult",
     "CallbackWaitEndedError",
+    "CallerTransactionRefusedError",
     "ClaimedEntry",
     "ClaimedRuntimeJob",
     "DatabaseError",

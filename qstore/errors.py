@@ -18,6 +18,7 @@ from sqlalchemy import exc as sa_exc
 __all__ = [
     "CallbackNotFoundError",
     "CallbackWaitEndedError",
+    "CallerTransactionRefusedError",
     "DatabaseError",
     "InvariantError",
     "PartialCommitError",
@@ -60,6 +61,18 @@ class ValidationError(QueueStorageError, ValueError):
         self.value = value
         self.reason = reason
         super().__init__(f"invalid {field}={describe(value)}: {reason}")
+
+
+class CallerTransactionRefusedError(ValidationError):
+    """An operation that must run in a transaction of its own was given a caller's
+    ``Connection`` or ``Session`` (or their async twins). Refused before anything is sent
+    to the database, so the caller's transaction is untouched and still usable.
+    ``operation`` names the operation; the message says why it needs an ``Engine``."""
+
+    def __init__(self, operation: str, target: str, why: str) -> None:
+        self.operation = operation
+        super().__init__("target", target, f"{operation} cannot run in a caller's transaction: {why}; "
+                                           f"pass an Engine (or AsyncEngine)")
 
 
 class ShapeMismatchError(ValidationError):

@@ -13,11 +13,11 @@ from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 from jobtools import params
-from sqlalchemy import Connection, Engine, text
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy import Connection, Engine, event, text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
-from qstore import QueueStorage
+from qstore import CallerTransactionRefusedError, QueueStorage, ValidationError
 from qstore.aio import AsyncQueueStorage
 from qstore.model import JobState
 
@@ -149,11 +149,95 @@ def test_claimer_slot_taken_in_a_rolled_back_transaction_stays_free(engine, st):
     assert st.acquire_queue_claimer(engine, "q", other, 1, 60, 60) is not None
 
 
-def test_rotation_inside_a_rolled_back_transaction_leaves_a_usable_ring(engine, st):
+def ring_states(engine, st: QueueStorage) -> dict[str, tuple[int, int]]:
+    """Each ring's (current slot, generation), read on a connection of its own."""
+    with engine.connect() as c:
+        return {ring: tuple(c.execute(text(
+            f'SELECT current_slot, generation FROM "{st.schema()}".{ring}_ring_state')).one())
+            for ring in ("queue", "lease", "claim")}
+
+
+ROTATIONS = ["rotate", "rotate_leases", "rotate_claims"]
+RING = {"rotate": "queue", "rotate_leases": "lease", "rotate_claims": "claim"}
+
+
+def write_every_ring(engine, st: QueueStorage) -> None:
+    """A ready row, a claim receipt and a lease in every ring's current slot, so each ring
+    has something to rotate away from."""
     st.enqueue_params_batch(engine, [params(args={"n": 1})])
-    with connection_rolled_back(engine) as conn:
-        assert st.rotate(conn).kind == "rotated"
-    st.enqueue_params_batch(engine, [params(args={"n": 2})])
+    claimed = st.claim_runtime_batch(engine, "q", 1)
+    st.register_callback(engine, claimed[0].job.id, claimed[0].job.run_lease, 60)
+
+
+@contextmanager
+def statements_sent(engine: Engine) -> Iterator[list[str]]:
+    """Every statement any connection of ``engine`` sends while the block runs."""
+    sent: list[str] = []
+
+    def listen(conn, cursor, statement, parameters, context, executemany) -> None:
+        sent.append(statement)
+
+    event.listen(engine, "before_cursor_execute", listen)
+    try:
+        yield sent
+    finally:
+        event.remove(engine, "before_cursor_execute", listen)
+
+
+@pytest.mark.parametrize("operation", ROTATIONS)
+def test_rotation_inside_a_rolled_back_transaction_leaves_a_usable_ring(engine, st, operation):
+    """A rotation moves its ring's cursor, a sequence, which no rollback undoes: on a caller's
+    transaction it is refused before anything reaches the database, so the ring stays where
+    the committed state has it and the caller's transaction stays usable."""
+    write_every_ring(engine, st)
+    before = ring_states(engine, st)
+    assert before == {"queue": (0, 0), "lease": (0, 0), "claim": (0, 0)}
+    with statements_sent(engine) as sent, connection_rolled_back(engine) as conn:
+        with pytest.raises(CallerTransactionRefusedError, match=f"{operation}.*Engine") as refused:
+            getattr(st, operation)(conn)
+        assert isinstance(refused.value, ValidationError)
+        assert refused.value.operation == operation
+        assert sent == []
+        assert ring_states(engine, st) == before
+        st.enqueue_params_batch(conn, [params(args={"n": 2})])  # the transaction is usable
+    assert ring_states(engine, st) == before
+    assert getattr(st, operation)(engine).kind == "rotated"  # an Engine rotates
+    st.enqueue_params_batch(engine, [params(args={"n": 3})])
     jobs = st.claim_runtime_batch(engine, "q", 10)
-    assert len(st.complete_runtime_batch(engine, jobs)) == 2
+    assert len(st.complete_runtime_batch(engine, jobs)) == 1
     assert {st.load_job(engine, j.job.id).state for j in jobs} == {JobState.COMPLETED}
+
+
+@pytest.mark.parametrize("operation", ROTATIONS)
+def test_rotation_is_refused_on_a_session_before_it_touches_the_database(engine, st, operation):
+    write_every_ring(engine, st)
+    with statements_sent(engine) as sent, Session(engine) as session:
+        with pytest.raises(CallerTransactionRefusedError, match="pass an Engine"):
+            getattr(st, operation)(session)
+        assert sent == []
+        assert not session.in_transaction()  # not even a connection was checked out
+    assert ring_states(engine, st)[RING[operation]] == (0, 0)
+
+
+@pytest.mark.parametrize("operation", ROTATIONS)
+def test_rotation_is_refused_on_async_targets(db_url, engine, st, operation):
+    write_every_ring(engine, st)
+    ast = AsyncQueueStorage(st)
+
+    async def main() -> None:
+        aengine = create_async_engine(db_url)
+        try:
+            async with aengine.connect() as conn:
+                trans = await conn.begin()
+                with pytest.raises(CallerTransactionRefusedError):
+                    await getattr(ast, operation)(conn)
+                await trans.rollback()
+            async with AsyncSession(aengine) as session:
+                with pytest.raises(CallerTransactionRefusedError):
+                    await getattr(ast, operation)(session)
+            assert (await getattr(ast, operation)(aengine)).kind == "rotated"
+        finally:
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert ring_states(engine, st)[RING[operation]] == (1, 1)

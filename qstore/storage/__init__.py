@@ -13,8 +13,13 @@ Policies in one sentence each: ``JOIN`` — its own transaction on an Engine, th
 otherwise; ``ATOMIC`` — the same, but a SAVEPOINT inside a caller's transaction, so an
 error leaves nothing half-written; ``STATEMENT`` — one autocommitted statement on an
 Engine; ``UNITS`` — a transaction per unit of work on an Engine (each stripe of a claim;
-the two parts of a completion; each slot of a counter rollup); ``NO_TRANSACTION`` —
-autocommit on an Engine, refused inside a transaction. The seed's ``*_in_tx`` / ``*_tx``
+the two parts of a completion; each slot of a counter rollup); ``OWN`` — its own
+transaction on an Engine, refused on a caller's ``Connection`` or ``Session`` before
+anything is sent (``CallerTransactionRefusedError``), because its effect would outlive a
+rollback (the ring rotations: a ring's cursor is a sequence); ``NO_TRANSACTION`` —
+autocommit on an Engine, refused likewise (``VACUUM`` cannot run inside a transaction).
+A rollback of a caller's transaction undoes every other operation; what it leaves behind
+is listed in :mod:`qstore.storage.targets`. The seed's ``*_in_tx`` / ``*_tx``
 names are the same operations (pass the caller's ``Connection`` or ``Session``).
 """
 
@@ -52,8 +57,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Naming", "Operations", "QueueStorage"]
 
-JOIN, SNAPSHOT, ATOMIC, STATEMENT, UNITS, NO_TRANSACTION = (
-    Policy.JOIN, Policy.SNAPSHOT, Policy.ATOMIC, Policy.STATEMENT, Policy.UNITS, Policy.NO_TRANSACTION)
+JOIN, SNAPSHOT, ATOMIC, STATEMENT, UNITS, OWN, NO_TRANSACTION = (
+    Policy.JOIN, Policy.SNAPSHOT, Policy.ATOMIC, Policy.STATEMENT, Policy.UNITS, Policy.OWN,
+    Policy.NO_TRANSACTION)
 C = checks
 
 
@@ -192,12 +198,12 @@ class Operations:
     purge_dlq = op(ATOMIC, dlq.purge_dlq, kind=C.optional_text, queue=C.optional_queue)
 
     # -- ring maintenance and counters --------------------------------------------------------------
-    rotate = op(JOIN, rings.rotate)
+    rotate = op(OWN, rings.rotate)
     prune_oldest = op(JOIN, rings.prune_oldest)
-    rotate_leases = op(JOIN, rings.rotate_leases)
+    rotate_leases = op(OWN, rings.rotate_leases)
     prune_oldest_leases = op(JOIN, rings.prune_oldest_leases)
     vacuum_leases = op(NO_TRANSACTION, rings.vacuum_leases)
-    rotate_claims = op(JOIN, rings.rotate_claims)
+    rotate_claims = op(OWN, rings.rotate_claims)
     prune_oldest_claims = op(JOIN, rings.prune_oldest_claims)
     claim_slot_bytes = op(JOIN, rings.claim_slot_bytes)
     rollup_terminal_count_deltas = op(UNITS, counters.rollup_terminal_count_deltas, max_slots=C.slot_count)

@@ -25,7 +25,14 @@ from sqlalchemy.util.concurrency import greenlet_spawn
 
 from qstore.errors import translated
 from qstore.storage.context import StorageContext
-from qstore.storage.targets import AsyncTarget, Policy, Target, run, sync_target
+from qstore.storage.targets import (
+    AsyncTarget,
+    Policy,
+    Target,
+    refuse_callers_transaction,
+    run,
+    sync_target,
+)
 
 if TYPE_CHECKING:
     from qstore.storage.checks import Check
@@ -94,12 +101,12 @@ class Operation(Generic[P, R]):
 
     def bind(self, ctx: StorageContext) -> Callable[..., R]:
         """The synchronous call of this operation for one install."""
-        policy, body, check = self.policy, self.body, self.check
+        policy, body, check, name = self.policy, self.body, self.check, self.name
 
         def call(target: Target, *args: Any, **kwargs: Any) -> R:
             args, kwargs = check(args, kwargs)
             try:
-                return run(policy, target, lambda conn: body(ctx, conn, *args, **kwargs))
+                return run(policy, target, lambda conn: body(ctx, conn, *args, **kwargs), name)
             except Exception as err:
                 mapped = translated(err)
                 if mapped is err:
@@ -112,10 +119,12 @@ class Operation(Generic[P, R]):
         """The async call: the synchronous one, run in a greenlet on the async target's
         synchronous counterpart (so the policy applies exactly as on the sync face)."""
         sync_call = self.bind(ctx)
-        check = self.check
+        check, policy, name = self.check, self.policy, self.name
 
         async def call(target: AsyncTarget, *args: Any, **kwargs: Any) -> R:
             args, kwargs = check(args, kwargs)
+            # before the async target is started: a refusal sends nothing
+            refuse_callers_transaction(policy, target, name)
             return await greenlet_spawn(sync_call, await sync_target(target), *args, **kwargs)
 
         return self._named(call)

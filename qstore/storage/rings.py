@@ -1,7 +1,9 @@
 """Ring maintenance: rotate and prune the queue, lease and claim rings.
 
-The operations run on a connection in the transaction their policy gives them (one of their
-own with an Engine, the caller's otherwise).
+The operations run on a connection in the transaction their policy gives them: prune in
+one of its own with an Engine, the caller's otherwise; rotation only ever in one of its own
+(a ring's cursor is a sequence, which a rollback would not undo, so a caller's transaction
+is refused).
 
 Guarantees
 ----------
@@ -209,8 +211,8 @@ def _rotate(conn: Connection, sch: StorageSchema, ring: Ring) -> RotateOutcome:
     busy = upkeep.busy(conn, ring, nxt)
     if busy.total():
         return RotateOutcome.skipped_busy(nxt, busy)
-    # not undone by a rollback of the surrounding transaction, which is harmless: the
-    # incoming slot was just found empty under the ring lock
+    # a sequence move, visible to every session at once: the policy gives rotation a
+    # transaction of its own, so nothing after this statement can roll back under it
     upkeep.advance(conn, ring, gen + 1)
     return RotateOutcome.rotated(nxt, gen + 1)
 

@@ -26,9 +26,22 @@ policy                        ``Engine`` / ``AsyncEngine``                  ``Co
                               :class:`Runner`)
 ``UNITS``                     one transaction per unit the operation       every unit in the caller's transaction
                               asks for (see :class:`Transactions`)
-``NO_TRANSACTION``            an autocommit connection, outside any        refused (``ValidationError``): the
-                              transaction block (``VACUUM``)                statement cannot run in a transaction
+``OWN``                       one transaction, committed (rolled back on   refused (``CallerTransactionRefusedError``)
+                              error)                                       before anything is sent: what the
+                                                                           operation does (a ring cursor's
+                                                                           ``setval``) would outlive a rollback
+``NO_TRANSACTION``            an autocommit connection, outside any        refused (``CallerTransactionRefusedError``):
+                              transaction block (``VACUUM``)                the statement cannot run in a transaction
 ============================  ==========================================  ==================================
+
+A rollback of the caller's transaction undoes everything an operation did there, with
+three kinds of exception, none of which changes what a later call sees: sequences that
+only hand out numbers (job ids, lane positions, the lane rotor) keep the numbers they gave
+(a gap is skipped by design); a lane's claim-cursor hint may have moved forward, but only
+over positions that committed claims consumed or that hold no row (it is a hint a claim
+moves over committed evidence alone); and the process's cache of enqueue shard counts may
+have lost entries (it is re-read), never gained one. Operations whose effect would outlive
+a rollback take the ``OWN`` policy instead.
 
 Hot statements (claim, fast completion, enqueue) go through a :class:`Runner`: on a
 synchronous psycopg connection it sends a :class:`~qstore.storage.sql.HotStatement` on the
@@ -50,7 +63,7 @@ import psycopg
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
-from qstore.errors import ValidationError
+from qstore.errors import CallerTransactionRefusedError, ValidationError
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
@@ -65,6 +78,7 @@ __all__ = [
     "Target",
     "Transactions",
     "reads_committed_state",
+    "refuse_callers_transaction",
     "run",
     "sync_target",
 ]
@@ -87,7 +101,30 @@ class Policy(enum.Enum):
     ATOMIC = "atomic"
     STATEMENT = "statement"
     UNITS = "units"
+    OWN = "own"
     NO_TRANSACTION = "no_transaction"
+
+
+#: Why each policy that needs an Engine refuses a caller's transaction.
+_NEEDS_ENGINE = {
+    Policy.OWN: "it moves a ring cursor, a sequence, which a rollback of your transaction "
+                "would not undo (and other sessions would see the move before you commit)",
+    Policy.NO_TRANSACTION: "it runs VACUUM, which cannot run inside a transaction block",
+}
+
+
+def refuse_callers_transaction(policy: Policy, target: object, operation: str = "this operation") -> None:
+    """Raise :class:`~qstore.errors.CallerTransactionRefusedError` when ``policy`` needs a
+    transaction of its own and ``target`` is a caller's (anything but an ``Engine`` or
+    ``AsyncEngine``). Sends nothing to the database."""
+    why = _NEEDS_ENGINE.get(policy)
+    if why is None or isinstance(target, Engine):
+        return
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    if isinstance(target, AsyncEngine):
+        return
+    raise CallerTransactionRefusedError(operation, type(target).__name__, why)
 
 
 def _refuse(target: object) -> ValidationError:
@@ -246,11 +283,13 @@ class Transactions:
             yield _callers_connection(self._target)
 
 
-def run(policy: Policy, target: Target, body: Callable[[Any], R]) -> R:
+def run(policy: Policy, target: Target, body: Callable[[Any], R], operation: str = "this operation") -> R:
     """Run ``body`` under ``policy`` on ``target``; ``body`` gets a ``Connection`` (a
-    :class:`Transactions` for ``UNITS``, a :class:`Runner` for ``STATEMENT``)."""
+    :class:`Transactions` for ``UNITS``, a :class:`Runner` for ``STATEMENT``). ``operation``
+    names the operation in a refusal."""
     if not isinstance(target, Engine | Connection | Session):
         raise _refuse(target)
+    refuse_callers_transaction(policy, target, operation)
     if policy is Policy.UNITS:
         return body(Transactions(target))
     if policy is Policy.STATEMENT:
@@ -267,9 +306,6 @@ def run(policy: Policy, target: Target, body: Callable[[Any], R]) -> R:
                 return body(conn)
         with _own_transaction(target) as conn:
             return body(conn)
-    if policy is Policy.NO_TRANSACTION:
-        raise ValidationError("target", type(target).__name__,
-                              "this operation runs VACUUM, which cannot run inside a transaction block: pass an Engine")
     conn = _callers_connection(target)
     if policy is Policy.ATOMIC:
         with conn.begin_nested():

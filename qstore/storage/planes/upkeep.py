@@ -178,7 +178,9 @@ def generation(conn: Connection, ring: Ring) -> int:
 
 def advance(conn: Connection, ring: Ring, to: int) -> None:
     """Move the ring's cursor to generation ``to``. A sequence move: no row is updated, so
-    it leaves no dead tuple; a rollback of the surrounding transaction does not undo it."""
+    it leaves no dead tuple; other sessions see it at once and a rollback of the
+    surrounding transaction does not undo it (so rotations refuse a caller's transaction:
+    the ``OWN`` policy)."""
     conn.execute(_cursor(ring).advance, {"gen": to})
 
 

@@ -7,6 +7,7 @@ Every public operation raises only :class:`QueueStorageError` subclasses. Driver
 from __future__ import annotations
 
 import functools
+import re
 import reprlib
 import uuid
 from collections.abc import Callable
@@ -27,6 +28,7 @@ __all__ = [
     "ShapeMismatchError",
     "UniqueConflictError",
     "ValidationError",
+    "names_missing_schema_object",
     "translate_errors",
     "translated",
     "wrap_driver_error",
@@ -128,8 +130,10 @@ class CallbackWaitEndedError(QueueStorageError):
 
 
 class SchemaNotInstalledError(QueueStorageError):
-    """The storage schema (or its recorded configuration) does not exist in the database.
-    ``found`` lists the qstore installs the database does hold (may be empty)."""
+    """The storage schema (or its recorded configuration) does not exist in the database,
+    or lacks an object this release uses (an operation found a table, function, type or
+    the schema itself missing; the driver's error is the ``__cause__``). ``found`` lists the
+    qstore installs the database does hold, when they were looked up (may be empty)."""
 
     def __init__(self, schema: str, found: list[str] | None = None) -> None:
         self.schema = schema
@@ -175,6 +179,29 @@ def _sqlstate(err: BaseException) -> str | None:
     return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
 
 
+#: SQLSTATEs of a missing relation, function, type or schema: on an install's own objects
+#: they mean the install is not there (or not at the revision this release uses).
+_MISSING_OBJECT = frozenset({"42P01", "42883", "42704", "3F000"})
+
+
+def _server_message(err: BaseException) -> str:
+    """The server's primary message of a driver error (never the SQL text), else the
+    driver's own text."""
+    orig = getattr(err, "orig", None) or err
+    diag = getattr(orig, "diag", None)
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    return str(primary) if primary else str(orig)
+
+
+def names_missing_schema_object(err: BaseException, schema: str) -> bool:
+    """True when ``err`` says an object of ``schema`` (a table, sequence, view, function
+    or type qualified by it, or the schema itself) does not exist."""
+    if _sqlstate(err) not in _MISSING_OBJECT:
+        return False
+    pattern = rf'(?<![\w$])"?{re.escape(schema)}"?\.|schema "{re.escape(schema)}"'
+    return re.search(pattern, _server_message(err)) is not None
+
+
 def wrap_driver_error(err: BaseException) -> QueueStorageError:
     """Map a driver error to the qstore hierarchy (23505 → UniqueConflictError)."""
     if isinstance(err, QueueStorageError):
@@ -192,13 +219,17 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def translated(err: BaseException) -> BaseException:
+def translated(err: BaseException, schema: str | None = None) -> BaseException:
     """The qstore error to raise for ``err``: driver errors (SQLAlchemy's and psycopg's own,
     e.g. from statements run on the raw driver connection) become
-    :class:`QueueStorageError` subclasses; anything else is returned as it is."""
+    :class:`QueueStorageError` subclasses; anything else is returned as it is. With
+    ``schema`` (the install an operation works on), a missing object of that schema is
+    :class:`SchemaNotInstalledError`."""
     if isinstance(err, QueueStorageError):
         return err
     if isinstance(err, sa_exc.DBAPIError | sa_exc.OperationalError | psycopg.Error):
+        if schema is not None and names_missing_schema_object(err, schema):
+            return SchemaNotInstalledError(schema)
         return wrap_driver_error(err)
     if isinstance(err, sa_exc.SQLAlchemyError):
         return DatabaseError(err)

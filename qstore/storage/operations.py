@@ -102,13 +102,14 @@ class Operation(Generic[P, R]):
     def bind(self, ctx: StorageContext) -> Callable[..., R]:
         """The synchronous call of this operation for one install."""
         policy, body, check, name = self.policy, self.body, self.check, self.name
+        schema = ctx.config.schema
 
         def call(target: Target, *args: Any, **kwargs: Any) -> R:
             args, kwargs = check(args, kwargs)
             try:
                 return run(policy, target, lambda conn: body(ctx, conn, *args, **kwargs), name)
             except Exception as err:
-                mapped = translated(err)
+                mapped = translated(err, schema)
                 if mapped is err:
                     raise
                 raise mapped from err

@@ -25,7 +25,7 @@ from sqlalchemy import exc as sa_exc
 from qstore import migrate
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.embedded import embedded_database
-from qstore.errors import DatabaseError, QueueStorageError
+from qstore.errors import QueueStorageError
 from qstore.storage import QueueStorage
 
 __all__ = [
@@ -97,15 +97,10 @@ def _engine(url: str, *, pooled: bool = False) -> Engine:
 
 
 def one_line(err: BaseException) -> str:
-    """``err`` as one line: whitespace collapsed, SQLAlchemy's background link, SQL text and
-    parameters left out (the server's words stay)."""
-    if isinstance(err, DatabaseError):
-        orig = getattr(err.original, "orig", None) or err.original
-        state = f" ({err.sqlstate})" if err.sqlstate else ""
-        text_ = f"database error{state}: {orig}"
-    else:
-        text_ = str(err)
-    return " ".join(text_.split())
+    """``err`` as one line, whitespace collapsed. A :class:`~qstore.errors.QueueStorageError`
+    is one line already (a ``DatabaseError`` names the operation, the reason and the
+    SQLSTATE, and leaves SQL text, parameters and SQLAlchemy's background link out)."""
+    return " ".join(str(err).split())
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ __all__ = [
     "ShapeMismatchError",
     "UniqueConflictError",
     "ValidationError",
+    "classify",
     "names_missing_schema_object",
     "translate_errors",
     "translated",
@@ -132,28 +133,55 @@ class CallbackWaitEndedError(QueueStorageError):
 class SchemaNotInstalledError(QueueStorageError):
     """The storage schema (or its recorded configuration) does not exist in the database,
     or lacks an object this release uses (an operation found a table, function, type or
-    the schema itself missing; the driver's error is the ``__cause__``). ``found`` lists the
-    qstore installs the database does hold, when they were looked up (may be empty)."""
+    the schema itself missing: ``missing`` holds the server's words, and the driver's error
+    is the ``__cause__``). ``found`` lists the qstore installs the database does hold, when
+    they were looked up (may be empty)."""
 
-    def __init__(self, schema: str, found: list[str] | None = None) -> None:
+    def __init__(self, schema: str, found: list[str] | None = None, missing: str | None = None) -> None:
         self.schema = schema
         self.found = list(found or [])
+        self.missing = missing
         seen = ("; this database holds " + ", ".join(self.found)) if self.found else \
             "; this database holds no qstore install"
+        what = f" or not completely ({missing})" if missing else ""
         super().__init__(
-            f"qstore schema {schema!r} is not installed{seen if found is not None else ''}; "
+            f"qstore schema {schema!r} is not installed{what}{seen if found is not None else ''}; "
             f"install it with `qstore install --schema {schema}` (or QueueStorage.install), or "
             f"through your application's Alembic (`alembic upgrade heads`)"
         )
 
 
 class DatabaseError(QueueStorageError):
-    """Wraps a driver error. ``sqlstate`` is the PostgreSQL error code when known."""
+    """A database failure, wrapped. The message is one line: what failed (the operation,
+    when known), ``reason``, the SQLSTATE and the server's (or driver's) own words, never
+    SQL text or parameters.
 
-    def __init__(self, original: BaseException) -> None:
+    ``sqlstate`` is the PostgreSQL error code; for a connection the driver could not make
+    or lost, which carries none, the code PostgreSQL gives that condition (08001 could not
+    connect, 08006 connection lost, 57P03 starting up or shutting down, ...) or None when
+    the driver's words say nothing known. ``reason`` is a short, stable name for a log line
+    (``"connection refused"``, ``"admin shutdown"``, ``"undefined table"``, ...).
+    ``operation`` names the operation that failed; ``original`` is the exception caught
+    (also the ``__cause__``; the driver's own error is chained below it)."""
+
+    def __init__(self, original: BaseException, operation: str | None = None) -> None:
         self.original = original
-        self.sqlstate: str | None = _sqlstate(original)
-        super().__init__(f"database error ({self.sqlstate or 'unknown'}): {original}")
+        self.operation = operation
+        self.sqlstate, self.reason = classify(original)
+        self.detail = _detail(original)
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        what = f"{self.operation} failed" if self.operation else "database call failed"
+        code = f"SQLSTATE {self.sqlstate}" if self.sqlstate else "no SQLSTATE"
+        return f"{what}: {self.reason} ({code}): {self.detail}"
+
+    def failed_in(self, operation: str) -> DatabaseError:
+        """Name ``operation`` as what failed, unless a name is already given; returns self."""
+        if self.operation is None:
+            self.operation = operation
+            self.args = (self._message(),)
+        return self
 
 
 class InvariantError(QueueStorageError):
@@ -168,15 +196,100 @@ class PartialCommitError(DatabaseError):
     that it was *not* done by this call (it is still live: repeat the call for it)."""
 
     def __init__(self, original: BaseException, committed: list[Any], pending: list[Any]) -> None:
-        super().__init__(original)
         self.committed = committed
         self.pending = pending
-        self.args = (f"{self.args[0]} (committed: {len(committed)}, not done: {len(pending)})",)
+        super().__init__(original)
+
+    def _message(self) -> str:
+        return f"{super()._message()} (committed: {len(self.committed)}, not done: {len(self.pending)})"
 
 
 def _sqlstate(err: BaseException) -> str | None:
     orig = getattr(err, "orig", err)
     return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+
+
+def _is_driver_error(err: BaseException) -> bool:
+    return isinstance(err, sa_exc.DBAPIError | psycopg.Error)
+
+
+def _first_line(message: str) -> str:
+    """The first line of ``message`` with its whitespace collapsed (libpq's second line is a
+    generic hint; a server's primary message is one line)."""
+    lines = [line for line in message.splitlines() if line.strip()]
+    return " ".join(lines[0].split()) if lines else ""
+
+
+def _detail(err: BaseException) -> str:
+    """What went wrong in the server's or driver's words, one line, without SQL text,
+    parameters or SQLAlchemy's background link."""
+    if _is_driver_error(err):
+        return _first_line(_server_message(err))
+    if isinstance(err, sa_exc.SQLAlchemyError):
+        return _first_line(str(err.args[0])) if err.args else type(err).__name__
+    return " ".join(str(err).split())
+
+
+#: Reasons where the condition's name (the psycopg class name, spelled out) says less.
+_REASON_BY_STATE = {
+    "08001": "could not connect",
+    "08006": "connection lost",
+    "57P03": "cannot connect now",
+}
+
+#: What the driver says when a connection fails without a SQLSTATE (libpq's words, or the
+#: server's FATAL while connecting): (pattern, SQLSTATE of that condition, reason), first
+#: match wins.
+_CONNECTION_FAILURES = tuple((re.compile(pattern, re.IGNORECASE), code, reason) for pattern, code, reason in (
+    ("connection refused", "08001", "connection refused"),
+    ("server closed the connection unexpectedly", "08006", "server closed the connection unexpectedly"),
+    ("terminating connection due to administrator command", "57P01", "admin shutdown"),
+    ("the database system is shutting down", "57P03", "server shutting down"),
+    ("the database system is starting up", "57P03", "server starting up"),
+    ("the database system is in recovery mode", "57P03", "server in recovery"),
+    ("too many clients", "53300", "too many connections"),
+    ("password authentication failed", "28P01", "password authentication failed"),
+    ("no pg_hba.conf entry", "28000", "no pg_hba.conf entry"),
+    ('role ".*" does not exist', "28000", "role does not exist"),
+    ('database ".*" does not exist', "3D000", "database does not exist"),
+    ("name or service not known|failed to resolve host|could not translate host name", "08001",
+     "unknown host"),
+    ("timeout expired|connection timed out", "08001", "connection timed out"),
+    ("no route to host", "08001", "no route to host"),
+    ("on socket .* no such file or directory", "08001", "no server at the socket"),
+    ("the connection is closed", "08003", "connection closed"),
+    ("the connection is lost|ssl syscall error|eof detected|could not (receive|send) data|"
+     "consuming input failed|sending query failed", "08006", "connection lost"),
+    ("connection failed|connection is bad", "08001", "could not connect"),
+))
+
+
+def _spelled(name: str) -> str:
+    """``UndefinedTable`` -> ``undefined table``."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name).lower()
+
+
+def classify(err: BaseException) -> tuple[str | None, str]:
+    """``(sqlstate, reason)`` of an error (see :class:`DatabaseError`)."""
+    state = _sqlstate(err)
+    if state is not None:
+        if state in _REASON_BY_STATE:
+            return state, _REASON_BY_STATE[state]
+        try:
+            return state, _spelled(psycopg.errors.lookup(state).__name__)
+        except KeyError:
+            return state, "database error"
+    orig = getattr(err, "orig", None) or err
+    if isinstance(orig, psycopg.OperationalError | psycopg.InterfaceError) or \
+            isinstance(err, sa_exc.OperationalError | sa_exc.InterfaceError):
+        words = str(orig)
+        for pattern, code, reason in _CONNECTION_FAILURES:
+            if pattern.search(words):
+                return code, reason
+        return None, "connection failure"
+    if isinstance(err, QueueStorageError):
+        return None, _spelled(type(err).__name__.removesuffix("Error"))
+    return None, _spelled(type(orig).__name__) if _is_driver_error(err) else "database error"
 
 
 #: SQLSTATEs of a missing relation, function, type or schema: on an install's own objects
@@ -211,7 +324,7 @@ def wrap_driver_error(err: BaseException) -> QueueStorageError:
         orig = getattr(err, "orig", err)
         diag = getattr(orig, "diag", None)
         constraint = getattr(diag, "constraint_name", None) or "unique"
-        return UniqueConflictError(constraint, str(getattr(diag, "message_detail", "") or ""))
+        return UniqueConflictError(constraint, " ".join(str(getattr(diag, "message_detail", "") or "").split()))
     return DatabaseError(err)
 
 
@@ -229,7 +342,7 @@ def translated(err: BaseException, schema: str | None = None) -> BaseException:
         return err
     if isinstance(err, sa_exc.DBAPIError | sa_exc.OperationalError | psycopg.Error):
         if schema is not None and names_missing_schema_object(err, schema):
-            return SchemaNotInstalledError(schema)
+            return SchemaNotInstalledError(schema, missing=_first_line(_server_message(err)))
         return wrap_driver_error(err)
     if isinstance(err, sa_exc.SQLAlchemyError):
         return DatabaseError(err)
@@ -246,6 +359,8 @@ def translate_errors(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         except Exception as err:
             mapped = translated(err)
+            if isinstance(mapped, DatabaseError):
+                mapped.failed_in(getattr(fn, "__name__", "database call"))
             if mapped is err:
                 raise
             raise mapped from err

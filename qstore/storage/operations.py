@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 
 from sqlalchemy.util.concurrency import greenlet_spawn
 
-from qstore.errors import translated
+from qstore.errors import DatabaseError, translated
 from qstore.storage.context import StorageContext
 from qstore.storage.targets import (
     AsyncTarget,
@@ -110,6 +110,8 @@ class Operation(Generic[P, R]):
                 return run(policy, target, lambda conn: body(ctx, conn, *args, **kwargs), name)
             except Exception as err:
                 mapped = translated(err, schema)
+                if isinstance(mapped, DatabaseError):
+                    mapped.failed_in(name)
                 if mapped is err:
                     raise
                 raise mapped from err

@@ -7,6 +7,8 @@ writes a lease."""
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timezone
 
 import pytest
@@ -251,3 +253,126 @@ def test_attempt_state_and_lease_are_removed_when_a_waiting_attempt_ends(engine,
         st.cancel_job(engine, c.job.id)
     assert count(engine, st, "attempt_state") == 0
     assert count(engine, st, "leases") == 0
+
+
+# -- a heartbeat racing the end of its attempt ------------------------------------------------
+
+BEATS = {
+    "heartbeat_batch": lambda s, e, j, r: s.heartbeat_batch(e, [(j, r)]),
+    "heartbeat_progress_batch": lambda s, e, j, r: s.heartbeat_progress_batch(e, [(j, r, {"done": 1})]),
+    "flush_progress": lambda s, e, j, r: s.flush_progress(e, j, r, {"done": 1}),
+}
+
+
+def _complete(s, conn, c) -> None:
+    assert s.complete_job_batch_by_id(conn, [(c.job.id, c.job.run_lease)]) == [(c.job.id, c.job.run_lease)]
+
+
+def _rescue(s, conn, c) -> None:
+    assert [r.id for r in s.rescue_expired_deadlines(conn)] == [c.job.id]
+
+
+ENDERS = {"completion": (_complete, JobState.COMPLETED), "deadline rescue": (_rescue, JobState.RETRYABLE)}
+
+
+def overdue(engine, s):
+    """A running attempt whose deadline has passed (backdated, not waited for)."""
+    c = running(engine, s, deadline=600)
+    with engine.begin() as conn:
+        conn.execute(text(f'UPDATE "{s.schema()}".{attempt_table(s)} '
+                          "SET deadline_at = now() - interval '1 hour'"))
+    return c
+
+
+def blocked_by(engine, pid: int, done: threading.Event, timeout: float = 20) -> bool:
+    """Wait until some backend waits on a lock ``pid`` holds (True) or ``done`` is set
+    first (False)."""
+    deadline = time.monotonic() + timeout
+    with engine.connect() as c:
+        while time.monotonic() < deadline and not done.is_set():
+            if c.execute(text("SELECT count(*) FROM pg_stat_activity "
+                              "WHERE :p = ANY(pg_blocking_pids(pid))"), {"p": pid}).scalar():
+                return True
+            c.rollback()
+            time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("beat", sorted(BEATS))
+@pytest.mark.parametrize("ender", sorted(ENDERS))
+def test_a_heartbeat_waits_for_the_transaction_ending_its_attempt_and_then_writes_nothing(engine, st, ender, beat):
+    """While a completion or rescue of the attempt is uncommitted, a heartbeat (or progress)
+    of it waits; once the attempt has ended it counts zero and leaves no attempt state."""
+    end, final = ENDERS[ender]
+    c = overdue(engine, st)
+    pair = (c.job.id, c.job.run_lease)
+    with engine.connect() as ending:
+        ending.begin()
+        end(st, ending, c)
+        pid = ending.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        done, result = threading.Event(), []
+
+        def heartbeat() -> None:
+            try:
+                result.append(BEATS[beat](st, engine, *pair))
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=heartbeat)
+        worker.start()
+        try:
+            assert blocked_by(engine, pid, done), f"{beat} did not wait for the {ender}: {result}"
+        finally:
+            ending.commit()
+            worker.join(30)
+    assert result == [None if beat == "flush_progress" else 0]
+    assert attempt_state(engine, st, c.job.id) == []
+    assert state(engine, st, c.job.id) == final
+
+
+def test_two_heartbeat_batches_of_the_same_attempts_in_opposite_orders_do_not_deadlock(engine, st):
+    """Heartbeats write each attempt's state row in one order, whatever the batch's order:
+    a batch never holds one attempt's row while it waits for another's."""
+    a, b = running(engine, st), running(engine, st)
+    pa, pb = (a.job.id, a.job.run_lease), (b.job.id, b.job.run_lease)
+    errors, result = [], []
+    with engine.connect() as first:
+        first.begin()
+        assert st.heartbeat_batch(first, [pa]) == 1
+        pid = first.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        done = threading.Event()
+
+        def second() -> None:
+            try:
+                result.append(st.heartbeat_batch(engine, [pb, pa]))
+            except Exception as err:  # a deadlock would surface here or below
+                errors.append(err)
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=second)
+        worker.start()
+        try:
+            assert blocked_by(engine, pid, done), (result, errors)
+            assert st.heartbeat_batch(first, [pb]) == 1  # would close a cycle if the second held b
+        finally:
+            first.commit()
+            worker.join(30)
+    assert errors == [] and result == [2]
+
+
+def test_a_heartbeat_in_progress_does_not_hold_up_the_attempts_own_lease_updates(engine, make_storage):
+    """The heartbeat's lock on the lease is shared and allows updates of the lease's other
+    columns: entering a callback wait does not queue behind an open heartbeat."""
+    s = make_storage(lease_claim_receipts=False)
+    c = running(engine, s)
+    token = s.register_callback(engine, c.job.id, c.job.run_lease, 60)
+    with engine.connect() as beating:
+        beating.begin()
+        assert s.heartbeat_batch(beating, [(c.job.id, c.job.run_lease)]) == 1
+        with engine.connect() as other:
+            other.execute(text("SET lock_timeout = '2s'"))
+            assert s.enter_callback_wait(other, c.job.id, c.job.run_lease, token) is True
+            other.commit()
+        beating.commit()
+    assert state(engine, s, c.job.id) == JobState.WAITING_EXTERNAL

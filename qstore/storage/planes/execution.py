@@ -139,9 +139,14 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
         hb_lock=select(c.c.claim_slot, c.c.job_id, c.c.run_lease, c.c.materialized_at)
         .select_from(c.join(hp, on_c)).where(~closed).order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),
         hb_open=select(c.c.job_id, c.c.run_lease).select_from(c.join(hp, on_c)).where(~closed),
+        # Shared key lock on the leases, after the receipts (the order take_attempts locks
+        # them in): a transaction ending the attempt deletes its lease, so the heartbeat waits
+        # for it and then finds the lease gone; updates of the lease's other columns
+        # (callback token, wait state) and other heartbeats are not held up.
         hb_leased=select(le.c.job_id, le.c.run_lease).select_from(
             le.join(hp, and_(le.c.job_id == hp.c.job_id, le.c.run_lease == hp.c.run_lease)))
-        .where(le.c.state.in_(bindparam("states", expanding=True))),
+        .where(le.c.state.in_(bindparam("states", expanding=True)))
+        .order_by(le.c.job_id, le.c.run_lease).with_for_update(of=le, read=True, key_share=True),
         hb_materialize=update(c).where(
             c.c.job_id == bindparam("b_job_id"), c.c.run_lease == bindparam("b_run_lease"),
             c.c.claim_slot == bindparam("b_claim_slot"), c.c.materialized_at.is_(None),
@@ -265,8 +270,16 @@ def _upsert_state(conn: Connection, sch: StorageSchema, rows: Sequence[tuple[int
 def heartbeat(conn: Connection, sch: StorageSchema, items: Sequence[tuple[int, int, Any]], *,
               with_heartbeat: bool, with_progress: bool, lease_states: Sequence[str] = ("running",)) -> int:
     """Record heartbeats and/or progress for the live attempts among ``items``
-    (``(job_id, run_lease, progress)``); returns how many were live."""
-    items = list({(int(j), int(r)): (int(j), int(r), pg) for j, r, pg in items}.values())
+    (``(job_id, run_lease, progress)``); returns how many were live.
+
+    An attempt is live when its receipt is open or its lease is in ``lease_states``, read
+    under locks: the receipts ``FOR UPDATE`` and the leases ``FOR KEY SHARE``, so a
+    transaction that is ending the attempt (it locks the receipt and deletes the lease) is
+    waited for, and an attempt it ended is not written to. Rows are locked and written in
+    ``(job_id, run_lease)`` order whatever the order of ``items``, so two heartbeats of the
+    same attempts never wait on each other in a cycle."""
+    items = sorted({(int(j), int(r)): (int(j), int(r), pg) for j, r, pg in items}.values(),
+                   key=lambda i: (i[0], i[1]))
     if not items:
         return 0
     s = statements(sch)

@@ -10,6 +10,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from operation_cases import (
+    NOT_PINNED,
+    prunable_claim_slot,
+    prunable_lease_slot,
+    prunable_queue_slot,
+    rollable_deltas,
+)
 from sqlalchemy import Engine, create_engine, event, func, select, text
 
 from qstore import QueueStorage
@@ -527,3 +534,37 @@ def test_the_slots_pristine_state_is_read_in_one_statement_as_slot_by_slot(
         got = pristine_slots(conn, ring)
         assert got == [pristine(conn, ring, k) for k in range(ring.slot_count)]
     assert got[:2] == [True, False]
+
+
+# -- upkeep in a caller's transaction keeps the caller's lock_timeout --------------------------
+
+
+def _pending_sealed_slot(engine: Engine, st: QueueStorage) -> dict:
+    """Queue slot 0 sealed with an unclaimed job in it: a prune skips it."""
+    enqueue(st, engine)
+    assert st.rotate(engine).kind == "rotated"
+    return {}
+
+
+GUARDED = {
+    "prune_oldest pruned": (prunable_queue_slot, lambda st, c: st.prune_oldest(c).kind, "pruned"),
+    "prune_oldest skipped": (_pending_sealed_slot, lambda st, c: st.prune_oldest(c).kind, "skipped_active"),
+    "prune_oldest_leases pruned": (prunable_lease_slot, lambda st, c: st.prune_oldest_leases(c).kind, "pruned"),
+    "prune_oldest_claims pruned": (prunable_claim_slot, lambda st, c: st.prune_oldest_claims(c).kind, "pruned"),
+    "rollup_terminal_count_deltas": (
+        rollable_deltas, lambda st, c: st.rollup_terminal_count_deltas(c, 4, pinned_after=NOT_PINNED).rolled_slots, 1),
+}
+
+
+@pytest.mark.parametrize("setting", ["7s", "0"])
+@pytest.mark.parametrize("case", sorted(GUARDED))
+def test_upkeep_in_a_callers_transaction_leaves_its_lock_timeout_as_it_was(engine, st, case, setting):
+    """Upkeep takes its exclusive locks under a 50 ms ``lock_timeout`` set inside a
+    savepoint; a setting made there outlives the savepoint's release, so the caller's value
+    is put back first."""
+    setup, call, expected = GUARDED[case]
+    setup(engine, st)
+    with engine.connect() as conn, conn.begin():
+        conn.execute(text(f"SET LOCAL lock_timeout = '{setting}'"))
+        assert call(st, conn) == expected
+        assert conn.execute(text("SHOW lock_timeout")).scalar() == setting

@@ -230,11 +230,10 @@ def _detail(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-#: Reasons where the condition's name (the psycopg class name, spelled out) says less.
+#: Reasons where the condition's name (the psycopg class name, spelled out) reads badly.
 _REASON_BY_STATE = {
-    "08001": "could not connect",
-    "08006": "connection lost",
-    "57P03": "cannot connect now",
+    "08001": "could not connect",  # sqlclient_unable_to_establish_sqlconnection
+    "08006": "connection lost",  # connection_failure
 }
 
 #: What the driver says when a connection fails without a SQLSTATE (libpq's words, or the
@@ -265,8 +264,8 @@ _CONNECTION_FAILURES = tuple((re.compile(pattern, re.IGNORECASE), code, reason) 
 
 
 def _spelled(name: str) -> str:
-    """``UndefinedTable`` -> ``undefined table``."""
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name).lower()
+    """``UndefinedTable`` -> ``undefined table`` (``InternalError_`` -> ``internal error``)."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name.rstrip("_")).lower()
 
 
 def classify(err: BaseException) -> tuple[str | None, str]:
@@ -287,9 +286,7 @@ def classify(err: BaseException) -> tuple[str | None, str]:
             if pattern.search(words):
                 return code, reason
         return None, "connection failure"
-    if isinstance(err, QueueStorageError):
-        return None, _spelled(type(err).__name__.removesuffix("Error"))
-    return None, _spelled(type(orig).__name__) if _is_driver_error(err) else "database error"
+    return None, _spelled(type(orig).__name__)
 
 
 #: SQLSTATEs of a missing relation, function, type or schema: on an install's own objects

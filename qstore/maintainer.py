@@ -18,6 +18,9 @@ holds a transaction open (it does not pin the MVCC horizon). Every task runs on 
 maintenance starts failing (and when it fails differently), DEBUG for the repeats, one INFO
 line when it works again; a traceback only at DEBUG, or for an error that is not a database
 error (a bug).
+
+:meth:`Maintainer.stop` wakes the thread at once: it finishes the statement in flight (one
+task, or one prune of a tick that prunes several slots) and runs nothing more.
 """
 
 from __future__ import annotations
@@ -208,9 +211,11 @@ class _Ring:
     on every following tick."""
 
     def __init__(self, rotate: Callable[[], RotateOutcome], prune: Callable[[], PruneOutcome],
-                 backoff_limit: int, most: int, turn: TurnWhen | None = None) -> None:
+                 backoff_limit: int, most: int, turn: TurnWhen | None = None,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self._rotate, self._prune, self._limit, self._most = rotate, prune, backoff_limit, most
         self._turn = turn
+        self._stopping = stopping  # a stopping maintainer prunes no further slot
         self._misses = 0
         self._skip = 0
         self._turned_at = -math.inf
@@ -236,7 +241,7 @@ class _Ring:
         caught_up = 0
         if pruned.kind == "pruned":
             self._misses = 0
-            while caught_up + 1 < self._most and self._prune().kind == "pruned":
+            while caught_up + 1 < self._most and not self._stopping() and self._prune().kind == "pruned":
                 caught_up += 1
         else:
             self._misses += 1
@@ -299,7 +304,8 @@ class Maintainer:
         claim_ring = _Ring(lambda: s.rotate_claims(e), lambda: s.prune_oldest_claims(e), lim, 1, by_volume)
         return [
             _Task("queue_ring", sch.queue_ring_every,
-                  _Ring(lambda: s.rotate(e), lambda: s.prune_oldest(e), lim, s.queue_slot_count())),
+                  _Ring(lambda: s.rotate(e), lambda: s.prune_oldest(e), lim, s.queue_slot_count(),
+                        stopping=self._stop.is_set)),
             _Task("lease_ring", sch.lease_ring_every,
                   _Ring(lambda: s.rotate_leases(e), lambda: s.prune_oldest_leases(e), lim, 1)),
             _Task("claim_ring", sch.claim_ring_every, claim_ring, lambda: claim_ring(force=True)),
@@ -392,6 +398,8 @@ class Maintainer:
             return []
         out = []
         for t in self._tasks:
+            if self._stop.is_set():  # stopping: the tasks still due wait for the next leader
+                break
             now = time.monotonic()
             if t.due <= now:
                 report = self._run(t, retry_in=self._retry_after(t))

@@ -274,6 +274,27 @@ def test_a_task_failing_again_and_again_is_one_warning_and_one_line_when_it_work
     assert "back after" in back and "failed attempts" in back, back
 
 
+def test_a_stopping_maintainer_prunes_no_further_slot(small: QueueStorage, engine: Engine) -> None:
+    m = Maintainer(small, engine, MaintenanceSchedule(prune_backoff_limit=0))
+    for _ in range(small.queue_slot_count() - 1):  # sealed slots of finished jobs
+        enqueue(small, engine)
+        small.complete_runtime_batch(engine, small.claim_runtime_batch(engine, Q, 10))
+        small.rotate(engine)
+    pruned: list[str] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def spot(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("TRUNCATE") and ".ready_entries_" in statement:  # a queue slot's prune
+            pruned.append(statement)
+            m._stop.set()  # as stop() does, in the middle of the tick
+
+    try:
+        tick = run(m, "queue_ring")
+    finally:
+        event.remove(engine, "before_cursor_execute", spot)
+    assert tick.slots_pruned == 1 and len(pruned) == 1, tick
+
+
 def test_reports_are_kept_per_task_and_bounded(small: QueueStorage, engine: Engine) -> None:
     m = Maintainer(small, engine, keep_reports=3)
     for _ in range(5):

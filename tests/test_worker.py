@@ -138,6 +138,21 @@ def test_each_outcome_lands_the_job_in_its_state(engine, st, app, run_worker, ou
     eventually(lambda: getattr(w.stats, counter) == 1, what=counter)
 
 
+def test_an_outcome_the_storage_refuses_ends_the_attempt_retryable_with_the_reason(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    # not given back: the same handler would run again at once, and again, without counting
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        ctx.set_progress({"ratio": float("nan")})
+        raise ValueError("failed, with progress JSON cannot hold")
+
+    job_id = handler.defer(engine)
+    w = run_worker(app, heartbeat_interval=10)
+    row = settles_in(engine, st, job_id, JobState.RETRYABLE)
+    assert row.errors[-1]["error"].startswith("the outcome fail_retryable was refused: invalid progress"), row.errors
+    assert row.attempt == 1
+    eventually(lambda: (w.stats.outcome_errors, w.stats.retried) == (1, 1), what="counted")
+
+
 def test_snooze_gives_the_attempt_back(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
     @app.task(kind="k")
     def handler(ctx: JobContext) -> Snooze:

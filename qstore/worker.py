@@ -30,7 +30,9 @@ stop. A second signal cuts the wait short.
 While the database is away, nothing is dropped early: claims, completions, heartbeats and
 the listener retry, and an outcome write is retried until shortly before its attempt would
 count as abandoned, then the attempt is given back (see :meth:`Worker._write`). Failures are
-logged as a few lines per outage (:class:`~qstore.outage.OutageLog`).
+logged as a few lines per outage (:class:`~qstore.outage.OutageLog`). A worker checks that
+its schema is installed before it starts, and stops by itself, with one ERROR line, when
+the schema disappears while it runs (:attr:`Worker.failure`).
 """
 
 from __future__ import annotations
@@ -55,8 +57,15 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from qstore import migrate
 from qstore.batcher import CompletionBatcher
-from qstore.errors import DatabaseError, QueueStorageError, ValidationError, translate_errors
+from qstore.errors import (
+    DatabaseError,
+    QueueStorageError,
+    SchemaNotInstalledError,
+    ValidationError,
+    translate_errors,
+)
 from qstore.listen import Listener
 from qstore.maintainer import Maintainer, MaintenanceSchedule
 from qstore.model import ClaimedRuntimeJob, JobRow, JobState
@@ -93,6 +102,9 @@ RETRY_FIRST, RETRY_CAP = 0.1, 5.0
 #: The part of an attempt's lease that a failing outcome write leaves for giving the attempt
 #: back instead: a third of the heartbeat staleness, at most this many seconds.
 HAND_BACK_RESERVE = 10.0
+#: SQLSTATEs of a statement that named an object which does not exist (schema, table,
+#: function): the worker then checks whether its schema is still installed.
+MISSING_OBJECT = frozenset({"3F000", "42P01", "42883"})
 
 
 def _number(value: object, name: str, *, minimum: float = 0.0, strict: bool = True,
@@ -378,6 +390,7 @@ class Worker:
         self._started = False
         self._threads: list[threading.Thread] = []
         self._dispatchers: list[threading.Thread] = []
+        self._failure: QueueStorageError | None = None
         self._staleness = (self.settings.schedule or MaintenanceSchedule()).heartbeat_staleness
 
         self._outages = OutageLog(log, "qstore worker")
@@ -411,11 +424,22 @@ class Worker:
     def running(self) -> bool:
         return self._started
 
+    @property
+    def failure(self) -> QueueStorageError | None:
+        """The error that stopped this worker by itself (its schema is no longer installed),
+        or None. :meth:`run` raises it once the worker has stopped."""
+        return self._failure
+
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start every thread and return (background mode); :meth:`stop` ends them."""
+        """Start every thread and return (background mode); :meth:`stop` ends them.
+
+        Raises :class:`~qstore.errors.SchemaNotInstalledError` before anything starts when
+        the app's schema is not installed in the engine's database, and a
+        :class:`~qstore.errors.DatabaseError` when the database cannot be reached."""
         if self._started:
             raise RuntimeError("worker already running")
+        self._check_installed()
         s = self.settings
         self._started = True
         with self._lock:  # handlers a previous stop left running still hold their places
@@ -424,6 +448,7 @@ class Worker:
         self._closing.clear()
         self._hurry.clear()
         self._give_up.clear()
+        self._failure = None
         try:
             if s.listen:
                 self._listener = Listener(self.engine, self.storage.config, self.queues, cancel=True,
@@ -450,6 +475,48 @@ class Worker:
                  self.storage.schema(), ", ".join(self.queues), s.concurrency,
                  "" if s.listen else ", polling only", ", maintainer on" if self.maintainer else "")
 
+    # -- the install ---------------------------------------------------------------------------
+    @translate_errors
+    def _installed(self) -> SchemaNotInstalledError | None:
+        """None when the schema is installed, else the error saying so (one probe)."""
+        schema = self.storage.schema()
+        with self.engine.connect() as conn:
+            if migrate.read_recorded_config(conn, schema) is not None:
+                return None
+            return SchemaNotInstalledError(schema, migrate.found_installs(conn))
+
+    def _check_installed(self) -> None:
+        missing = self._installed()
+        if missing is not None:
+            raise missing
+
+    def _schema_gone(self, err: BaseException) -> SchemaNotInstalledError | None:
+        """The error to stop with when ``err`` means that the schema is no longer installed:
+        a :class:`SchemaNotInstalledError`, or a statement that named a missing object when a
+        probe finds no install either. None otherwise (and when the probe fails)."""
+        if isinstance(err, SchemaNotInstalledError):
+            return err
+        if getattr(err, "sqlstate", None) not in MISSING_OBJECT:
+            return None
+        try:
+            return self._installed()
+        except QueueStorageError:
+            return None
+
+    def _fatal(self, err: SchemaNotInstalledError) -> None:
+        """Stop this worker because of ``err`` (from any of its threads): one ERROR line,
+        then a stop that gives every attempt back at once, on a thread of its own;
+        :meth:`run` raises ``err`` afterwards."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = err
+        log.error("qstore worker: stopping: %s", describe_failure(err)[0])
+        self._hurry.set()
+        self._give_up.set()
+        self._stop_requested.set()
+        threading.Thread(target=self.stop, args=(0.0,), name="qstore-stop", daemon=True).start()
+
     def _spawn(self, target: Callable[[], None], name: str) -> threading.Thread:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
@@ -465,7 +532,11 @@ class Worker:
 
     def run(self) -> WorkerStats:
         """Start, block until SIGINT / SIGTERM (handlers installed when called from the main
-        thread) or :meth:`request_stop`, then stop gracefully; returns the final stats."""
+        thread) or :meth:`request_stop`, then stop gracefully; returns the final stats.
+
+        Raises :class:`~qstore.errors.SchemaNotInstalledError` when the schema is not
+        installed (nothing started), or once the worker has stopped because its schema
+        disappeared while it ran."""
         installed: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -476,7 +547,10 @@ class Worker:
                 pass
             if self._signals:
                 log.info("qstore worker: %s received, shutting down", self._signals[0])
-            return self.stop(self.settings.shutdown_timeout)
+            stats = self.stop(self.settings.shutdown_timeout)
+            if self._failure is not None:
+                raise self._failure
+            return stats
         finally:
             for sig, previous in installed.items():
                 signal.signal(sig, previous)
@@ -523,7 +597,7 @@ class Worker:
                 if remaining <= 0:
                     break
                 self._capacity.wait(min(remaining, 0.1))
-        if self._hurry.is_set() and self._attempts:
+        if self._hurry.is_set() and self._attempts and self._failure is None:
             log.info("qstore worker: asked again to stop: giving running attempts back now")
         with self._lock:
             left = list(self._attempts.values())
@@ -531,7 +605,7 @@ class Worker:
         # lets its attempt go only after its last try), and are given back below.
         self._give_up.set()
         self._give_back(left, "worker shutting down")
-        self.batcher.stop(timeout=max(5.0, min(limit, 30.0)))
+        self.batcher.stop(timeout=0.0 if self._failure is not None else max(5.0, min(limit, 30.0)))
         self._shutdown_threads()
         self._started = False
         stats = self.stats
@@ -629,6 +703,10 @@ class Worker:
                 self._release(want)
                 self._count("claim_calls")
                 self._count("claim_errors")
+                gone = self._schema_gone(err)
+                if gone is not None:
+                    self._fatal(gone)
+                    break
                 self._outages.failed(what, err, s.error_backoff)
                 wake.wait(s.error_backoff)  # a stop sets it
                 continue
@@ -858,6 +936,11 @@ class Worker:
                         return self._refused(a, name, err, fallback=fallback)
                     result = None  # register_callback of an attempt closed meanwhile
                 except DatabaseError as err:
+                    gone = self._schema_gone(err)
+                    if gone is not None:
+                        self._outages.forget(what, key=a.pair)
+                        self._fatal(gone)
+                        return None
                     wait = min(delay, until - time.monotonic())
                     if wait <= 0 or self._give_up.is_set() or self._hurry.is_set():
                         self._outages.failed(what, err, None, key=a.pair,
@@ -1049,7 +1132,11 @@ class Worker:
             try:
                 self._heartbeat(now)
             except Exception as err:
-                self._outages.failed("heartbeats", err, tick)
+                gone = self._schema_gone(err)
+                if gone is not None:
+                    self._fatal(gone)
+                else:
+                    self._outages.failed("heartbeats", err, tick)
             self._watch_leadership()
 
     def _heartbeat(self, now: float) -> None:

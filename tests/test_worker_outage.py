@@ -1,20 +1,28 @@
 """The worker through database outages (a TCP proxy cut under it, tests/outage.py): outcome
-writes land once the database is back, or the attempt is given back; and an outage reads
-as a few log lines."""
+writes land once the database is back, or the attempt is given back; an outage reads as a
+few log lines; and a schema that is missing or disappears stops the worker with one line."""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from installs import unique_schema
 from outage import OutageProxy
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, text
 from test_worker import eventually, settles_in, state_of
 
+from qstore import QueueStorage
+from qstore.errors import SchemaNotInstalledError
 from qstore.maintainer import MaintenanceSchedule
 from qstore.model import JobState
 from qstore.tasks import App, Cancel, Fail, JobContext, RetryAfter, Snooze, WaitForCallback
@@ -198,3 +206,109 @@ def test_an_outage_reads_as_a_few_lines_and_one_line_when_the_database_is_back( 
     assert len(back) == 1 and back[0].levelno == logging.INFO, text_
     seconds = float(back[0].getMessage().split("back after ")[1].split(" s")[0])
     assert OUTAGE - 0.5 <= seconds <= OUTAGE + 5, back[0].getMessage()
+
+
+# -- a schema that is not (or no longer) installed -------------------------------------------------
+
+APP = '''
+import os
+from qstore import QueueStorage, QueueStorageConfig
+from qstore.tasks import App
+
+app = App(QueueStorage(QueueStorageConfig(schema=os.environ["QSTORE_TEST_SCHEMA"])))
+
+
+@app.task(kind="work")
+def work(ctx) -> None: ...
+'''
+
+
+def run_cli_worker(tmp_path: Path, url: str, schema: str) -> subprocess.Popen[str]:
+    (tmp_path / "outage_app.py").write_text(textwrap.dedent(APP))
+    env = {**os.environ, "QSTORE_TEST_SCHEMA": schema,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "qstore", "worker", "outage_app:app", "--url", url,
+                             "--poll-interval", "0.2"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_worker_command_refuses_a_database_without_the_install_in_one_line(tmp_path, fresh_db_url):  # type: ignore[no-untyped-def]
+    proc = run_cli_worker(tmp_path, fresh_db_url, "qstore")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, (out, err)
+    assert err.splitlines() == [err.strip()], err  # one line: nothing started, nothing logged
+    assert err.startswith("qstore: qstore schema 'qstore' is not installed"), err
+    assert "qstore worker started" not in err
+
+
+def test_a_worker_refuses_to_start_on_a_schema_that_is_not_installed(fresh_engine):  # type: ignore[no-untyped-def]
+    w = Worker(App(QueueStorage()), fresh_engine, WorkerSettings(queues=["default"]))
+    with pytest.raises(SchemaNotInstalledError, match="qstore schema 'qstore' is not installed"):
+        w.start()
+    assert not w.running
+    with pytest.raises(SchemaNotInstalledError):
+        w.run()
+
+
+def drop_schema(engine: Engine, schema: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+
+
+def test_a_worker_whose_schema_is_dropped_stops_with_one_line(engine, make_storage, caplog):  # type: ignore[no-untyped-def]
+    st = make_storage(schema=unique_schema())
+    app = App(st)
+
+    @app.task(kind="work")
+    def work(ctx: JobContext) -> None: ...
+
+    job_id = work.defer(engine)
+    w = Worker(app, engine, WorkerSettings(concurrency=2, poll_interval=0.2,
+                                           schedule=MaintenanceSchedule(leader_retry_every=0.2)))
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            w.run()
+        except BaseException as err:
+            raised.append(err)
+
+    caplog.set_level(logging.INFO)
+    runner = threading.Thread(target=run)
+    runner.start()
+    try:
+        settles_in(engine, st, job_id, JobState.COMPLETED)
+        caplog.clear()
+        drop_schema(engine, st.schema())
+        runner.join(15)
+        assert not runner.is_alive(), "the worker did not stop"
+    finally:
+        w.request_stop(hurry=True)
+        runner.join(10)
+    assert len(raised) == 1 and isinstance(raised[0], SchemaNotInstalledError), raised
+    assert st.schema() in str(raised[0]) and w.failure is raised[0]
+    records = runtime_records(caplog)
+    errors = [r for r in records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "stopping" in errors[0].getMessage(), logged(records)
+    assert "Traceback" not in logged(records)
+    assert len([r for r in records if r.levelno >= logging.WARNING]) <= 6, logged(records)
+
+
+def test_the_worker_command_exits_1_with_one_line_when_its_schema_is_dropped(tmp_path, engine, db_url,  # type: ignore[no-untyped-def]
+                                                                              make_storage):
+    st = make_storage(schema=unique_schema())
+    proc = run_cli_worker(tmp_path, db_url, st.schema())
+    try:
+        time.sleep(1.5)  # started, its maintainer leads
+        assert proc.poll() is None, proc.communicate()
+        drop_schema(engine, st.schema())
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, (out, err)
+    assert "qstore worker started" in err
+    assert err.splitlines()[-1].startswith(f"qstore: qstore schema '{st.schema()}' is not installed"), err
+    assert "Traceback" not in err and len(err.splitlines()) <= 15, err

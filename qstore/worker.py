@@ -255,6 +255,7 @@ class _Attempt:
     atask: asyncio.Task[Any] | None = None
     deadline_closed: bool = False
     writing: bool = False  # an outcome write (or give-back) is under way: keep heartbeating
+    holds: int = 1  # who still needs the attempt: its handler, and a deadline's closure in flight
 
     @property
     def pair(self) -> tuple[int, int]:
@@ -816,8 +817,11 @@ class Worker:
         return not a.ctx.is_cancelled and isinstance(outcome, BaseException)
 
     def _forget(self, a: _Attempt) -> None:
+        """Let ``a`` go once neither its handler nor a deadline's closure needs it: until
+        then it keeps its place, is heartbeated, and a stop gives it back."""
         with self._lock:
-            if self._attempts.pop(a.pair, None) is None:
+            a.holds -= 1
+            if a.holds > 0 or self._attempts.pop(a.pair, None) is None:
                 return
         self._release(1)
 
@@ -1090,6 +1094,8 @@ class Worker:
             assert a.task is not None and a.task.deadline is not None
             message = f"deadline of {a.task.deadline:g}s exceeded"
             a.writing = True  # heartbeated while the closure is pending, though cancelled
+            with self._lock:
+                a.holds += 1  # held until the closure is written, whenever the handler returns
             self._close_under_handler(a, message)
             assert self._outcomes is not None
             self._outcomes.submit(self._close_past_deadline, a, message)
@@ -1097,11 +1103,14 @@ class Worker:
     def _close_past_deadline(self, a: _Attempt, message: str) -> None:
         job = a.claimed.job
         st, e = self.storage, self.engine
-        row = self._write(a, "fail_retryable (deadline)",
-                          lambda: st.fail_retryable(e, job.id, job.run_lease, message, a.ctx.progress))
-        if row is not None:
-            self._count("deadline_exceeded")
-            self._count_end(row, job)
+        try:
+            row = self._write(a, "fail_retryable (deadline)",
+                              lambda: st.fail_retryable(e, job.id, job.run_lease, message, a.ctx.progress))
+            if row is not None:
+                self._count("deadline_exceeded")
+                self._count_end(row, job)
+        finally:
+            self._forget(a)
 
     # -- background loops ------------------------------------------------------------------------
     def _listen_loop(self) -> None:

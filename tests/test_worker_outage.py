@@ -132,6 +132,29 @@ def test_every_outcome_lands_after_an_outage_longer_than_a_few_retries(engine, p
             stats.waiting_callback) == (2, 1, 1, 1, 1, 1, 1), stats
 
 
+def test_an_attempt_stays_held_while_its_deadline_closure_is_pending(engine, proxied, proxy, st, workers):  # type: ignore[no-untyped-def]
+    app = App(st)
+    started, returned = threading.Event(), threading.Event()
+
+    @app.task(kind="late", deadline=0.5)
+    def late(ctx: JobContext) -> None:
+        started.set()
+        ctx.cancelled.wait(30)  # a cooperative handler: returns as soon as the deadline closes it
+        returned.set()
+
+    job_id = late.defer(engine)
+    w = workers(app, proxied, heartbeat_interval=0.4)
+    assert started.wait(10)
+    proxy.cut()  # before the deadline: its closure cannot be written yet
+    assert returned.wait(10)
+    time.sleep(0.5)
+    assert w.stats.in_flight == 1  # held (heartbeated, given back at a stop) until written
+    proxy.restore()
+    row = settles_in(engine, st, job_id, JobState.RETRYABLE, timeout=15)
+    assert "deadline of 0.5s exceeded" in row.errors[-1]["error"]
+    eventually(lambda: (w.stats.in_flight, w.stats.deadline_exceeded) == (0, 1), what="let go once written")
+
+
 def test_an_outcome_write_that_cannot_land_within_the_lease_gives_the_attempt_back(  # type: ignore[no-untyped-def]
         engine, proxied, proxy, st, workers):
     app = App(st)

@@ -256,9 +256,19 @@ def run_cli_worker(tmp_path: Path, url: str, schema: str) -> subprocess.Popen[st
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """The process's output once it exited; killed (and the test failed) if it runs on."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"still running after {timeout} s; its stderr:\n{err[-3000:]}") from None
+
+
 def test_the_worker_command_refuses_a_database_without_the_install_in_one_line(tmp_path, fresh_db_url):  # type: ignore[no-untyped-def]
     proc = run_cli_worker(tmp_path, fresh_db_url, "qstore")
-    out, err = proc.communicate(timeout=30)
+    out, err = finish(proc, 30)
     assert proc.returncode == 1, (out, err)
     assert err.splitlines() == [err.strip()], err  # one line: nothing started, nothing logged
     assert err.startswith("qstore: qstore schema 'qstore' is not installed"), err
@@ -267,11 +277,16 @@ def test_the_worker_command_refuses_a_database_without_the_install_in_one_line(t
 
 def test_a_worker_refuses_to_start_on_a_schema_that_is_not_installed(fresh_engine):  # type: ignore[no-untyped-def]
     w = Worker(App(QueueStorage()), fresh_engine, WorkerSettings(queues=["default"]))
-    with pytest.raises(SchemaNotInstalledError, match="qstore schema 'qstore' is not installed"):
-        w.start()
-    assert not w.running
-    with pytest.raises(SchemaNotInstalledError):
-        w.run()
+    try:
+        with pytest.raises(SchemaNotInstalledError, match="qstore schema 'qstore' is not installed"):
+            w.start()
+        assert not w.running
+        with pytest.raises(SchemaNotInstalledError):
+            w.run()
+    finally:
+        if w.running:  # a worker that started anyway must not outlive the test
+            w.request_stop(hurry=True)
+            w.stop(0)
 
 
 def drop_schema(engine: Engine, schema: str) -> None:
@@ -326,7 +341,7 @@ def test_the_worker_command_exits_1_with_one_line_when_its_schema_is_dropped(tmp
         time.sleep(1.5)  # started, its maintainer leads
         assert proc.poll() is None, proc.communicate()
         drop_schema(engine, st.schema())
-        out, err = proc.communicate(timeout=30)
+        out, err = finish(proc, 30)
     finally:
         if proc.poll() is None:
             proc.kill()

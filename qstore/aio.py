@@ -7,21 +7,48 @@ greenlet on the async target's synchronous counterpart (``AsyncEngine.sync_engin
 exactly the transaction it gets on the sync face (see :mod:`qstore.storage.targets`) and
 the two faces cannot drift apart. Requires the ``async`` extra (``sqlalchemy[asyncio]``)
 and an async driver URL such as ``postgresql+psycopg://…`` for ``create_async_engine``.
+
+Without the extra (no ``greenlet`` module), importing this module raises
+:class:`AsyncExtraMissingError`, whose one-line message names ``pip install 'qstore[async]'``.
+It is both an ``ImportError`` (an optional dependency is missing) and a
+:class:`~qstore.errors.QueueStorageError` (every error qstore raises is one); the same
+error comes from the async face of a task (``App.async_storage``, ``Task.defer_async``).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from sqlalchemy.util.concurrency import greenlet_spawn
 
 from qstore.config import QueueStorageConfig
-from qstore.errors import ValidationError
+from qstore.errors import QueueStorageError, ValidationError
 from qstore.storage import Naming, Operations, QueueStorage
 from qstore.storage.operations import AsyncFace, Operation
 from qstore.storage.targets import AsyncTarget, sync_target
 
-__all__ = ["AsyncQueueStorage", "AsyncTarget"]
+
+class AsyncExtraMissingError(QueueStorageError, ImportError):
+    """The async face needs the ``async`` extra (``greenlet``), which is not installed. An
+    ``ImportError`` and a :class:`~qstore.errors.QueueStorageError`; its message is one line."""
+
+
+def _require_greenlet() -> None:
+    """Raise :class:`AsyncExtraMissingError` when ``greenlet`` (what SQLAlchemy runs the
+    async face on) cannot be imported; SQLAlchemy would only fail at the first call, with
+    an error naming its own extra."""
+    try:
+        importlib.import_module("greenlet")
+    except ImportError:
+        raise AsyncExtraMissingError(
+            "qstore.aio needs the 'async' extra (greenlet), which is not installed: "
+            "pip install 'qstore[async]'") from None
+
+
+_require_greenlet()
+
+__all__ = ["AsyncExtraMissingError", "AsyncQueueStorage", "AsyncTarget"]
 
 
 class AsyncQueueStorage(Operations, Naming, AsyncFace):

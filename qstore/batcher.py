@@ -22,6 +22,10 @@ Guarantees:
   transaction; when it fails for a reason a retry cannot fix (a unique conflict of a
   follow-up, a bad argument), each attempt is tried alone, and one that still fails ends
   ``fail_retryable`` with the reason, its follow-ups not written.
+
+Failures to reach the database are logged through an :class:`~qstore.outage.OutageLog`
+(one WARNING when completions start failing, DEBUG while they go on failing the same way,
+one INFO line once they land again); a worker passes its own.
 """
 
 from __future__ import annotations
@@ -34,8 +38,15 @@ from dataclasses import dataclass, field, fields
 
 from sqlalchemy import Engine
 
-from qstore.errors import DatabaseError, PartialCommitError, QueueStorageError, ValidationError
+from qstore.errors import (
+    DatabaseError,
+    PartialCommitError,
+    QueueStorageError,
+    ValidationError,
+    translate_errors,
+)
 from qstore.model import ClaimedRuntimeJob
+from qstore.outage import OutageLog
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import InsertParams
 
@@ -94,7 +105,7 @@ class CompletionBatcher:
     docstring). :meth:`start` runs the thread; :meth:`stop` flushes and ends it."""
 
     def __init__(self, storage: QueueStorage, engine: Engine, *, max_batch: int = 500,
-                 interval: float = 0.003) -> None:
+                 interval: float = 0.003, outages: OutageLog | None = None) -> None:
         if not isinstance(engine, Engine):
             raise ValidationError("engine", engine, "the batcher needs a synchronous Engine")
         _positive(max_batch, "max_batch", integer=True)
@@ -111,6 +122,7 @@ class CompletionBatcher:
         self._thread: threading.Thread | None = None
         self._stats = BatcherStats()
         self._stats_lock = threading.Lock()
+        self._outages = outages if outages is not None else OutageLog(log, "qstore worker")
 
     # -- public ----------------------------------------------------------------------------------
     @property
@@ -248,29 +260,45 @@ class CompletionBatcher:
                 kept = [c for c in items if c.pair in committed]
                 self._count(completed=len(kept), retries=1)
                 items = [c for c in items if c.pair not in committed]
-                log.warning("qstore worker: completion committed %d of %d attempts (%s); sending the rest again",
-                            len(kept), len(kept) + len(items), err)
+                self._outages.failed("completions", err, 0.0,
+                                     detail=f"{len(kept)} of {len(kept) + len(items)} committed")
                 continue
             except DatabaseError as err:
                 self._count(retries=1)
-                log.warning("qstore worker: completion of %d attempts failed (%s); retrying", len(items), err)
+                self._outages.failed("completions", err, self._retry_delay(delay),
+                                     detail=f"{len(items)} attempts")
                 if not self._wait_retry(delay):
                     self._abandon(items)
                     return
                 delay = min(delay * 2, RETRY_CAP)
                 continue
-            except QueueStorageError:  # not a database error: sending again cannot help
-                log.exception("qstore worker: completion of %d attempts refused", len(items))
-                self._abandon(items)
+            except QueueStorageError as err:  # not a database error: sending again cannot help
+                self._refused(items, err)
                 return
+            self._outages.ok("completions")
             self._settle(items, set(done))
             return
 
+    def _refused(self, items: Sequence[Completion], err: QueueStorageError) -> None:
+        self._outages.forget("completions")
+        self._count(abandoned=len(items))
+        log.warning("qstore worker: completion of %d attempts refused (%s); their attempts will be "
+                    "rescued and run again", len(items), " ".join(str(err).split()))
+
+    def _retry_delay(self, delay: float) -> float:
+        """The wait :meth:`_wait_retry` will make for ``delay`` (for the log)."""
+        with self._cond:
+            if self._give_up_at is None:
+                return delay
+            return max(0.0, min(delay, self._give_up_at - time.monotonic()))
+
     def _abandon(self, items: Sequence[Completion]) -> None:
+        self._outages.forget("completions")
         self._count(abandoned=len(items))
         log.warning("qstore worker: gave up %d completions at stop; their attempts will be rescued "
                     "and run again", len(items))
 
+    @translate_errors  # a connection or commit failure is a DatabaseError like the calls' own
     def _joined_once(self, items: Sequence[Completion]) -> None:
         """Complete ``items`` and enqueue the follow-ups of those completed, in one transaction."""
         self._count(calls=1)
@@ -287,10 +315,12 @@ class CompletionBatcher:
         while True:
             try:
                 self._joined_once(items)
+                self._outages.ok("completions")
                 return
             except DatabaseError as err:
                 self._count(retries=1)
-                log.warning("qstore worker: completion with follow-ups failed (%s); retrying", err)
+                self._outages.failed("completions", err, self._retry_delay(delay),
+                                     detail=f"{len(items)} attempts with follow-up jobs")
                 if not self._wait_retry(delay):
                     self._abandon(items)
                     return

@@ -4,7 +4,8 @@
 dotted: ``myapp.jobs:registry.app``); the current directory is importable, as it is for
 ``python -m``. The app's storage decides the schema; a ``--schema`` other than the default
 must name the same one. The worker runs until SIGINT / SIGTERM, then shuts down gracefully (a second
-signal hurries it). Every refusal is one line on stderr.
+signal hurries it). Every refusal is one line on stderr (exit status 1), among them a schema
+that is not installed, or that disappears while the worker runs (it then stops by itself).
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ growing delay while the server stays away) and returns a :class:`Wakeup` with
 ``missed=True``, which means "poll every queue now". Start it with
 ``QueueStorage.listen(engine, queues)`` (or :class:`Listener` directly) and use it as a
 context manager or call :meth:`Listener.close`.
+
+A lost connection is one WARNING line, the tries to reconnect while the server stays away
+are DEBUG, and the reconnect is one INFO line (:class:`~qstore.outage.OutageLog`). A
+connection that failed is closed, never handed back to the engine's pool (it would be reset
+there, which fails on a dead connection).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from sqlalchemy import Engine
 
 from qstore.config import QueueStorageConfig
 from qstore.errors import ValidationError
+from qstore.outage import OutageLog
 from qstore.storage.jobs import validate_queue
 
 __all__ = ["Listener", "Wakeup"]
@@ -85,11 +91,13 @@ class Listener:
 
     The connection is opened by :meth:`open` (or on entering the context) and re-opened by
     :meth:`wait` whenever it is lost; :meth:`close` ends it. :meth:`wait` must be called
-    from one thread at a time; :meth:`interrupt` may be called from any thread.
+    from one thread at a time; :meth:`interrupt` may be called from any thread. Losing and
+    regaining the connection is logged through ``outages`` (a worker passes its own, so its
+    outage ends with one recovery line; by default the listener's own, on ``qstore.listen``).
     """
 
     def __init__(self, engine: Engine, config: QueueStorageConfig, queues: Iterable[str],
-                 *, cancel: bool = True) -> None:
+                 *, cancel: bool = True, outages: OutageLog | None = None) -> None:
         if not isinstance(engine, Engine):
             raise ValidationError("engine", engine, "the listener needs a synchronous Engine")
         if isinstance(queues, str):
@@ -109,6 +117,7 @@ class Listener:
         os.set_blocking(self._wake_w, False)
         self._closed = False
         self._lock = threading.Lock()  # guards the pipe against close() racing interrupt()
+        self._outages = outages if outages is not None else OutageLog(log, "qstore listener")
 
     # -- connection ----------------------------------------------------------------------------
     @property
@@ -125,13 +134,16 @@ class Listener:
 
     def _connect(self) -> None:
         raw = self.engine.raw_connection()
+        driver = raw.driver_connection
+        # This connection is the listener's alone and never goes back to the pool: detached,
+        # it is closed below when it fails (a pool would reset it, which fails on a dead one).
+        raw.detach()
+        if not isinstance(driver, psycopg.Connection):
+            raw.close()
+            raise ValidationError("engine", self.engine.url.render_as_string(),
+                                  "the listener needs the synchronous psycopg driver "
+                                  "(postgresql+psycopg://...)")
         try:
-            driver = raw.driver_connection
-            raw.detach()  # this connection is the listener's alone and never goes back to the pool
-            if not isinstance(driver, psycopg.Connection):
-                raise ValidationError("engine", self.engine.url.render_as_string(),
-                                      "the listener needs the synchronous psycopg driver "
-                                      "(postgresql+psycopg://...)")
             if driver.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 driver.rollback()
             driver.autocommit = True
@@ -139,7 +151,9 @@ class Listener:
             for channel in dict.fromkeys([*self.channels, *([self.cancel_channel] if self.cancel_channel else [])]):
                 driver.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         except BaseException:
-            raw.close()
+            raw.invalidate()  # the pool forgets it without a reset
+            with contextlib.suppress(Exception):
+                driver.close()
             raise
         self._conn = driver
         self._idle_since = time.monotonic()
@@ -178,7 +192,8 @@ class Listener:
             self._take(n.relname.decode(encoding), n.extra.decode(encoding))
 
     def _lost(self, err: BaseException) -> None:
-        log.warning("qstore listener lost its connection (%s); polling until it is back", err)
+        self._outages.failed("LISTEN connection", err, 0.0, detail="lost; every queue polls",
+                             expected=True)
         self._drop()
         self._pending.missed = True
 
@@ -227,11 +242,12 @@ class Listener:
         try:
             self._connect()
             self._pending.missed = True
-            log.info("qstore listener reconnected")
+            log.debug("qstore listener reconnected")
+            self._outages.ok("LISTEN connection")
             return True
         except Exception as err:
             delay = min(self._retry_delay, max(0.0, deadline - time.monotonic()))
-            log.debug("qstore listener cannot reconnect yet (%s); retrying in %.1fs", err, delay)
+            self._outages.failed("LISTEN connection", err, delay, detail="reconnecting")
             self._retry_delay = min(self._retry_delay * 2, RECONNECT_CAP)
             self._pending.missed = True
             with contextlib.suppress(OSError, ValueError):

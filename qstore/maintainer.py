@@ -12,7 +12,15 @@ session advisory lock keyed on the schema name, only the holder runs tasks, and 
 retry until the holder's session ends (stop, crash, network loss), then one of them takes
 over. The lock lives on a dedicated connection in autocommit mode, so leadership never
 holds a transaction open (it does not pin the MVCC horizon). Every task runs on the given
-``Engine`` in its own transaction; a failing task is logged and reported, and the loop goes on.
+``Engine`` in its own transaction; a failing task is reported, tried again after
+``min(its cadence, 5 s)``, and the loop goes on. Failures are logged through an
+:class:`~qstore.outage.OutageLog`: while the database is away, one WARNING line when
+maintenance starts failing (and when it fails differently), DEBUG for the repeats, one INFO
+line when it works again; a traceback only at DEBUG, or for an error that is not a database
+error (a bug).
+
+:meth:`Maintainer.stop` wakes the thread at once: it finishes the statement in flight (one
+task, or one prune of a tick that prunes several slots) and runs nothing more.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from qstore.errors import ValidationError
 from qstore.model import JobState, PruneOutcome, RotateOutcome
+from qstore.outage import OutageLog
 from qstore.storage import QueueStorage
 from qstore.storage.checks import MAX_BATCH
 
@@ -47,6 +56,10 @@ LEADER_KEY_PREFIX = "qstore:maintainer:2:"
 #: batch means more may be waiting, so the task calls again (up to ``RESCUE_MAX_CALLS``).
 RESCUE_BATCH = 500
 RESCUE_MAX_CALLS = 32
+
+#: A task that failed runs again after its cadence or this many seconds, whichever is
+#: shorter (the rescue and rollup tasks run every 30 s by default).
+TASK_RETRY_AFTER = 5.0
 
 
 def _finite(value: float) -> bool:
@@ -198,9 +211,11 @@ class _Ring:
     on every following tick."""
 
     def __init__(self, rotate: Callable[[], RotateOutcome], prune: Callable[[], PruneOutcome],
-                 backoff_limit: int, most: int, turn: TurnWhen | None = None) -> None:
+                 backoff_limit: int, most: int, turn: TurnWhen | None = None,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self._rotate, self._prune, self._limit, self._most = rotate, prune, backoff_limit, most
         self._turn = turn
+        self._stopping = stopping  # a stopping maintainer prunes no further slot
         self._misses = 0
         self._skip = 0
         self._turned_at = -math.inf
@@ -226,7 +241,7 @@ class _Ring:
         caught_up = 0
         if pruned.kind == "pruned":
             self._misses = 0
-            while caught_up + 1 < self._most and self._prune().kind == "pruned":
+            while caught_up + 1 < self._most and not self._stopping() and self._prune().kind == "pruned":
                 caught_up += 1
         else:
             self._misses += 1
@@ -252,11 +267,14 @@ class Maintainer:
     clock or :meth:`run_all` for one full pass. ``engine`` must be a synchronous
     ``Engine`` (for an async application, a second engine on the same URL); while this
     maintainer leads, it keeps one of the engine's pooled connections for the lock.
-    Leadership methods may be called from any thread.
+    Leadership methods may be called from any thread. Failures are logged through
+    ``outages`` (a worker passes its own, so that its outage ends with one recovery line; by
+    default the maintainer's own, on ``qstore.maintainer``).
     """
 
     def __init__(self, storage: QueueStorage, engine: Engine,
-                 schedule: MaintenanceSchedule | None = None, *, keep_reports: int = 100) -> None:
+                 schedule: MaintenanceSchedule | None = None, *, keep_reports: int = 100,
+                 outages: OutageLog | None = None) -> None:
         if not isinstance(storage, QueueStorage):
             raise ValidationError("storage", storage, "expected QueueStorage")
         if not isinstance(engine, Engine):
@@ -274,6 +292,7 @@ class Maintainer:
         self._checked_at = 0.0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._outages = outages if outages is not None else OutageLog(log, "qstore maintainer")
         self._tasks = self._build_tasks()
 
     # -- tasks ------------------------------------------------------------------------
@@ -285,7 +304,8 @@ class Maintainer:
         claim_ring = _Ring(lambda: s.rotate_claims(e), lambda: s.prune_oldest_claims(e), lim, 1, by_volume)
         return [
             _Task("queue_ring", sch.queue_ring_every,
-                  _Ring(lambda: s.rotate(e), lambda: s.prune_oldest(e), lim, s.queue_slot_count())),
+                  _Ring(lambda: s.rotate(e), lambda: s.prune_oldest(e), lim, s.queue_slot_count(),
+                        stopping=self._stop.is_set)),
             _Task("lease_ring", sch.lease_ring_every,
                   _Ring(lambda: s.rotate_leases(e), lambda: s.prune_oldest_leases(e), lim, 1)),
             _Task("claim_ring", sch.claim_ring_every, claim_ring, lambda: claim_ring(force=True)),
@@ -344,13 +364,15 @@ class Maintainer:
             raise ValidationError("task", task, f"not one of {self.task_names}")
         return [r for t in chosen for r in t.reports]
 
-    def _run(self, task: _Task, *, full: bool = False) -> TaskReport:
+    def _run(self, task: _Task, *, full: bool = False, retry_in: float | None = None) -> TaskReport:
         started = time.monotonic()
         try:
             result, error = (task.full if full and task.full is not None else task.run)(), None
         except Exception as exc:  # a task's failure must not stop the other tasks
-            log.warning("qstore maintenance task %s failed: %s", task.name, exc, exc_info=True)
+            self._outages.failed("maintenance", exc, retry_in, key=task.name, detail=f"task {task.name}")
             result, error = None, f"{type(exc).__name__}: {exc}"
+        else:
+            self._outages.ok("maintenance", key=task.name)
         report = TaskReport(task.name, result, error, time.monotonic() - started, started)
         task.reports.append(report)
         del task.reports[:-self._keep]
@@ -366,6 +388,9 @@ class Maintainer:
             t.due = now + t.every
         return out
 
+    def _retry_after(self, task: _Task) -> float:
+        return min(task.every, TASK_RETRY_AFTER)
+
     def run_pending(self) -> list[TaskReport]:
         """Run the tasks that are due, if this maintainer holds leadership; returns their
         reports (empty when none was due or another maintainer leads)."""
@@ -373,11 +398,17 @@ class Maintainer:
             return []
         out = []
         for t in self._tasks:
+            if self._stop.is_set():  # stopping: the tasks still due wait for the next leader
+                break
             now = time.monotonic()
             if t.due <= now:
-                out.append(self._run(t))
-                # fixed cadence; a task that overran its interval runs again one interval later
-                t.due = max(t.due + t.every, time.monotonic())
+                report = self._run(t, retry_in=self._retry_after(t))
+                out.append(report)
+                if report.error is not None:
+                    t.due = time.monotonic() + self._retry_after(t)
+                else:
+                    # fixed cadence; a task that overran its interval runs again one interval later
+                    t.due = max(t.due + t.every, time.monotonic())
         return out
 
     def seconds_until_due(self) -> float:
@@ -406,6 +437,7 @@ class Maintainer:
         try:
             got = bool(conn.execute(select(func.pg_try_advisory_lock(self._lock_key()))).scalar_one())
         except BaseException:
+            conn.invalidate()  # a connection that failed is not reset back into the pool
             conn.close()
             raise
         if not got:
@@ -431,7 +463,8 @@ class Maintainer:
         try:
             conn.execute(select(literal(1)))
         except SQLAlchemyError as exc:  # dead session, or a connection SQLAlchemy invalidated
-            log.warning("qstore maintainer lost leadership of %s: %s", self.storage.schema(), exc)
+            self._outages.failed("maintenance", exc, self.schedule.leader_retry_every, key="leadership",
+                                 detail=f"leadership of schema {self.storage.schema()} lost")
             self._drop_lock_conn()
             return False
         self._checked_at = time.monotonic()
@@ -463,17 +496,25 @@ class Maintainer:
 
     # -- background thread ------------------------------------------------------------
     def _loop(self) -> None:
+        every = self.schedule.leader_retry_every
         while not self._stop.is_set():
             try:
-                if not self.acquire_leadership():
-                    self._stop.wait(self.schedule.leader_retry_every)
-                    continue
-                self.run_pending()
+                leading = self.acquire_leadership()
             except Exception as exc:  # the loop outlives database outages; tasks catch their own
-                log.warning("qstore maintainer cannot reach the database: %s", exc)
-                self._stop.wait(self.schedule.leader_retry_every)
+                self._outages.failed("maintenance", exc, every, key="leadership", detail="taking leadership")
+                self._stop.wait(every)
                 continue
-            self._stop.wait(min(self.seconds_until_due(), self.schedule.leader_retry_every))
+            self._outages.ok("maintenance", key="leadership")
+            if not leading:
+                self._stop.wait(every)
+                continue
+            try:
+                self.run_pending()
+            except Exception as exc:
+                self._outages.failed("maintenance", exc, every, key="leadership", detail="leadership check")
+                self._stop.wait(every)
+                continue
+            self._stop.wait(min(self.seconds_until_due(), every))
         self.release_leadership()
 
     def start(self) -> None:

@@ -26,6 +26,13 @@ ends, claimed jobs no handler started are given back at once, running handlers g
 (``snooze`` for 0 s: due again at once, the attempt does not count) and their handlers see
 ``ctx.cancelled``; the batcher is flushed, then the listener, the keeper and the maintainer
 stop. A second signal cuts the wait short.
+
+While the database is away, nothing is dropped early: claims, completions, heartbeats and
+the listener retry, and an outcome write is retried until shortly before its attempt would
+count as abandoned, then the attempt is given back (see :meth:`Worker._write`). Failures are
+logged as a few lines per outage (:class:`~qstore.outage.OutageLog`). A worker checks that
+its schema is installed before it starts, and stops by itself, with one ERROR line, when
+the schema disappears while it runs (:attr:`Worker.failure`).
 """
 
 from __future__ import annotations
@@ -50,11 +57,19 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from qstore import migrate
 from qstore.batcher import CompletionBatcher
-from qstore.errors import DatabaseError, QueueStorageError, ValidationError
+from qstore.errors import (
+    DatabaseError,
+    QueueStorageError,
+    SchemaNotInstalledError,
+    ValidationError,
+    translate_errors,
+)
 from qstore.listen import Listener
 from qstore.maintainer import Maintainer, MaintenanceSchedule
 from qstore.model import ClaimedRuntimeJob, JobRow, JobState
+from qstore.outage import OutageLog, describe_failure
 from qstore.storage.jobs import validate_queue
 from qstore.tasks import (
     App,
@@ -80,8 +95,16 @@ CLAIM_LINGER = 0.005
 #: How soon a dispatcher whose claim came back partly filled claims again without a
 #: notification (seconds; at most ``poll_interval``).
 PARTIAL_RECHECK = 0.05
-#: Attempts at applying an outcome while the database is unreachable.
-OUTCOME_TRIES = (0.1, 0.5, 2.0)
+#: Retry delays of an outcome write or a give-back that failed (seconds): the first, doubled
+#: after each failure up to the cap. They go on until the attempt's lease ends (see
+#: :meth:`Worker._lease_end`) or a stop gives up.
+RETRY_FIRST, RETRY_CAP = 0.1, 5.0
+#: The part of an attempt's lease that a failing outcome write leaves for giving the attempt
+#: back instead: a third of the heartbeat staleness, at most this many seconds.
+HAND_BACK_RESERVE = 10.0
+#: SQLSTATEs of a statement that named an object which does not exist (schema, table,
+#: function): the worker then checks whether its schema is still installed.
+MISSING_OBJECT = frozenset({"3F000", "42P01", "42883"})
 
 
 def _number(value: object, name: str, *, minimum: float = 0.0, strict: bool = True,
@@ -231,6 +254,8 @@ class _Attempt:
     sent_progress: Any = None
     atask: asyncio.Task[Any] | None = None
     deadline_closed: bool = False
+    writing: bool = False  # an outcome write (or give-back) is under way: keep heartbeating
+    holds: int = 1  # who still needs the attempt: its handler, and a deadline's closure in flight
 
     @property
     def pair(self) -> tuple[int, int]:
@@ -361,15 +386,20 @@ class Worker:
         self._hurry = threading.Event()  # a second stop request: give back at once
         self._stop_requested = threading.Event()
         self._stopping = threading.Lock()
+        self._give_up = threading.Event()  # a stop's wait is over: pending writes hand their attempts back
         self._signals: list[str] = []  # names of the stop signals received (set by the handler)
         self._started = False
         self._threads: list[threading.Thread] = []
         self._dispatchers: list[threading.Thread] = []
+        self._failure: QueueStorageError | None = None
+        self._staleness = (self.settings.schedule or MaintenanceSchedule()).heartbeat_staleness
 
+        self._outages = OutageLog(log, "qstore worker")
         self.batcher = CompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
-                                         interval=self.settings.completion_interval)
+                                         interval=self.settings.completion_interval, outages=self._outages)
         self.maintainer: Maintainer | None = (
-            Maintainer(self.storage, engine, self.settings.schedule) if self.settings.maintain else None)
+            Maintainer(self.storage, engine, self.settings.schedule, outages=self._outages)
+            if self.settings.maintain else None)
         self._pool: _Pool | None = None
         self._loop: _EventLoop | None = None
         self._outcomes: concurrent.futures.ThreadPoolExecutor | None = None
@@ -395,11 +425,22 @@ class Worker:
     def running(self) -> bool:
         return self._started
 
+    @property
+    def failure(self) -> QueueStorageError | None:
+        """The error that stopped this worker by itself (its schema is no longer installed),
+        or None. :meth:`run` raises it once the worker has stopped."""
+        return self._failure
+
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start every thread and return (background mode); :meth:`stop` ends them."""
+        """Start every thread and return (background mode); :meth:`stop` ends them.
+
+        Raises :class:`~qstore.errors.SchemaNotInstalledError` before anything starts when
+        the app's schema is not installed in the engine's database, and a
+        :class:`~qstore.errors.DatabaseError` when the database cannot be reached."""
         if self._started:
             raise RuntimeError("worker already running")
+        self._check_installed()
         s = self.settings
         self._started = True
         with self._lock:  # handlers a previous stop left running still hold their places
@@ -407,9 +448,12 @@ class Worker:
         self._stop_requested.clear()
         self._closing.clear()
         self._hurry.clear()
+        self._give_up.clear()
+        self._failure = None
         try:
             if s.listen:
-                self._listener = self.storage.listen(self.engine, self.queues, cancel=True)
+                self._listener = Listener(self.engine, self.storage.config, self.queues, cancel=True,
+                                          outages=self._outages).open()
             self.batcher.start()
             self._pool = _Pool(s.concurrency, "qstore-handler")
             if any(t.is_async for t in self.app.tasks.values()):
@@ -432,6 +476,48 @@ class Worker:
                  self.storage.schema(), ", ".join(self.queues), s.concurrency,
                  "" if s.listen else ", polling only", ", maintainer on" if self.maintainer else "")
 
+    # -- the install ---------------------------------------------------------------------------
+    @translate_errors
+    def _installed(self) -> SchemaNotInstalledError | None:
+        """None when the schema is installed, else the error saying so (one probe)."""
+        schema = self.storage.schema()
+        with self.engine.connect() as conn:
+            if migrate.read_recorded_config(conn, schema) is not None:
+                return None
+            return SchemaNotInstalledError(schema, migrate.found_installs(conn))
+
+    def _check_installed(self) -> None:
+        missing = self._installed()
+        if missing is not None:
+            raise missing
+
+    def _schema_gone(self, err: BaseException) -> SchemaNotInstalledError | None:
+        """The error to stop with when ``err`` means that the schema is no longer installed:
+        a :class:`SchemaNotInstalledError`, or a statement that named a missing object when a
+        probe finds no install either. None otherwise (and when the probe fails)."""
+        if isinstance(err, SchemaNotInstalledError):
+            return err
+        if getattr(err, "sqlstate", None) not in MISSING_OBJECT:
+            return None
+        try:
+            return self._installed()
+        except QueueStorageError:
+            return None
+
+    def _fatal(self, err: SchemaNotInstalledError) -> None:
+        """Stop this worker because of ``err`` (from any of its threads): one ERROR line,
+        then a stop that gives every attempt back at once, on a thread of its own;
+        :meth:`run` raises ``err`` afterwards."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = err
+        log.error("qstore worker: stopping: %s", describe_failure(err)[0])
+        self._hurry.set()
+        self._give_up.set()
+        self._stop_requested.set()
+        threading.Thread(target=self.stop, args=(0.0,), name="qstore-stop", daemon=True).start()
+
     def _spawn(self, target: Callable[[], None], name: str) -> threading.Thread:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
@@ -447,7 +533,11 @@ class Worker:
 
     def run(self) -> WorkerStats:
         """Start, block until SIGINT / SIGTERM (handlers installed when called from the main
-        thread) or :meth:`request_stop`, then stop gracefully; returns the final stats."""
+        thread) or :meth:`request_stop`, then stop gracefully; returns the final stats.
+
+        Raises :class:`~qstore.errors.SchemaNotInstalledError` when the schema is not
+        installed (nothing started), or once the worker has stopped because its schema
+        disappeared while it ran."""
         installed: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -458,7 +548,10 @@ class Worker:
                 pass
             if self._signals:
                 log.info("qstore worker: %s received, shutting down", self._signals[0])
-            return self.stop(self.settings.shutdown_timeout)
+            stats = self.stop(self.settings.shutdown_timeout)
+            if self._failure is not None:
+                raise self._failure
+            return stats
         finally:
             for sig, previous in installed.items():
                 signal.signal(sig, previous)
@@ -473,7 +566,13 @@ class Worker:
     def stop(self, timeout: float | None = None) -> WorkerStats:
         """Stop gracefully (see the module docstring): running handlers get ``timeout``
         seconds (default ``settings.shutdown_timeout``) before their attempts are given
-        back. Returns the final stats."""
+        back. Returns the final stats.
+
+        Beyond the handlers, a stop waits only for a claim in flight, the completions still
+        to send and the maintenance statement in flight. While the database is away it also
+        retries give-backs and outcome writes until each attempt's lease ends, completions
+        for ``timeout`` (5 to 30 s); ``request_stop(hurry=True)`` or a second signal gives
+        them up at once."""
         with self._stopping:  # one stop at a time; a concurrent second call waits for it
             if not self._started:
                 return self.stats
@@ -499,12 +598,15 @@ class Worker:
                 if remaining <= 0:
                     break
                 self._capacity.wait(min(remaining, 0.1))
-        if self._hurry.is_set() and self._attempts:
+        if self._hurry.is_set() and self._attempts and self._failure is None:
             log.info("qstore worker: asked again to stop: giving running attempts back now")
         with self._lock:
             left = list(self._attempts.values())
+        # Outcome writes still failing stop retrying: their attempts are in `left` (a writer
+        # lets its attempt go only after its last try), and are given back below.
+        self._give_up.set()
         self._give_back(left, "worker shutting down")
-        self.batcher.stop(timeout=max(5.0, min(limit, 30.0)))
+        self.batcher.stop(timeout=0.0 if self._failure is not None else max(5.0, min(limit, 30.0)))
         self._shutdown_threads()
         self._started = False
         stats = self.stats
@@ -590,6 +692,7 @@ class Worker:
     def _dispatch_loop(self, queue: str) -> None:
         wake = self._wakes[queue]
         s = self.settings
+        what = f"claims on queue {queue!r}"
         while self._claiming.is_set():
             want = self._reserve(s.claim_batch)
             if want == 0:
@@ -601,9 +704,14 @@ class Worker:
                 self._release(want)
                 self._count("claim_calls")
                 self._count("claim_errors")
-                log.warning("qstore worker: claim on queue %s failed: %s", queue, err)
+                gone = self._schema_gone(err)
+                if gone is not None:
+                    self._fatal(gone)
+                    break
+                self._outages.failed(what, err, s.error_backoff)
                 wake.wait(s.error_backoff)  # a stop sets it
                 continue
+            self._outages.ok(what)
             self._release(want - len(jobs))
             now = time.monotonic()
             with self._lock:
@@ -709,8 +817,11 @@ class Worker:
         return not a.ctx.is_cancelled and isinstance(outcome, BaseException)
 
     def _forget(self, a: _Attempt) -> None:
+        """Let ``a`` go once neither its handler nor a deadline's closure needs it: until
+        then it keeps its place, is heartbeated, and a stop gives it back."""
         with self._lock:
-            if self._attempts.pop(a.pair, None) is None:
+            a.holds -= 1
+            if a.holds > 0 or self._attempts.pop(a.pair, None) is None:
                 return
         self._release(1)
 
@@ -723,9 +834,11 @@ class Worker:
                           "result dropped", a.pair[0], a.ctx.cancel_reason)
             else:
                 self._apply(a, outcome)
-        except Exception:
+        except Exception:  # a bug: the attempt must not stay running behind the worker's back
             self._count("outcome_errors")
-            log.exception("qstore worker: job %s: outcome could not be applied", a.pair[0])
+            log.exception("qstore worker: job %s: outcome could not be applied; giving the attempt back",
+                          a.pair[0])
+            self._give_back([a], "outcome could not be applied", until_lease=True)
         finally:
             self._forget(a)
 
@@ -739,7 +852,7 @@ class Worker:
             error = describe_error(outcome)
             log.debug("qstore worker: job %s (%s) attempt %d raised %s", job.id, job.kind, job.attempt,
                       error, exc_info=outcome)
-            row = self._write(a, lambda: st.fail_retryable(e, job.id, job.run_lease, error, progress))
+            row = self._write(a, "fail_retryable", lambda: st.fail_retryable(e, job.id, job.run_lease, error, progress))
             if row is not None:
                 self._count_end(row, job)
         else:
@@ -757,29 +870,31 @@ class Worker:
         job = a.claimed.job
         st, e, p = self.storage, self.engine, a.ctx.progress
         if isinstance(o, Snooze):
-            if self._write(a, lambda: st.snooze(e, job.id, job.run_lease, o.seconds, p)) is not None:
+            if self._write(a, "snooze", lambda: st.snooze(e, job.id, job.run_lease, o.seconds, p)) is not None:
                 self._count("snoozed")
         elif isinstance(o, RetryAfter):
-            if self._write(a, lambda: st.retry_after(e, job.id, job.run_lease, o.seconds, p)) is not None:
+            if self._write(a, "retry_after", lambda: st.retry_after(e, job.id, job.run_lease, o.seconds, p)) is not None:
                 self._count("retry_after")
         elif isinstance(o, Cancel):
-            if self._write(a, lambda: st.cancel_running(e, job.id, job.run_lease, o.reason, p)) is not None:
+            if self._write(a, "cancel_running", lambda: st.cancel_running(e, job.id, job.run_lease, o.reason, p)) is not None:
                 self._count("cancelled")
         elif isinstance(o, Fail):
             if o.dlq:
-                row = self._write(a, lambda: st.fail_to_dlq(e, job.id, job.run_lease, o.dlq_reason, o.error, p))
+                row = self._write(a, "fail_to_dlq",
+                                  lambda: st.fail_to_dlq(e, job.id, job.run_lease, o.dlq_reason, o.error, p))
                 name = "dlq"
             else:
-                row = self._write(a, lambda: st.fail_terminal(e, job.id, job.run_lease, o.error, p))
+                row = self._write(a, "fail_terminal", lambda: st.fail_terminal(e, job.id, job.run_lease, o.error, p))
                 name = "failed"
             if row is not None:
                 self._count(name)
         elif isinstance(o, WaitForCallback):
-            if self._write(a, lambda: self._wait_for_callback(a, o)):
+            if self._write(a, "enter_callback_wait", lambda: self._wait_for_callback(a, o)):
                 self._count("waiting_callback")
         else:  # a JobOutcome subclass of the application's own: treat as an error
             self._apply(a, TypeError(f"unsupported outcome {type(o).__name__}"))
 
+    @translate_errors  # a connection or commit failure is a DatabaseError like the calls' own
     def _wait_for_callback(self, a: _Attempt, o: WaitForCallback) -> bool | None:
         job = a.claimed.job
         st = self.storage
@@ -790,29 +905,88 @@ class Worker:
             entered = st.enter_callback_wait(conn, job.id, job.run_lease, token)
         return True if entered else None
 
-    def _write(self, a: _Attempt, call: Callable[[], Any]) -> Any:
-        """Run one outcome call, retrying while the database is unreachable; None (counted
-        stale) when the attempt was closed elsewhere first."""
-        for delay in (*OUTCOME_TRIES, None):
-            try:
-                result = call()
+    # -- writes that must land -------------------------------------------------------------------
+    def _lease_end(self, a: _Attempt) -> float:
+        """When ``a`` counts as abandoned (``time.monotonic()``): its last heartbeat (or its
+        claim) plus the heartbeat staleness, or its storage deadline if that comes first."""
+        end = a.last_beat + self._staleness
+        if self.settings.claim_deadline is not None:
+            end = min(end, a.claimed_at + self.settings.claim_deadline)
+        return end
+
+    def _write(self, a: _Attempt, name: str, call: Callable[[], Any], *, fallback: bool = True) -> Any:
+        """Run the outcome call ``name`` of ``a`` until it lands; returns its result, or None
+        (counted stale) when the attempt was closed elsewhere first.
+
+        A database error is retried with a growing delay (``RETRY_FIRST`` doubled up to
+        ``RETRY_CAP``) until a reserve before the attempt's lease ends (a third of the heartbeat
+        staleness, at most ``HAND_BACK_RESERVE`` seconds), or until a stop gives up; the
+        attempt is then given back (``snooze`` 0 s, retried until its lease ends). A call
+        refused for another reason (a bad value in the outcome) ends the attempt
+        ``fail_retryable`` with the refusal instead (``fallback``; a give-back would run the
+        same handler again at once, and again), and is given back if that is refused too.
+        Returns None in those cases. The attempt is heartbeated meanwhile."""
+        job = a.claimed.job
+        what = "outcome writes"
+        until = self._lease_end(a) - min(self._staleness / 3, HAND_BACK_RESERVE)
+        delay = RETRY_FIRST
+        a.writing = True
+        try:
+            while True:
+                try:
+                    result = call()
+                except ValidationError as err:
+                    if err.field != "job":
+                        return self._refused(a, name, err, fallback=fallback)
+                    result = None  # register_callback of an attempt closed meanwhile
+                except DatabaseError as err:
+                    gone = self._schema_gone(err)
+                    if gone is not None:
+                        self._outages.forget(what, key=a.pair)
+                        self._fatal(gone)
+                        return None
+                    wait = min(delay, until - time.monotonic())
+                    if wait <= 0 or self._give_up.is_set() or self._hurry.is_set():
+                        self._outages.failed(what, err, None, key=a.pair,
+                                             detail=f"job {job.id}: {name}, giving the attempt back")
+                        self._outages.forget(what, key=a.pair)
+                        self._count("outcome_errors")
+                        self._give_back([a], f"{name} could not be written", until_lease=True)
+                        return None
+                    self._outages.failed(what, err, wait, key=a.pair, detail=f"job {job.id}: {name}")
+                    self._give_up.wait(wait)
+                    delay = min(delay * 2, RETRY_CAP)
+                    continue
+                except Exception as err:  # refused (a QueueStorageError), or a bug (logged with its traceback)
+                    return self._refused(a, name, err, fallback=fallback)
+                self._outages.ok(what, key=a.pair)
                 break
-            except DatabaseError as err:
-                if delay is None or self._hurry.is_set():
-                    raise
-                log.warning("qstore worker: job %s: writing its outcome failed (%s); retrying",
-                            a.pair[0], err)
-                time.sleep(delay)
-            except ValidationError as err:
-                if err.field == "job":  # register_callback of an attempt closed meanwhile
-                    result = None
-                    break
-                raise
+        finally:
+            a.writing = False
         if result is None or result is False:
             self._count("stale_outcomes")
-            log.debug("qstore worker: job %s: outcome of a closed attempt ignored", a.pair[0])
+            log.debug("qstore worker: job %s: outcome of a closed attempt ignored", job.id)
             return None
         return result
+
+    def _refused(self, a: _Attempt, name: str, err: Exception, *, fallback: bool) -> None:
+        """``name`` of ``a`` failed for a reason a retry cannot fix: say so, then end the
+        attempt ``fail_retryable`` with the reason (``fallback``) or give it back."""
+        self._count("outcome_errors")
+        text, sqlstate = describe_failure(err)
+        then = "failing the attempt with the reason" if fallback else "giving the attempt back"
+        log.warning("qstore worker: job %s: %s refused (%s): %s; %s", a.pair[0], name,
+                    f"SQLSTATE {sqlstate}" if sqlstate else "no SQLSTATE", text, then,
+                    exc_info=None if isinstance(err, QueueStorageError) else err)
+        if not fallback:
+            self._give_back([a], f"{name} refused", until_lease=True)
+            return
+        job = a.claimed.job
+        message = f"the outcome {name} was refused: {text}"[:MAX_ERROR_CHARS]
+        row = self._write(a, "fail_retryable", lambda: self.storage.fail_retryable(
+            self.engine, job.id, job.run_lease, message), fallback=False)
+        if row is not None:
+            self._count_end(row, job)
 
     # -- give back, cancel, deadline -------------------------------------------------------------
     def _waiting_attempts(self) -> list[_Attempt]:
@@ -824,24 +998,73 @@ class Worker:
         if a.atask is not None and self._loop is not None:
             self._loop.cancel(a.atask)
 
-    def _give_back(self, attempts: list[_Attempt], reason: str) -> None:
+    def _give_back(self, attempts: list[_Attempt], reason: str, *, until_lease: bool = False) -> None:
         """Hand ``attempts`` back to the queue (``snooze`` 0 s: due at once, the attempt does
-        not count); their handlers, if running, see ``ctx.cancelled``."""
+        not count); their handlers, if running, see ``ctx.cancelled``.
+
+        A database error is retried (``RETRY_FIRST`` doubled up to ``RETRY_CAP``) until the
+        attempt's lease ends or a hurried stop. With ``until_lease`` (an outcome write that
+        gave up) the retries also end when a stop gives up: the stop holds the attempt too and
+        gives it back itself. An attempt that cannot be given back is logged; the maintainer
+        rescues it once its heartbeat is stale."""
+        what = "give-backs"
         for a in attempts:
-            waiting = a.started_at is None
             self._close_under_handler(a, reason)
+        ends = self._give_up if until_lease else self._hurry
+        pending, delay = list(attempts), RETRY_FIRST
+        while pending:
+            failed = self._snooze_back(pending)
+            if not failed:
+                return
+            now = time.monotonic()
+            over = ends.is_set() or self._hurry.is_set()
+            retry = [] if over else [(a, err) for a, err in failed if self._lease_end(a) > now]
+            kept = {id(a) for a, _ in retry}
+            for a, err in failed:
+                if id(a) in kept:
+                    continue
+                if until_lease and self._give_up.is_set() and not self._hurry.is_set():
+                    a.writing = False
+                    continue  # the stop gives it back
+                self._outages.failed(what, err, None, key=a.pair,
+                                     detail=f"job {a.pair[0]} not given back; the maintainer rescues it "
+                                            "once its heartbeat is stale")
+                self._outages.forget(what, key=a.pair)
+                self._handed_back(a, None)
+            if not retry:
+                return
+            wait = max(0.0, min(delay, *(self._lease_end(a) - now for a, _ in retry)))
+            for a, err in retry:
+                self._outages.failed(what, err, wait, key=a.pair, detail=f"job {a.pair[0]}")
+            ends.wait(wait)
+            delay = min(delay * 2, RETRY_CAP)
+            pending = [a for a, _ in retry]
+
+    def _snooze_back(self, attempts: list[_Attempt]) -> list[tuple[_Attempt, DatabaseError]]:
+        """One ``snooze(0)`` of each attempt; returns those that met a database error."""
+        failed = []
+        for a in attempts:
             job = a.claimed.job
+            a.writing = True
             try:
                 row = self.storage.snooze(self.engine, job.id, job.run_lease, 0)
+            except DatabaseError as err:
+                failed.append((a, err))
+                continue
             except QueueStorageError as err:
-                log.warning("qstore worker: job %s could not be given back (%s); it will be rescued",
-                            job.id, err)
+                log.warning("qstore worker: job %s could not be given back (%s); the maintainer rescues "
+                            "it once its heartbeat is stale", job.id, describe_failure(err)[0])
                 row = None
-            if row is not None:
-                self._count("handed_back")
-            if waiting:
-                self._forget(a)
+            self._outages.ok("give-backs", key=a.pair)
+            self._handed_back(a, row)
+        return failed
 
+    def _handed_back(self, a: _Attempt, row: JobRow | None) -> None:
+        a.writing = False
+        if row is not None:
+            self._count("handed_back")
+        if a.started_at is None:  # claimed, never started: no handler will let it go
+            self._forget(a)
     def _cancel_attempt(self, pair: tuple[int, int], reason: str) -> None:
         with self._lock:
             a = self._attempts.get(pair)
@@ -859,6 +1082,9 @@ class Worker:
         return not waiting and now - a.started_at - waited > deadline
 
     def _check_deadlines(self, now: float) -> None:
+        """Close the attempts whose handlers ran past their task's deadline: ``ctx.cancelled``
+        at once, and ``fail_retryable`` written off the keeper's thread (it is retried like
+        any outcome write, and must not hold up the heartbeats)."""
         with self._lock:
             late = [a for a in self._attempts.values()
                     if a.task is not None and a.task.deadline is not None and a.started_at is not None
@@ -867,16 +1093,24 @@ class Worker:
             a.deadline_closed = True
             assert a.task is not None and a.task.deadline is not None
             message = f"deadline of {a.task.deadline:g}s exceeded"
+            a.writing = True  # heartbeated while the closure is pending, though cancelled
+            with self._lock:
+                a.holds += 1  # held until the closure is written, whenever the handler returns
             self._close_under_handler(a, message)
-            job = a.claimed.job
-            try:
-                row = self.storage.fail_retryable(self.engine, job.id, job.run_lease, message, a.ctx.progress)
-            except QueueStorageError as err:
-                log.warning("qstore worker: job %s: closing it past its deadline failed (%s)", job.id, err)
-                continue
+            assert self._outcomes is not None
+            self._outcomes.submit(self._close_past_deadline, a, message)
+
+    def _close_past_deadline(self, a: _Attempt, message: str) -> None:
+        job = a.claimed.job
+        st, e = self.storage, self.engine
+        try:
+            row = self._write(a, "fail_retryable (deadline)",
+                              lambda: st.fail_retryable(e, job.id, job.run_lease, message, a.ctx.progress))
             if row is not None:
                 self._count("deadline_exceeded")
                 self._count_end(row, job)
+        finally:
+            self._forget(a)
 
     # -- background loops ------------------------------------------------------------------------
     def _listen_loop(self) -> None:
@@ -885,10 +1119,11 @@ class Worker:
         while not self._closing.is_set():
             try:
                 wake = listener.wait(max(self.settings.poll_interval, 5.0))
-            except Exception as err:
-                log.warning("qstore worker: listener failed (%s)", err)
+            except Exception as err:  # the listener handles lost connections itself
+                self._outages.failed("LISTEN connection", err, 1.0, key="wait")
                 self._closing.wait(1.0)
                 continue
+            self._outages.ok("LISTEN connection", key="wait")
             woken = list(self._wakes) if wake.missed else wake.queues
             for q in woken:
                 event = self._wakes.get(q)
@@ -902,19 +1137,26 @@ class Worker:
         tick = min(1.0, s.heartbeat_interval / 4)
         while not self._closing.wait(tick):
             now = time.monotonic()
+            self._check_deadlines(now)
             try:
-                self._check_deadlines(now)
                 self._heartbeat(now)
             except Exception as err:
-                log.warning("qstore worker: heartbeat failed (%s); retrying", err)
+                gone = self._schema_gone(err)
+                if gone is not None:
+                    self._fatal(gone)
+                else:
+                    self._outages.failed("heartbeats", err, tick)
             self._watch_leadership()
 
     def _heartbeat(self, now: float) -> None:
+        """Heartbeat, in one call (two with progress), the attempts not heartbeated for
+        ``heartbeat_interval``: running ones, and closed ones whose write is still pending."""
         interval = self.settings.heartbeat_interval
         with self._lock:
             due = [a for a in self._attempts.values()
-                   if now - a.last_beat >= interval and not a.ctx.is_cancelled]
+                   if now - a.last_beat >= interval and (a.writing or not a.ctx.is_cancelled)]
         if not due:
+            self._outages.forget("heartbeats")  # nothing to heartbeat: nothing failing either
             return
         plain = [a for a in due if a.ctx.progress is None or a.ctx.progress == a.sent_progress]
         moving = [a for a in due if a not in plain]
@@ -923,6 +1165,7 @@ class Worker:
         if moving:
             self.storage.heartbeat_progress_batch(
                 self.engine, [(a.pair[0], a.pair[1], a.ctx.progress) for a in moving])
+        self._outages.ok("heartbeats")
         for a in due:
             a.last_beat = now
             a.sent_progress = a.ctx.progress

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 from sqlalchemy import text
@@ -76,3 +78,30 @@ def test_async_session_rollback_discards_the_enqueue(db_url, async_storage):  # 
         return rows
 
     assert _run(main()) == [{"kept": True}]
+
+
+WITHOUT_GREENLET = r'''
+import asyncio, sys
+sys.modules["greenlet"] = None  # as if the 'async' extra were not installed
+from qstore import QueueStorage, QueueStorageError
+from qstore.tasks import App
+
+for what, attempt in [("import", lambda: __import__("qstore.aio")),
+                      ("async_storage", lambda: App(QueueStorage()).async_storage)]:
+    try:
+        attempt()
+    except ImportError as err:
+        assert isinstance(err, QueueStorageError), type(err).__mro__
+        print(f"{what}: {type(err).__name__}: {err}")
+    else:
+        print(f"{what}: no error")
+'''
+
+
+def test_the_async_face_without_the_async_extra_fails_in_one_line_naming_it() -> None:
+    done = subprocess.run([sys.executable, "-c", WITHOUT_GREENLET], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["import", "async_storage"], done.stdout
+    for line in lines:
+        assert "AsyncExtraMissingError" in line and "pip install 'qstore[async]'" in line, line

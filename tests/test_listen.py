@@ -3,12 +3,14 @@ cancels, quiet otherwise, interruptible, and back by itself after its connection
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import text
+from outage import OutageProxy
+from sqlalchemy import create_engine, text
 
 from qstore.errors import ValidationError
 from qstore.listen import Wakeup
@@ -114,6 +116,33 @@ def test_a_lost_connection_is_replaced_and_reported_as_missed(engine, st, listen
     assert listener.connected and listener._conn.info.backend_pid != pid
     st.enqueue(engine, job("mail"))
     assert listener.wait(5).queues == {"mail"}  # listening again on the new connection
+
+
+def test_an_outage_is_one_warning_and_one_line_when_the_listener_is_back(db_url, st, caplog):  # type: ignore[no-untyped-def]
+    with OutageProxy() as proxy:
+        eng = create_engine(proxy.url(db_url), pool_size=2)
+        try:
+            with eng.connect(), eng.connect():  # the pool keeps a connection the outage kills
+                pass                              # (the listener takes the other one)
+            with st.listen(eng, ["mail"]) as listener:
+                caplog.set_level(logging.INFO)
+                proxy.cut()
+                deadline = time.monotonic() + 2
+                while time.monotonic() < deadline:  # reconnect tries while the server is away
+                    assert listener.wait(0.2).missed or not listener.connected
+                proxy.restore()
+                deadline = time.monotonic() + 10
+                while not listener.connected and time.monotonic() < deadline:
+                    listener.wait(0.2)
+                assert listener.connected
+        finally:
+            eng.dispose()
+    records = [r for r in caplog.records if r.name.startswith(("qstore", "sqlalchemy"))]
+    shown = "\n".join(f"{r.levelname} {r.name}: {r.getMessage()}" for r in records)
+    # the pooled connection it got back first was dead: closed, not reset into the pool
+    assert not [r for r in records if r.levelno >= logging.ERROR or r.exc_info], shown
+    assert [r.levelname for r in records] == ["WARNING", "INFO"], shown
+    assert "LISTEN connection" in records[0].getMessage() and "back after" in records[1].getMessage(), shown
 
 
 def test_the_listener_holds_no_transaction_open(engine, listen):  # type: ignore[no-untyped-def]

@@ -4,6 +4,7 @@ session ends, and leadership never holds a transaction open."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -249,6 +250,49 @@ def test_failing_task_is_reported_and_the_others_still_run(
         assert reports["promote"].error is not None and "deferred_jobs" in reports["promote"].error
         assert all(r.error is None for t, r in reports.items() if t not in ("promote", "rescue"))
         assert isinstance(reports["queue_ring"].result, RingTick)
+
+
+def test_a_task_failing_again_and_again_is_one_warning_and_one_line_when_it_works_again(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer],
+        caplog: pytest.LogCaptureFixture) -> None:
+    table = f'"{small.schema()}".deferred_jobs'
+    with engine.begin() as c:  # break the promote task
+        c.execute(text(f"ALTER TABLE {table} RENAME TO deferred_jobs_gone"))
+    m = maintainers()
+    caplog.set_level(logging.INFO, logger="qstore.maintainer")
+    for _ in range(3):
+        assert {r.task: r for r in m.run_all()}["promote"].error is not None
+    with engine.begin() as c:
+        c.execute(text(f'ALTER TABLE "{small.schema()}".deferred_jobs_gone RENAME TO deferred_jobs'))
+    assert all(r.error is None for r in m.run_all())
+    records = [r for r in caplog.records if r.name == "qstore.maintainer"]
+    shown = "\n".join(f"{r.levelname} {r.getMessage()}" for r in records)
+    assert [r.levelname for r in records] == ["WARNING", "INFO"], shown  # rescue fails with promote
+    assert not any(r.exc_info for r in records), shown  # a database error: no traceback
+    warning, back = (r.getMessage() for r in records)
+    assert "task promote" in warning and "SQLSTATE 42P01" in warning and "\n" not in warning, warning
+    assert "back after" in back and "failed attempts" in back, back
+
+
+def test_a_stopping_maintainer_prunes_no_further_slot(small: QueueStorage, engine: Engine) -> None:
+    m = Maintainer(small, engine, MaintenanceSchedule(prune_backoff_limit=0))
+    for _ in range(small.queue_slot_count() - 1):  # sealed slots of finished jobs
+        enqueue(small, engine)
+        small.complete_runtime_batch(engine, small.claim_runtime_batch(engine, Q, 10))
+        small.rotate(engine)
+    pruned: list[str] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def spot(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("TRUNCATE") and ".ready_entries_" in statement:  # a queue slot's prune
+            pruned.append(statement)
+            m._stop.set()  # as stop() does, in the middle of the tick
+
+    try:
+        tick = run(m, "queue_ring")
+    finally:
+        event.remove(engine, "before_cursor_execute", spot)
+    assert tick.slots_pruned == 1 and len(pruned) == 1, tick
 
 
 def test_reports_are_kept_per_task_and_bounded(small: QueueStorage, engine: Engine) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, event, text
 
 from qstore.batcher import CompletionBatcher
 from qstore.errors import CallbackWaitEndedError, PartialCommitError, ValidationError
@@ -136,6 +136,21 @@ def test_each_outcome_lands_the_job_in_its_state(engine, st, app, run_worker, ou
     w = run_worker(app)
     settles_in(engine, st, job_id, state)
     eventually(lambda: getattr(w.stats, counter) == 1, what=counter)
+
+
+def test_an_outcome_the_storage_refuses_ends_the_attempt_retryable_with_the_reason(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    # not given back: the same handler would run again at once, and again, without counting
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> None:
+        ctx.set_progress({"ratio": float("nan")})
+        raise ValueError("failed, with progress JSON cannot hold")
+
+    job_id = handler.defer(engine)
+    w = run_worker(app, heartbeat_interval=10)
+    row = settles_in(engine, st, job_id, JobState.RETRYABLE)
+    assert row.errors[-1]["error"].startswith("the outcome fail_retryable was refused: invalid progress"), row.errors
+    assert row.attempt == 1
+    eventually(lambda: (w.stats.outcome_errors, w.stats.retried) == (1, 1), what="counted")
 
 
 def test_snooze_gives_the_attempt_back(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
@@ -746,6 +761,58 @@ def test_a_second_stop_request_gives_running_attempts_back_without_waiting(engin
         runner.join(10)
     assert result[0].handed_back == 1
     assert state_of(engine, st, job_id) == JobState.SCHEDULED
+
+
+def test_an_idle_worker_stops_at_once_even_while_its_maintainer_reclaims_history(engine, make_storage):  # type: ignore[no-untyped-def]
+    st = make_storage()
+    app = App(st)
+
+    @app.task(kind="noop")
+    def noop(ctx: JobContext, n: int) -> None: ...
+
+    for _ in range(st.queue_slot_count() - 2):  # sealed slots of finished jobs: a long first tick
+        st.enqueue_params_copy(engine, [InsertParams("noop", {"n": i}) for i in range(200)])
+        while jobs := st.claim_runtime_batch(engine, "default", 500):
+            st.complete_runtime_batch(engine, jobs)
+        st.rotate(engine)
+    pruning = threading.Event()
+    eng = create_engine(engine.url, pool_size=20, max_overflow=8)
+
+    @event.listens_for(eng, "before_cursor_execute")
+    def spot(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("TRUNCATE"):
+            pruning.set()
+
+    w = Worker(app, eng, WorkerSettings(concurrency=16))  # listen on, maintainer on
+    try:
+        w.start()
+        assert pruning.wait(10), "the maintainer never pruned"
+        began = time.monotonic()
+        w.stop()
+        took = time.monotonic() - began
+    finally:
+        w.stop(0)
+        eng.dispose()
+    assert took < 0.3, f"stop took {took:.3f} s"
+
+
+def test_a_worker_stops_at_once_after_draining_its_queue(engine, st):  # type: ignore[no-untyped-def]
+    app = App(st)
+
+    @app.task(kind="noop")
+    def noop(ctx: JobContext, n: int) -> None: ...
+
+    st.enqueue_params_copy(engine, [InsertParams("noop", {"n": i}) for i in range(400)])
+    w = Worker(app, engine, WorkerSettings(concurrency=16))
+    try:
+        w.start()
+        eventually(lambda: w.stats.completed == 400, timeout=30, what="drained")
+        began = time.monotonic()
+        w.stop()
+        took = time.monotonic() - began
+    finally:
+        w.stop(0)
+    assert took < 0.3, f"stop took {took:.3f} s"
 
 
 def test_ctx_heartbeat_reports_an_attempt_closed_under_the_handler(engine, st, app, run_worker):  # type: ignore[no-untyped-def]

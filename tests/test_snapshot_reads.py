@@ -110,6 +110,25 @@ def test_status_on_a_repeatable_read_connection_is_one_snapshot_when_it_reads_fi
             assert (q.terminal, q.completed) == (100, 100)
 
 
+def test_hold_rings_first_in_a_repeatable_read_transaction_keeps_its_reads_whole(engine, reader, st):
+    _hundred_completed_in_a_sealed_slot(engine, st)
+    with reader.connect() as conn:
+        conn = conn.execution_options(isolation_level="REPEATABLE READ")
+        with conn.begin():
+            status.hold_rings(conn, st)
+            conn.exec_driver_sql("SELECT 1")  # the snapshot
+            assert st.prune_oldest(engine).kind == "blocked"
+            assert st.queue_counts(conn, "q").terminal == 100
+    # without it, a prune committing after the snapshot takes the slot's history with it
+    with reader.connect() as conn:
+        conn = conn.execution_options(isolation_level="REPEATABLE READ")
+        with conn.begin():
+            conn.exec_driver_sql("SELECT 1")
+            assert st.prune_oldest(engine).kind == "pruned"
+            assert st.queue_counts(conn, "q").terminal == 0
+    assert st.queue_counts(reader, "q").terminal == 100
+
+
 def test_load_job_finds_a_running_job_whose_claim_slot_is_pruned_during_the_read(engine, reader, st):
     st.enqueue_params_batch(engine, [params()])
     (claimed,) = st.claim_runtime_batch(engine, "q", 1, None)

@@ -1064,7 +1064,9 @@ class MaintStats:
                 self.c[f"{task}.{k}"] += int(v)
 
 
-REPORT_ERROR = re.compile(r"^(?P<exc>\w+): (?P<message>.*?(?:database error \((?P<state>[0-9A-Z]{5})\))?.*)$", re.S)
+REPORT_ERROR = re.compile(r"^(?P<exc>\w+): ", re.S)
+#: the SQLSTATE a wrapped database error's text names, in either spelling qstore has used
+REPORT_STATE = re.compile(r"database error \((?P<old>[0-9A-Z]{5})\)|\(SQLSTATE (?P<new>[0-9A-Z]{5})\)")
 
 
 class ReportTail:
@@ -1097,7 +1099,9 @@ def record_report(r: TaskReport, log: EventLog, stats: MaintStats) -> None:
         return
     stats.c[f"{r.task}.errors"] += 1
     m = REPORT_ERROR.match(r.error)
-    exc, state = (m.group("exc"), m.group("state")) if m else ("?", None)
+    exc = m.group("exc") if m else "?"
+    found = REPORT_STATE.search(r.error)
+    state = (found.group("old") or found.group("new")) if found else None
     killed = state in KILLED_STATES or (state or "").startswith("08") or bool(
         state is None and KILLED_TEXT.search(r.error))
     category = ("killed" if killed else "contention" if state in CONTENTION_STATES

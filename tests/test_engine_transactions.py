@@ -113,7 +113,8 @@ def test_engine_load_job_reads_one_snapshot(engine, st, other_engine):
     # must not make a scheduled job read as gone.
     job_id = add(engine, st, run_at=datetime.now(timezone.utc) + timedelta(seconds=0.3))
     time.sleep(0.4)
-    fired = commit_between(engine, "ready_entries", lambda: st.promote_due(other_engine, JobState.SCHEDULED, 100))
+    fired = commit_between(engine, "ready_entries.ready_slot",  # the ready rows' SELECT
+                           lambda: st.promote_due(other_engine, JobState.SCHEDULED, 100))
     row = st.load_job(engine, job_id)
     assert fired == [1], fired
     assert row is not None and row.state == JobState.SCHEDULED

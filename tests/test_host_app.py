@@ -212,6 +212,22 @@ def test_upgrade_head_singular_is_alembics_multiple_heads_error(host):
     assert "heads" in host.refused("alembic upgrade head")
 
 
+def test_upgrade_head_singular_works_until_the_host_has_a_revision_of_its_own(host):
+    host.alembic("alembic upgrade head")  # qstore's branch is the whole history: one head
+    assert host.versions() == {HEAD}
+    host.alembic('alembic revision -m "first"')  # the host's branch: a second head
+    assert "Multiple head revisions" in host.refused("alembic upgrade head")
+    host.alembic("alembic upgrade heads")
+    assert host.versions() == {HEAD, _revision_id(host.revision_files()[0])}
+
+
+def test_a_host_with_revisions_of_its_own_needs_heads_from_the_first_upgrade(host):
+    host.alembic('alembic revision -m "before qstore"')  # an existing project's history
+    assert "Multiple head revisions" in host.refused("alembic upgrade head")
+    host.alembic("alembic upgrade qstore@head")  # one branch's head names one head
+    assert host.versions() == {HEAD}
+
+
 def test_a_revision_on_qstores_head_is_refused(host):
     _run_recipe(host)
     before, shipped = host.revision_files(), _qstore_package_files()

@@ -109,7 +109,7 @@ class Operations:
     complete_batch = op(JOIN, complete.complete_batch, claimed=C.claimed_entries)
 
     # -- reads -----------------------------------------------------------------------------------
-    load_job = op(SNAPSHOT, read.load_job, job_id=C.job_id)
+    load_job = op(SNAPSHOT, read.load_job_snapshot, job_id=C.job_id)
     queue_counts = op(JOIN, read.queue_counts, queue=C.queue)
     queue_counts_fast = op(JOIN, read.queue_counts_fast, queue=C.queue)
 

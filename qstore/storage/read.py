@@ -1,5 +1,12 @@
 """Reads: ``load_job`` (the newest view of a job across every plane) and queue counts
-(exact and fast)."""
+(exact and fast).
+
+``load_job`` reads in several statements and runs under the ``SNAPSHOT`` policy as
+:data:`load_job_snapshot`, which holds the ring tables it reads before its snapshot is
+taken (see :func:`qstore.storage.targets.holding`). The counts are one statement each: a
+statement locks every table it reads before its own snapshot in READ COMMITTED, so a
+``TRUNCATE`` can never land between the two.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Select, and_, bindparam, case, column, func, select, table
+from sqlalchemy import Connection, Select, Table, and_, bindparam, case, column, func, select, table
 from sqlalchemy.types import BigInteger, Text
 
 from qstore.model import JobRow, JobState, QueueCounts
@@ -16,8 +23,17 @@ from qstore.schema import StorageSchema
 from qstore.storage.context import StorageContext
 from qstore.storage.jobs import stripes_for
 from qstore.storage.sql import attempt_leased, receipt_closed
+from qstore.storage.targets import holding
 
-__all__ = ["load_job", "queue_counts", "queue_counts_fast", "snapshot_row"]
+__all__ = ["load_job", "load_job_snapshot", "queue_counts", "queue_counts_fast", "snapshot_row",
+           "truncated_by_upkeep"]
+
+
+def truncated_by_upkeep(sch: StorageSchema) -> tuple[Table, ...]:
+    """Every table upkeep truncates: the partitioned parents of the three rings (a lock on a
+    parent covers its children), in ring order, then the terminal live counts (which the
+    counter rebuild truncates)."""
+    return (*(family.parent for ring in sch.rings for family in ring.families), sch.live_counts)
 
 
 @dataclass(frozen=True)
@@ -183,3 +199,17 @@ def queue_counts_fast(ctx: StorageContext, conn: Connection, queue: str) -> Queu
     queues = stripes_for(queue, ctx.config.queue_stripe_count)
     available, running, terminal = conn.execute(_statements(ctx.schema).fast_counts, {"queues": queues}).one()
     return QueueCounts(available=int(available), running=int(running), terminal=int(terminal))
+
+
+def _job_tables(ctx: StorageContext) -> tuple[Table, ...]:
+    sch = ctx.schema
+    # what load_job reads of the rings (terminal_jobs is done rows joined to ready rows), in
+    # the rings' order, as prune locks them
+    return (sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent, sch.done.parent,
+            sch.leases.parent, sch.claims.parent, sch.closures.parent)
+
+
+#: :func:`load_job` as the ``SNAPSHOT`` operation runs it: the ring tables it reads are held
+#: first, so its statements all see one state of the rings. Other operations that look a job
+#: up inside their own transaction call :func:`load_job`.
+load_job_snapshot = holding(_job_tables)(load_job)

@@ -14,8 +14,10 @@ policy                        ``Engine`` / ``AsyncEngine``                  ``Co
 ============================  ==========================================  ==================================
 ``JOIN``                      one transaction, committed (rolled back on   the caller's transaction (autobegun),
                               error)                                       never committed here
-``SNAPSHOT``                  one REPEATABLE READ transaction: every       the caller's transaction (its
-                              statement of a read sees one snapshot        isolation is the caller's choice)
+``SNAPSHOT``                  one REPEATABLE READ, read-only transaction:  the caller's transaction (its
+                              every statement of a read sees one           isolation is the caller's choice; see
+                              snapshot, taken after the read's locks       :func:`hold`)
+                              (see :func:`holding`)
 ``ATOMIC``                    one transaction, committed                   a SAVEPOINT inside the caller's
                                                                            transaction: an error leaves nothing
                                                                            half-written and the caller's
@@ -50,17 +52,28 @@ skips the ``Connection`` and its isolation-level round about (a pooled driver co
 autocommit mode for the one statement). Where someone listens to SQLAlchemy's cursor events
 (tracing, statement logging) or the driver is async, the same statement goes through
 ``Connection.execute`` instead, so those listeners see every statement.
+
+A ``SNAPSHOT`` read of several statements names the tables it reads that upkeep truncates
+(:func:`holding`); it takes ``ACCESS SHARE`` on them (:func:`hold`) before its first
+``SELECT``, which is when a REPEATABLE READ transaction takes its snapshot. ``TRUNCATE`` is
+not MVCC-safe: a snapshot taken before a prune commits would see the pruned children empty
+while the rows the prune wrote stay invisible to it, so a read that has not yet opened a
+child would under-count. Held first, the locks keep every prune, counter rollup and rebuild
+of those tables off until the read ends (prune and rollup give up after their 50 ms lock
+timeout and report ``Blocked``); ``ACCESS SHARE`` conflicts with no enqueue, claim or
+completion.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import psycopg
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, Table, text
 from sqlalchemy.orm import Session
 
 from qstore.errors import CallerTransactionRefusedError, ValidationError
@@ -68,6 +81,7 @@ from qstore.errors import CallerTransactionRefusedError, ValidationError
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
+    from qstore.storage.context import StorageContext
     from qstore.storage.sql import HotStatement
 
 __all__ = [
@@ -77,6 +91,8 @@ __all__ = [
     "Runner",
     "Target",
     "Transactions",
+    "hold",
+    "holding",
     "reads_committed_state",
     "refuse_callers_transaction",
     "run",
@@ -87,6 +103,7 @@ Target: TypeAlias = Engine | Connection | Session
 AsyncTarget: TypeAlias = "AsyncEngine | AsyncConnection | AsyncSession"
 
 R = TypeVar("R")
+P = ParamSpec("P")
 
 #: Execution option marking a connection whose transaction the storage opened itself: what
 #: it reads is committed work or its own, so process caches may keep it.
@@ -145,12 +162,53 @@ def _own_transaction(engine: Engine) -> Iterator[Connection]:
 
 @contextmanager
 def _own_snapshot(engine: Engine) -> Iterator[Connection]:
-    # psycopg sends the level with the BEGIN, and the pool restores it at check-in: no
-    # round trip of its own
+    # psycopg sends the level and READ ONLY with the BEGIN, and the pool restores both at
+    # check-in: no round trip of their own. Nothing is sent before the body's first
+    # statement, so the body's hold() is what the transaction runs first.
     with engine.connect() as conn:
-        conn = conn.execution_options(isolation_level="REPEATABLE READ", **{OWNED: True})
+        conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True,
+                                      **{OWNED: True})
         with conn.begin():
             yield conn
+
+
+def hold(conn: Connection, tables: Sequence[Table]) -> Connection:
+    """``LOCK TABLE <tables> IN ACCESS SHARE MODE`` in ``conn``'s transaction (a partitioned
+    parent locks every child too); returns ``conn``. Nothing is sent for no tables.
+
+    The locks last until the transaction ends. ``ACCESS SHARE`` conflicts only with
+    ``ACCESS EXCLUSIVE``: enqueues, claims and completions go on, while a ``TRUNCATE`` of a
+    held table (prune, counter rollup or rebuild) cannot happen before the transaction
+    ends. ``LOCK`` takes no snapshot, so as the first statement of a REPEATABLE READ
+    transaction it makes the snapshot, taken by the next statement, agree with every held
+    table for the whole transaction. Later in a transaction that already has its snapshot
+    it cannot undo a truncation committed since; it only keeps further ones off."""
+    if tables:
+        prep = conn.dialect.identifier_preparer
+        names = ", ".join(prep.format_table(t) for t in tables)
+        conn.execute(text(f"LOCK TABLE {names} IN ACCESS SHARE MODE"))
+    return conn
+
+
+def holding(tables: Callable[[StorageContext], Sequence[Table]]
+            ) -> Callable[[Callable[Concatenate[StorageContext, Connection, P], R]],
+                          Callable[Concatenate[StorageContext, Connection, P], R]]:
+    """Declare the body of a ``SNAPSHOT`` read: ``tables(ctx)`` are the tables it reads that
+    upkeep truncates. The declared body takes them with :func:`hold` before anything else,
+    which in the snapshot transaction of an Engine is before the snapshot is taken. On a
+    caller's connection the locks join the caller's transaction (see :func:`hold` for what
+    they do there). The undeclared function stays as it was, for reads inside other
+    operations."""
+
+    def declare(body: Callable[Concatenate[StorageContext, Connection, P], R]
+                ) -> Callable[Concatenate[StorageContext, Connection, P], R]:
+        @functools.wraps(body)
+        def held(ctx: StorageContext, conn: Connection, *args: P.args, **kwargs: P.kwargs) -> R:
+            return body(ctx, hold(conn, tables(ctx)), *args, **kwargs)
+
+        return held
+
+    return declare
 
 
 @contextmanager

@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 from qstore.errors import ValidationError
 
 __all__ = [
+    "CLAIMED_IN_XACT",
+    "CLAIM_WAIT",
+    "COUNTER_BUCKETS",
     "DEFAULT_SCHEMA",
+    "DEFAULT_SHARDS",
     "MAX_CHANNEL_BYTES",
     "MIN_CLAIM_SLOTS",
     "MIN_LEASE_SLOTS",
@@ -35,6 +39,25 @@ _IDENT = re.compile(r"^[a-z_][a-z0-9_]*$")
 _MAX_SCHEMA_LEN = 48
 #: PostgreSQL channel names are identifiers: at most NAMEDATALEN - 1 = 63 bytes.
 MAX_CHANNEL_BYTES = 63
+
+# -- constants the server functions and the runtime share (the head's SQL texts are rendered
+#    with them; a landed revision keeps the values it was rendered with) --------------------
+
+#: Lanes per (queue, priority) for a queue without a ``queue_meta`` row.
+DEFAULT_SHARDS = 8
+#: How long a claim queues on a busy lane head when every lane with work is being claimed
+#: (``claim_ready``'s ``lock_timeout``; below ``deadlock_timeout``, so a wait never turns
+#: into a deadlock error).
+CLAIM_WAIT = "200ms"
+#: Transaction-local setting a claim sets once it has written a claim range: later claims in
+#: the same transaction may see their own uncommitted ranges, so they leave the lane's
+#: cursor hint alone.
+CLAIMED_IN_XACT = "qstore.claimed_in_xact"
+#: Terminal-count deltas and live counts are keyed by (slot, lane, counter_bucket) with
+#: ``counter_bucket = job_id % COUNTER_BUCKETS``. One bucket keeps the append-only ledger at
+#: one row per lane per completion batch (instead of one per job); the column stays so a
+#: deployment that wants to spread hot counter rows can raise it (with a counter rebuild).
+COUNTER_BUCKETS = 1
 
 
 def channel_name(*parts: str) -> str:

@@ -41,7 +41,8 @@ from sqlalchemy.schema import CreateSchema
 from alembic import command
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import QueueStorageError, ShapeMismatchError, ValidationError
-from qstore.schema import REVISIONS, StorageSchema, storage_schema
+from qstore.migrations import REVISIONS
+from qstore.schema import StorageSchema, storage_schema
 from qstore.schema.functions import execute_ddl
 
 __all__ = [

@@ -29,7 +29,7 @@ from qstore import QueueStorage, QueueStorageConfig, ValidationError
 from qstore.cli import main as qstore_cli
 from qstore.maintainer import Maintainer
 from qstore.migrate import VersionRecord, install_state, version_location
-from qstore.schema import REVISIONS
+from qstore.migrations import REVISIONS
 from qstore.storage.jobs import InsertOpts, InsertParams
 
 HEAD = REVISIONS[-1]

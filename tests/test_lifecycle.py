@@ -23,7 +23,7 @@ from qstore import (
     cli,
 )
 from qstore.migrate import current_revision
-from qstore.schema import REVISIONS
+from qstore.migrations import REVISIONS
 from qstore.storage import lifecycle
 
 

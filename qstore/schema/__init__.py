@@ -41,7 +41,6 @@ from qstore.schema.rings import RingFamily, is_partition_child
 from qstore.schema.types import job_state_enum
 
 __all__ = [
-    "REVISIONS",
     "Ring",
     "RingFamily",
     "StorageSchema",
@@ -51,8 +50,6 @@ __all__ = [
     "storage_schema",
 ]
 
-#: Revision ids in order; the declaration below is the shape of the last one (the head).
-REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009")
 SEED_KEY = "qstore_seed"
 
 

@@ -1,14 +1,10 @@
 """Server-side functions and views of the head revision, declared as replaceable entities.
 
-Each entity is plain data (schema, signature, definition) so the runtime needs no extra
+Each entity is plain data (schema, signature, definition) parsed from the head's SQL texts
+(:mod:`qstore.sql`, one whole file per function or view), so the runtime needs no extra
 dependency; :mod:`qstore.migrate` turns them into ``alembic_utils`` entities when that
-package is installed, so ``alembic check`` diffs function and view bodies too.
-
-The text of every body is the text of the revision that last changed it: the head
-declaration *reads* the frozen templates of :mod:`qstore.migrations.frozen` instead of
-keeping a second copy, so what ``metadata.create_all`` installs and what the migrations
-install cannot drift apart. A new function body is a new revision (a new frozen module),
-and the line below that names the body's revision moves to it.
+package is installed, so ``alembic check`` diffs function and view bodies too. The last
+revision installs exactly these texts (``tests/test_sql_texts.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection
 
 from qstore.config import QueueStorageConfig
-from qstore.migrations.frozen import r0001, r0004, r0006, r0007, r0008, r0009
+from qstore.sql import function_texts, view_texts
 
 __all__ = ["ServerFunction", "ServerView", "declare_functions", "declare_views", "execute_ddl"]
 
@@ -77,25 +73,13 @@ class ServerView:
 
 
 def declare_functions(cfg: QueueStorageConfig) -> tuple[ServerFunction, ...]:
-    """The server functions of an install of ``cfg`` at the head revision, each with the
-    body of the revision that last changed it."""
-    s = cfg.schema
-    backoff, _ensure_lane, reserve_lanes, _claim, _complete = r0001.function_statements(s)
-    statements = (backoff,
-                  r0008.ensure_lane(s),           # revision 0008
-                  reserve_lanes,
-                  r0009.claim_ready(cfg),         # revision 0009
-                  r0004.complete_receipts(cfg),   # revision 0004
-                  r0007.enqueue_jobs(cfg))        # revision 0007
-    return tuple(ServerFunction.parse(s, x) for x in statements)
+    """The server functions of an install of ``cfg`` at the head revision."""
+    return tuple(ServerFunction.parse(cfg.schema, text) for text in function_texts(cfg))
 
 
 def declare_views(cfg: QueueStorageConfig) -> tuple[ServerView, ...]:
-    """``terminal_jobs`` and the three ``<ring>_ring_state`` cursor views (revision 0006)."""
-    s = cfg.schema
-    statements = [r0006.terminal_jobs_view(s),
-                  *(r0006.ring_state_view(cfg, ring) for ring in r0006.RINGS)]
-    return tuple(ServerView.parse(s, x) for x in statements)
+    """``terminal_jobs`` and the three ``<ring>_ring_state`` cursor views."""
+    return tuple(ServerView.parse(cfg.schema, text) for text in view_texts(cfg))
 
 
 def execute_ddl(connection: Connection, statement: str) -> None:

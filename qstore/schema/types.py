@@ -10,7 +10,6 @@ from sqlalchemy.dialects.postgresql import BYTEA, JSONB, REGCLASS, TIMESTAMP, UU
 __all__ = [
     "BIGINT",
     "BYTES",
-    "COUNTER_BUCKETS",
     "INT",
     "JOB_STATES",
     "JSON",
@@ -36,12 +35,6 @@ BYTES = BYTEA()
 TS = TIMESTAMP(timezone=True)
 UUIDT = UUID(as_uuid=True)
 NOW = text("clock_timestamp()")
-
-#: Terminal-count deltas and live counts are keyed by (slot, lane, counter_bucket) with
-#: ``counter_bucket = job_id % COUNTER_BUCKETS``. One bucket keeps the append-only ledger at
-#: one row per lane per completion batch (instead of one per job); the column stays so a
-#: deployment that wants to spread hot counter rows can raise it (with a counter rebuild).
-COUNTER_BUCKETS = 1
 
 JOB_STATES = (
     "scheduled",

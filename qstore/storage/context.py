@@ -9,8 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from qstore.config import QueueStorageConfig
-from qstore.migrations.frozen.r0007 import DEFAULT_SHARDS
+from qstore.config import DEFAULT_SHARDS, QueueStorageConfig
 from qstore.schema import StorageSchema
 
 __all__ = ["DEFAULT_SHARDS", "SHARD_CACHE_TTL", "LaneRouter", "StorageContext"]

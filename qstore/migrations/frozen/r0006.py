@@ -19,23 +19,133 @@ because upkeep holds a lock.
 * ``terminal_jobs`` reads a JSON ``null`` payload (as an older release's general terminal
   path wrote it) as "the ready row's payload".
 
-Never edited after landing (see :mod:`qstore.migrations.frozen.r0001`).
+The module holds the whole text of what it installs (the per-slot statement builders are
+copies of revision 0004's). Never edited after landing (see :mod:`qstore.migrations.frozen.r0001`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from qstore.migrations.frozen import r0001, r0004
 from qstore.migrations.frozen.r0001 import Shape
-from qstore.migrations.frozen.r0004 import (
-    CLAIM_COLUMNS,
-    CLAIM_WAIT,
-    _create,
-    _dispatch,
-    _position_probe,
-    _range_probe,
-    _segment_claim,
-    child_name,
+
+
+def child_name(parent: str, slot: int) -> str:
+    return f"{parent}_{slot}"
+
+
+def _create(s: str, signature: str, definition: str) -> str:
+    return f"CREATE OR REPLACE FUNCTION {s}.{signature} {definition}"
+
+
+#: How long a claim queues on a busy lane head when every lane with work is being claimed
+#: (below ``deadlock_timeout``, so a wait never turns into a deadlock error).
+CLAIM_WAIT = "200ms"
+
+CLAIM_COLUMNS = (
+    "claim_slot integer, lease_slot integer, lease_generation bigint, "
+    "ready_slot integer, ready_generation bigint, queue text, priority smallint, "
+    "effective_priority smallint, enqueue_shard smallint, lane_seq bigint, job_id bigint, "
+    "run_lease bigint, attempt smallint, max_attempts smallint, kind text, args jsonb, "
+    "run_at timestamptz, created_at timestamptz, claimed_at timestamptz, "
+    "deadline_at timestamptz, unique_key bytea, unique_states text, payload jsonb"
 )
+
+
+def _dispatch(var: str, count: int, branch: Callable[[int], str]) -> str:
+    """``IF var = 0 THEN branch(0) ELSIF var = 1 THEN … END IF;`` over ``count`` slots: each
+    branch is static SQL with its own cached plan, and only the branch taken runs."""
+    arms = [f"{'IF' if k == 0 else 'ELSIF'} {var} = {k} THEN\n        {branch(k)}" for k in range(count)]
+    return "\n      ".join(arms) + "\n      END IF;"
+
+
+def _position_probe(s: str, k: int) -> str:
+    """The ready row at exactly ``v_pos`` of the lane, in ready child ``k``."""
+    return f"""SELECT r.ready_slot, r.ready_generation, r.lane_seq
+          INTO v_seg_slot, v_seg_gen, v_seg_first
+          FROM {s}.{child_name('ready_entries', k)} r
+          WHERE r.queue = p_queue AND r.priority = v_lane.lane_priority
+            AND r.enqueue_shard = v_lane.shard AND r.lane_seq = v_pos;
+        v_found := FOUND;"""
+
+
+def _range_probe(s: str, k: int) -> str:
+    """The committed claim range starting at ``v_seg_first``, in range child ``k``."""
+    return f"""SELECT cr.last_seq INTO v_next FROM {s}.{child_name('ready_claim_ranges', k)} cr
+          WHERE cr.queue = p_queue AND cr.priority = v_lane.lane_priority
+            AND cr.enqueue_shard = v_lane.shard AND cr.first_seq = v_seg_first;"""
+
+
+def _segment_claim(s: str, k: int) -> str:
+    """The claim of one segment of ready child ``k``: pick, record the range, write
+    receipts or leases, return the rows; ``v_rows`` gets how many."""
+    return f"""RETURN QUERY
+    WITH picked AS (
+      SELECT r.*, EXISTS (
+               SELECT 1 FROM {s}.{child_name('ready_tombstones', k)} t
+               WHERE t.queue = r.queue
+                 AND t.priority = r.priority AND t.enqueue_shard = r.enqueue_shard
+                 AND t.lane_seq = r.lane_seq) AS tombstoned
+      FROM {s}.{child_name('ready_entries', k)} r
+      WHERE r.queue = p_queue
+        AND r.priority = v_lane.lane_priority AND r.enqueue_shard = v_lane.shard
+        AND r.lane_seq >= v_pos
+      ORDER BY r.lane_seq
+      LIMIT v_limit
+    ), claim_range AS (
+      INSERT INTO {s}.{child_name('ready_claim_ranges', k)} AS cr
+        (ready_slot, ready_generation, queue, priority, enqueue_shard, first_seq, last_seq,
+         claimed_at)
+      SELECT v_seg_slot, v_seg_gen, p_queue, v_lane.lane_priority, v_lane.shard, v_pos,
+             max(p.lane_seq), v_now
+      FROM picked p HAVING count(*) > 0
+      RETURNING cr.last_seq
+    ), live AS (
+      SELECT p.*,
+             CASE WHEN p_aging_ms > 0 THEN greatest(1, p.priority - floor(
+                    extract(epoch FROM (v_now - p.run_at)) * 1000 / p_aging_ms)::integer)
+                  ELSE p.priority END::smallint AS eff,
+             CASE WHEN p_deadline_ms > 0
+                  THEN v_now + make_interval(secs => p_deadline_ms / 1000.0) END AS dl
+      FROM picked p
+      WHERE NOT p.tombstoned
+    ), rings AS (
+      SELECT (SELECT c.current_slot FROM {s}.claim_ring_state c) AS claim_slot,
+             (SELECT l.current_slot FROM {s}.lease_ring_state l) AS lease_slot,
+             (SELECT l.generation FROM {s}.lease_ring_state l) AS lease_generation
+    ), receipts AS (
+      INSERT INTO {s}.lease_claims AS lc
+        (claim_slot, job_id, run_lease, ready_slot, ready_generation, queue, priority,
+         effective_priority, attempt, max_attempts, lane_seq, enqueue_shard, claimed_at,
+         deadline_at)
+      SELECT g.claim_slot, p.job_id, p.run_lease + 1, p.ready_slot, p.ready_generation,
+             p.queue, p.priority, p.eff, p.attempt + 1, p.max_attempts, p.lane_seq,
+             p.enqueue_shard, v_now, p.dl
+      FROM live p CROSS JOIN rings g
+      WHERE p_receipts
+      RETURNING lc.job_id
+    ), leased AS (
+      INSERT INTO {s}.leases AS le
+        (lease_slot, lease_generation, ready_slot, ready_generation, job_id, queue, state,
+         priority, effective_priority, attempt, run_lease, max_attempts, lane_seq,
+         enqueue_shard, heartbeat_at, deadline_at, attempted_at)
+      SELECT g.lease_slot, g.lease_generation, p.ready_slot, p.ready_generation, p.job_id,
+             p.queue, 'running', p.priority, p.eff, p.attempt + 1, p.run_lease + 1,
+             p.max_attempts, p.lane_seq, p.enqueue_shard, v_now, p.dl, v_now
+      FROM live p CROSS JOIN rings g
+      WHERE NOT p_receipts
+      RETURNING le.job_id
+    )
+    SELECT CASE WHEN p_receipts THEN g.claim_slot ELSE 0 END, g.lease_slot,
+           g.lease_generation, p.ready_slot, p.ready_generation, p.queue, p.priority, p.eff,
+           p.enqueue_shard, p.lane_seq, p.job_id, p.run_lease + 1, (p.attempt + 1)::smallint,
+           p.max_attempts, p.kind, p.args, p.run_at, p.created_at, v_now, p.dl,
+           p.unique_key, p.unique_states, p.payload
+    FROM live p CROSS JOIN rings g
+    ORDER BY p.lane_seq;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;"""
+
 
 RINGS = ("queue", "lease", "claim")
 

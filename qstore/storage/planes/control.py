@@ -46,10 +46,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.postgresql.dml import Insert as PgInsert
 from sqlalchemy.sql.dml import Update
 
+from qstore.config import COUNTER_BUCKETS
 from qstore.errors import UniqueConflictError, ValidationError
 from qstore.model import JobState, QueueClaimerLease
 from qstore.schema import StorageSchema
-from qstore.schema.types import COUNTER_BUCKETS
 from qstore.storage.jobs import holds_key
 from qstore.storage.sql import packed_array_param, schema_func
 

@@ -44,9 +44,10 @@ from sqlalchemy.sql.dml import ReturningDelete, Update
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util.concurrency import await_
 
+from qstore.config import COUNTER_BUCKETS
 from qstore.model import JobState
 from qstore.schema import StorageSchema
-from qstore.schema.types import COUNTER_BUCKETS, OPTIONAL_JSON
+from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage.bodies import Body
 from qstore.storage.jobs import PreparedJob
 from qstore.storage.sql import unnest_rows

@@ -1,5 +1,6 @@
 """``qstore maintain``: run an install's upkeep (:mod:`qstore.maintainer`) until
-interrupted, or every task once with ``--once`` (exit 1 if one failed)."""
+interrupted, or every task once with ``--once`` (exit 1 if one failed). A schema that
+disappears while it runs stops it with one line (exit 1)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,20 @@ import threading
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
 from qstore import migrate
 from qstore.cli_common import _engine, _explicit_shape, _url
 from qstore.config import QueueStorageConfig
+from qstore.errors import SchemaNotInstalledError
 from qstore.maintainer import Maintainer, TaskReport
 from qstore.storage import QueueStorage
 
 __all__ = ["cmd_maintain", "register"]
+
+#: How often a running ``qstore maintain`` checks that its install still exists (seconds).
+INSTALL_CHECK_EVERY = 2.0
 
 
 def _print_reports(reports: Sequence[TaskReport], out: TextIO) -> bool:
@@ -40,12 +48,27 @@ def cmd_maintain(args: argparse.Namespace, out: TextIO) -> int:
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(1.0):
-            pass
-        maintainer.stop()
+        try:
+            while not stop.wait(INSTALL_CHECK_EVERY):
+                _check_installed(engine, storage.schema())
+        finally:
+            maintainer.stop()
         return 0
     finally:
         engine.dispose()
+
+
+def _check_installed(engine: Engine, schema: str) -> None:
+    """Raise :class:`SchemaNotInstalledError` once ``schema`` is no longer installed (a
+    database error here is left to the maintainer's own retries)."""
+    try:
+        with engine.connect() as conn:
+            if migrate.read_recorded_config(conn, schema) is not None:
+                return
+            found = migrate.found_installs(conn)
+    except SQLAlchemyError:
+        return
+    raise SchemaNotInstalledError(schema, found)
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:

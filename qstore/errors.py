@@ -29,6 +29,7 @@ __all__ = [
     "UniqueConflictError",
     "ValidationError",
     "classify",
+    "failure_line",
     "names_missing_schema_object",
     "translate_errors",
     "translated",
@@ -344,6 +345,13 @@ def translated(err: BaseException, schema: str | None = None) -> BaseException:
     if isinstance(err, sa_exc.SQLAlchemyError):
         return DatabaseError(err)
     return err
+
+
+def failure_line(err: BaseException) -> str:
+    """``err`` as one line for a log: the qstore error it translates to (a database error
+    names its reason and SQLSTATE), never SQL text, parameters or a traceback."""
+    mapped = translated(err)
+    return " ".join(str(mapped).split()) or type(mapped).__name__
 
 
 def translate_errors(fn: Callable[P, R]) -> Callable[P, R]:

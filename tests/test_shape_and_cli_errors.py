@@ -160,3 +160,25 @@ def test_python_m_qstore_install_notaurl_prints_one_line_and_no_traceback():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert _one_line(proc.stderr).startswith("qstore: invalid --url='notaurl'")
+
+
+def test_cli_maintain_exits_1_with_one_line_when_its_schema_is_dropped(engine, db_url, make_storage):
+    from installs import unique_schema
+    from sqlalchemy import text
+
+    st = make_storage(schema=unique_schema())
+    proc = subprocess.Popen([sys.executable, "-m", "qstore", "maintain", "--url", db_url, "--schema", st.schema()],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "running until interrupted" in proc.stdout.readline()
+        with engine.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{st.schema()}" CASCADE'))
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, (out, err)
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith(f"qstore: qstore schema '{st.schema()}' is not installed"), err
+    assert len(lines) <= 3 and "Traceback" not in err, err  # at most a warning of the failing task first

@@ -34,6 +34,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
 from sqlalchemy.types import TypeEngine
 
+from qstore.errors import failure_line
 from qstore.model import (
     ClaimedEntry,
     ClaimedRuntimeJob,
@@ -145,11 +146,13 @@ def _claim(ctx: StorageContext, tx: Transactions, queue: str, max_batch: int, de
         try:
             with tx.hot() as run:
                 out += claim_physical(run, sch, q, max_batch - len(out), deadline_ms, aging_ms)
-        except Exception:
+        except Exception as err:
             # with an Engine earlier stripes are committed: return them rather than fail
             if not out or not tx.owned:
                 raise
-            log.warning("qstore: claim of stripe %s failed after earlier stripes claimed", q, exc_info=True)
+            log.warning("qstore: claim of stripe %s failed after earlier stripes claimed: %s", q,
+                        failure_line(err))
+            log.debug("qstore: claim of stripe %s failed here:", q, exc_info=True)
             break
         if len(out) >= max_batch:
             break
@@ -229,10 +232,11 @@ def claim_runtime_batch_with_aging_for_instance(
             with tx.unit() as conn:
                 if control.claimer_needs_refresh(conn, sch, queue, instance_id, lease, ttl, idle):
                     control.claimer_mark_active(conn, sch, queue, instance_id, lease, ttl)
-        except Exception:
+        except Exception as err:
             # the claims are committed: losing them to a failed refresh would leave live
             # attempts nobody works on; an unrefreshed slot only expires sooner
             if not tx.owned:
                 raise
-            log.warning("qstore: claimer slot refresh failed after a claim", exc_info=True)
+            log.warning("qstore: claimer slot refresh failed after a claim: %s", failure_line(err))
+            log.debug("qstore: claimer slot refresh failed here:", exc_info=True)
     return jobs

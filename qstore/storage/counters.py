@@ -19,9 +19,10 @@ set), a ``done_entries`` scan otherwise.
   *pinned*: while another client backend of this database holds a snapshot older than
   ``pinned_after`` (default 5 s). Ordinary short statements of busy workers do not stop it.
   ``TRUNCATE`` is not MVCC-safe (a snapshot that predates it sees the child empty while
-  still seeing the old live counts), so a snapshot younger than ``pinned_after`` that reads
-  counts across a rollup's commit may observe a transient under-count; the bound keeps
-  that window short. Seeing other sessions' snapshots requires superuser or
+  still seeing the old live counts); the reads that promise one snapshot (``load_job``, the
+  status reports) hold the tables upkeep truncates before their snapshot is taken, so a
+  rollup meeting them reports its slots blocked (see docs/design.md, "Consistent reads
+  while upkeep truncates"). Seeing other sessions' snapshots requires superuser or
   ``pg_read_all_stats``; a role without it cannot see them and would not stand down.
 * :func:`rebuild_terminal_counters` recomputes the live counts from ``done_entries`` under
   exclusive locks (writers wait meanwhile: run it on a quiesced fleet) and marks the
@@ -42,7 +43,7 @@ from sqlalchemy import table as sa_table
 from sqlalchemy.dialects.postgresql import INTERVAL
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from qstore.errors import ValidationError
+from qstore.errors import ValidationError, failure_line
 from qstore.model import TerminalDeltaRollupOutcome
 from qstore.schema import StorageSchema
 from qstore.storage.context import StorageContext
@@ -236,10 +237,11 @@ def rollup_terminal_count_deltas(ctx: StorageContext, tx: Transactions, max_slot
                     pinned = True
                 else:
                     control.fold_ledger(conn, sch)
-    except Exception:
+    except Exception as err:
         if not rolled or not tx.owned:
             raise
-        log.warning("qstore: counter rollup failed after folding %d slots", rolled, exc_info=True)
+        log.warning("qstore: counter rollup failed after folding %d slots: %s", rolled, failure_line(err))
+        log.debug("qstore: counter rollup failed here:", exc_info=True)
     return TerminalDeltaRollupOutcome(
         rolled_slots=rolled, delta_rows=delta_rows, grouped_keys=keys,
         skipped_active_slots=active, blocked_slots=blocked, skipped_mvcc_pinned=pinned,

@@ -138,13 +138,18 @@ class SchemaNotInstalledError(QueueStorageError):
     is the ``__cause__``). ``found`` lists the qstore installs the database does hold, when
     they were looked up (may be empty)."""
 
-    def __init__(self, schema: str, found: list[str] | None = None, missing: str | None = None) -> None:
+    def __init__(self, schema: str, found: list[str] | None = None, missing: str | None = None,
+                 sqlstate: str | None = None) -> None:
         self.schema = schema
         self.found = list(found or [])
         self.missing = missing
+        #: The SQLSTATE of the statement that found the object missing (42P01, 42883, 42704 or
+        #: 3F000), None when the install was looked up and not found.
+        self.sqlstate = sqlstate
         seen = ("; this database holds " + ", ".join(self.found)) if self.found else \
             "; this database holds no qstore install"
-        what = f" or not completely ({missing})" if missing else ""
+        code = f"; SQLSTATE {sqlstate}" if sqlstate else ""
+        what = f" or not completely ({missing}{code})" if missing else ""
         super().__init__(
             f"qstore schema {schema!r} is not installed{what}{seen if found is not None else ''}; "
             f"install it with `qstore install --schema {schema}` (or QueueStorage.install), or "
@@ -172,10 +177,22 @@ class DatabaseError(QueueStorageError):
         self.detail = _detail(original)
         super().__init__(self._message())
 
+    @property
+    def summary(self) -> str:
+        """The message without what failed: ``reason (SQLSTATE x): detail`` (for a line that
+        names the failing activity itself)."""
+        code = f"SQLSTATE {self.sqlstate}" if self.sqlstate else "no SQLSTATE"
+        return f"{self.reason} ({code}): {self.detail}"
+
+    @property
+    def connection_lost(self) -> bool:
+        """True when the failure is the connection itself (could not connect, lost, closed,
+        or the server shutting down / starting up), whatever the exact words."""
+        return bool(self.sqlstate) and (self.sqlstate.startswith("08") or self.sqlstate in ("57P01", "57P02", "57P03"))
+
     def _message(self) -> str:
         what = f"{self.operation} failed" if self.operation else "database call failed"
-        code = f"SQLSTATE {self.sqlstate}" if self.sqlstate else "no SQLSTATE"
-        return f"{what}: {self.reason} ({code}): {self.detail}"
+        return f"{what}: {self.summary}"
 
     def failed_in(self, operation: str) -> DatabaseError:
         """Name ``operation`` as what failed, unless a name is already given; returns self."""
@@ -340,7 +357,8 @@ def translated(err: BaseException, schema: str | None = None) -> BaseException:
         return err
     if isinstance(err, sa_exc.DBAPIError | sa_exc.OperationalError | psycopg.Error):
         if schema is not None and names_missing_schema_object(err, schema):
-            return SchemaNotInstalledError(schema, missing=_first_line(_server_message(err)))
+            return SchemaNotInstalledError(schema, missing=_first_line(_server_message(err)),
+                                           sqlstate=_sqlstate(err))
         return wrap_driver_error(err)
     if isinstance(err, sa_exc.SQLAlchemyError):
         return DatabaseError(err)

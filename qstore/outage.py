@@ -7,8 +7,9 @@ it to:
 
 * one WARNING when an activity (``what``: ``claims on queue 'mail'``, ``completions``,
   ``maintenance``...) starts failing, or fails differently from its last failure (another
-  exception type or SQLSTATE): ``qstore worker: claims on queue 'mail' failed (SQLSTATE
-  08006): <the error>; retrying in 1.0 s``. Repeats of the same failure go to DEBUG;
+  exception type or SQLSTATE; every way of losing the connection counts as one):
+  ``qstore worker: claims on queue 'mail' failed: connection refused (SQLSTATE 08001):
+  <the server's or driver's words>; retrying in 1.0 s``. Repeats go to DEBUG;
 * one INFO line once every activity that failed has worked again: ``qstore worker: back
   after 15.2 s, 14 failed attempts (claims on queue 'mail', maintenance)``; the time runs
   from the first failure to the first success after the last one.
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import psycopg
 from sqlalchemy.exc import SQLAlchemyError
 
-from qstore.errors import QueueStorageError, translated
+from qstore.errors import DatabaseError, QueueStorageError, translated
 
 __all__ = ["OutageLog", "describe_failure", "expected_failure"]
 
@@ -47,10 +48,21 @@ def expected_failure(err: BaseException) -> bool:
 
 def describe_failure(err: BaseException) -> tuple[str, str | None]:
     """``(one line of text, SQLSTATE or None)`` for ``err``; driver errors are described as
-    the qstore error they translate to."""
+    the qstore error they translate to (a database error by its reason, SQLSTATE and the
+    server's words, without the name of the operation: the line names the activity)."""
     err = translated(err)
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text, getattr(err, "sqlstate", None)
+    text = err.summary if isinstance(err, DatabaseError) else str(err)
+    return " ".join(text.split()) or type(err).__name__, getattr(err, "sqlstate", None)
+
+
+def _signature(err: BaseException) -> tuple[str, str | None]:
+    """What makes two failures "the same" for the log: the error's type and SQLSTATE, except
+    that every way of losing the connection (refused, lost, server shutting down...) is one
+    failure: an outage moves through several of them."""
+    mapped = translated(err)
+    if isinstance(mapped, DatabaseError) and mapped.connection_lost:
+        return ("connection", None)
+    return type(mapped).__name__, getattr(mapped, "sqlstate", None)
 
 
 @dataclass
@@ -89,7 +101,7 @@ class OutageLog:
         text, sqlstate = describe_failure(err)
         if expected is None:
             expected = expected_failure(err)
-        signature = (type(translated(err)).__name__, sqlstate)
+        signature = _signature(err)
         now = time.monotonic()
         with self._lock:
             activity = self._activities.setdefault(what, _Activity())
@@ -103,9 +115,9 @@ class OutageLog:
             first = activity.signature != signature
             activity.signature = signature
         where = f" ({detail})" if detail else ""
-        state = f"SQLSTATE {sqlstate}" if sqlstate else "no SQLSTATE"
+        state = "" if sqlstate is None or sqlstate in text else f" (SQLSTATE {sqlstate})"
         then = "; not retried" if retry_in is None else f"; retrying in {retry_in:.1f} s"
-        message = f"{self.prefix}: {what}{where} failed ({state}): {text}{then}"
+        message = f"{self.prefix}: {what}{where} failed: {text}{state}{then}"
         if first:
             self.logger.warning(message, exc_info=None if expected else err)
             if expected and self.logger.isEnabledFor(logging.DEBUG):

@@ -188,7 +188,8 @@ class DatabaseError(QueueStorageError):
     def connection_lost(self) -> bool:
         """True when the failure is the connection itself (could not connect, lost, closed,
         or the server shutting down / starting up), whatever the exact words."""
-        return bool(self.sqlstate) and (self.sqlstate.startswith("08") or self.sqlstate in ("57P01", "57P02", "57P03"))
+        state = self.sqlstate or ""
+        return state.startswith("08") or state in ("57P01", "57P02", "57P03")
 
     def _message(self) -> str:
         what = f"{self.operation} failed" if self.operation else "database call failed"

@@ -13,7 +13,11 @@ from qstore.errors import (
     UniqueConflictError,
     ValidationError,
 )
-from qstore.model import (
+from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule, TaskReport
+from qstore.schema import build_metadata
+from qstore.status import schema_health, status_report
+from qstore.storage import QueueStorage
+from qstore.types import (
     BusyCounts,
     CallbackConfig,
     CallbackPollResult,
@@ -30,8 +34,6 @@ from qstore.model import (
     SkipReason,
     TerminalDeltaRollupOutcome,
 )
-from qstore.schema import build_metadata
-from qstore.storage import QueueStorage
 
 __all__ = [
     "DEFAULT_SCHEMA",
@@ -47,6 +49,8 @@ __all__ = [
     "JobRow",
     "JobState",
     "ListDlqFilter",
+    "Maintainer",
+    "MaintenanceSchedule",
     "PartialCommitError",
     "PruneOutcome",
     "QueueClaimerLease",
@@ -59,8 +63,11 @@ __all__ = [
     "SchemaNotInstalledError",
     "ShapeMismatchError",
     "SkipReason",
+    "TaskReport",
     "TerminalDeltaRollupOutcome",
     "UniqueConflictError",
     "ValidationError",
     "build_metadata",
+    "schema_health",
+    "status_report",
 ]

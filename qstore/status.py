@@ -56,7 +56,7 @@ from qstore.errors import translate_errors
 from qstore.schema import Ring, StorageSchema
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import logical_queue
-from qstore.storage.planes.upkeep import regclass, slot_generation
+from qstore.storage.planes.rings import regclass, slot_generation
 from qstore.storage.read import truncated_by_upkeep
 from qstore.storage.targets import Policy, Target, hold, run
 

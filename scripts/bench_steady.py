@@ -3,7 +3,7 @@
 Both systems run *at the same time* against one PostgreSQL database, each with its own
 producer (a fixed offered rate) and its own draining workers (claim + complete; no
 heartbeats, no callbacks). qstore's upkeep (``--upkeep``) is either the product's
-:class:`qstore.maintainer.Maintainer` (default; its default schedule, or fields given with
+:class:`qstore.runtime.maintainer.Maintainer` (default; its default schedule, or fields given with
 ``--schedule NAME=VALUE``: ring rotation and prune, promotion, rescue, count roll-up) or the
 bare ring ticker (``--upkeep rings``: rotate and prune all three rings every ``--rotate``
 seconds). The run has three phases (``--clean-seconds`` / ``--pinned-seconds`` /
@@ -71,7 +71,7 @@ from _benchlib import (
 from classic_queue import ClassicQueue
 
 from qstore import QueueStorage, QueueStorageConfig
-from qstore.maintainer import Maintainer, MaintenanceSchedule
+from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
 from qstore.storage.jobs import InsertOpts, InsertParams
 
 QUEUE = "steady"

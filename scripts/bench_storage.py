@@ -497,7 +497,7 @@ def upkeep(engine: Engine, system: Any, run: bool) -> Iterator[None]:
     if not run or not isinstance(system, QstoreSystem):
         yield
         return
-    from qstore.maintainer import Maintainer
+    from qstore.runtime.maintainer import Maintainer
 
     with Maintainer(system.storage, engine):
         yield

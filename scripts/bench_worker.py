@@ -67,7 +67,7 @@ from _benchlib import (
     verdict,
 )
 
-from qstore.maintainer import MaintenanceSchedule
+from qstore.runtime.maintainer import MaintenanceSchedule
 from qstore.tasks import App, JobContext
 from qstore.worker import Worker, WorkerSettings
 

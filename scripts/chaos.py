@@ -14,7 +14,7 @@ One run, against a fresh database on this machine:
   while retryable); and unique pairs whose second job is enqueued while the first waits
   retryable, so the first one's promotion meets a key owned by another job;
 * runs ``--workers`` worker processes (claim → do each job's outcome) and ``--maintainers``
-  maintainer processes (a :class:`~qstore.maintainer.Maintainer` on cadences of 50-100 ms,
+  maintainer processes (a :class:`~qstore.runtime.maintainer.Maintainer` on cadences of 50-100 ms,
   rescue every second with a 2 s heartbeat staleness), while the controller SIGKILLs and
   replaces workers and maintainers, terminates random backends of the run's database
   (``pg_terminate_backend``, never another database, never its own sessions) and pins the
@@ -83,17 +83,17 @@ from _benchlib import server_info
 from qstore import QueueStorage, QueueStorageConfig
 from qstore.embedded import server_url
 from qstore.errors import DatabaseError, UniqueConflictError
-from qstore.listen import Listener
-from qstore.maintainer import (
+from qstore.runtime.maintainer import (
     LEADER_KEY_PREFIX,
     Maintainer,
     MaintenanceSchedule,
     RingTick,
     TaskReport,
 )
-from qstore.model import ClaimedRuntimeJob, JobRow, JobState, TerminalDeltaRollupOutcome
 from qstore.status import hold_rings
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts, logical_queue
+from qstore.storage.listen import Listener
+from qstore.types import ClaimedRuntimeJob, JobRow, JobState, TerminalDeltaRollupOutcome
 
 SCHEMA = "chaos"
 PLAIN, SHARDED, DLQ_QUEUE = "chaos", "chaos_sharded", "chaos_dlq"
@@ -1070,7 +1070,7 @@ REPORT_STATE = re.compile(r"database error \((?P<old>[0-9A-Z]{5})\)|\(SQLSTATE (
 
 
 class ReportTail:
-    """New :class:`~qstore.maintainer.TaskReport` s of a maintainer since the last call, per
+    """New :class:`~qstore.runtime.maintainer.TaskReport` s of a maintainer since the last call, per
     task, through the public ``reports()`` (kept long enough that polling every 0.2 s never
     misses one)."""
 

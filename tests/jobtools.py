@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from qstore.model import ClaimedRuntimeJob, JobState
 from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore.types import ClaimedRuntimeJob, JobState
 
 
 def both_receipt_modes(fixture: str = "st") -> pytest.MarkDecorator:

@@ -26,7 +26,7 @@ from jobtools import add, claim, params, running
 from sqlalchemy import Engine, text
 
 from qstore import QueueStorage, QueueStorageConfig
-from qstore.model import CallbackConfig, JobState, ListDlqFilter, QueueClaimerLease
+from qstore.types import CallbackConfig, JobState, ListDlqFilter, QueueClaimerLease
 
 __all__ = ["CASES", "Case", "Check", "Given", "missing_case_names"]
 

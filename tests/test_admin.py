@@ -13,7 +13,7 @@ from jobtools import add, census, claim, count, running, state
 from sqlalchemy import make_url, text
 
 from qstore import ValidationError
-from qstore.model import JobState
+from qstore.types import JobState
 
 UTC = timezone.utc
 

@@ -12,7 +12,7 @@ import pytest
 from jobtools import census, claim, count, running, state
 
 from qstore import CallbackNotFoundError, ValidationError
-from qstore.model import CallbackConfig, ClaimedRuntimeJob, JobState
+from qstore.types import CallbackConfig, ClaimedRuntimeJob, JobState
 
 UTC = timezone.utc
 

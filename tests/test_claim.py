@@ -15,8 +15,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from qstore import ClaimedEntry, JobRow, JobState, ValidationError
-from qstore.model import ClaimedRuntimeJob, field_names
 from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore.types import ClaimedRuntimeJob, field_names
 
 UTC = timezone.utc
 ORIGINAL_PRIORITY = "_qstore_original_priority"

@@ -14,8 +14,8 @@ from sqlalchemy import text
 
 from qstore import QueueStorage
 from qstore.cli import main
-from qstore.model import JobState
 from qstore.storage.jobs import UniqueOpts
+from qstore.types import JobState
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import create_engine
 
 from qstore import cli
-from qstore.demo import DEMO_QUEUE
+from qstore.cli.demo import DEMO_QUEUE
 from qstore.storage import QueueStorage
 
 

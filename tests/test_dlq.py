@@ -10,8 +10,8 @@ from jobtools import census, claim, count, params, running, state
 from sqlalchemy import text
 
 from qstore import UniqueConflictError, ValidationError
-from qstore.model import ClaimedRuntimeJob, JobState, ListDlqFilter, RetryFromDlqOpts
 from qstore.storage.jobs import UniqueOpts, logical_queue
+from qstore.types import ClaimedRuntimeJob, JobState, ListDlqFilter, RetryFromDlqOpts
 
 UTC = timezone.utc
 

@@ -13,8 +13,8 @@ from jobtools import add, params
 from sqlalchemy import create_engine, event, text
 
 from qstore import DatabaseError, PartialCommitError
-from qstore.model import JobState
 from qstore.storage.jobs import UniqueOpts
+from qstore.types import JobState
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from sqlalchemy import create_engine, pool, text
 from sqlalchemy import exc as sa_exc
 
 from qstore import DatabaseError, QueueStorage, QueueStorageConfig, SchemaNotInstalledError
-from qstore.cli_common import one_line
+from qstore.cli.common import one_line
 from qstore.errors import translated
 
 

@@ -27,9 +27,9 @@ import pytest
 from sqlalchemy import Connection, Engine, create_engine, event, text
 
 from qstore import QueueStorage, UniqueConflictError
-from qstore.model import ClaimedRuntimeJob, JobState, PruneOutcome, SkipReason
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
-from qstore.storage.planes import upkeep
+from qstore.storage.planes import rings as upkeep
+from qstore.types import ClaimedRuntimeJob, JobState, PruneOutcome, SkipReason
 
 MakeStorage = Callable[..., QueueStorage]
 UTC = timezone.utc

@@ -15,7 +15,7 @@ import pytest
 from jobtools import attempt_table, claim, count, running, state
 from sqlalchemy import text
 
-from qstore.model import JobState
+from qstore.types import JobState
 
 UTC = timezone.utc
 

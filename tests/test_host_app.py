@@ -27,9 +27,9 @@ from sqlalchemy.orm import Session
 
 from qstore import QueueStorage, QueueStorageConfig, ValidationError
 from qstore.cli import main as qstore_cli
-from qstore.maintainer import Maintainer
 from qstore.migrate import VersionRecord, install_state, version_location
 from qstore.migrations import REVISIONS
+from qstore.runtime.maintainer import Maintainer
 from qstore.storage.jobs import InsertOpts, InsertParams
 
 HEAD = REVISIONS[-1]

@@ -72,7 +72,7 @@ from qstore import (
 from qstore.aio import AsyncQueueStorage
 from qstore.config import MAX_CHANNEL_BYTES
 from qstore.errors import describe
-from qstore.maintainer import Maintainer, MaintenanceSchedule
+from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
 from qstore.storage.callbacks import RESULT_KEY
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts, unique_states_mask
 

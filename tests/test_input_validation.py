@@ -28,7 +28,7 @@ from qstore import (
     ValidationError,
 )
 from qstore.config import MAX_CHANNEL_BYTES, channel_name
-from qstore.maintainer import Maintainer, MaintenanceSchedule
+from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
 
 NOTHING = dict.fromkeys(("ready_entries", "ready_tombstones", "deferred_jobs", "done_entries", "dlq_entries",

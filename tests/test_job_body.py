@@ -17,8 +17,8 @@ import pytest
 from sqlalchemy import Engine
 
 from qstore import JobState, QueueStorage
-from qstore.model import ClaimedRuntimeJob, RetryFromDlqOpts
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
+from qstore.types import ClaimedRuntimeJob, RetryFromDlqOpts
 
 Q = "body"
 ARGS = {"n": 1, "text": 'q"uote \\ {x,y} ✓', "list": [1, None, 2.5, True]}

@@ -15,10 +15,10 @@ from sqlalchemy.engine import make_url
 
 from qstore import QueueStorage
 from qstore.cli import main as qstore_cli
-from qstore.grants import runtime_grants, truncated_tables
-from qstore.maintainer import Maintainer
-from qstore.model import PruneOutcome
+from qstore.runtime.maintainer import Maintainer
+from qstore.schema.grants import runtime_grants, truncated_tables
 from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore.types import PruneOutcome
 
 SCHEMA = "jobs"
 SMALL = ["--queue-slot-count", "4", "--lease-slot-count", "2", "--claim-slot-count", "2"]

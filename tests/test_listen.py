@@ -13,8 +13,8 @@ from outage import OutageProxy
 from sqlalchemy import create_engine, text
 
 from qstore.errors import ValidationError
-from qstore.listen import Wakeup
 from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore.storage.listen import Wakeup
 
 
 def job(queue: str = "mail", **opts: object) -> InsertParams:

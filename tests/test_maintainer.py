@@ -1,4 +1,4 @@
-"""The maintainer (qstore.maintainer): one leader per install runs ring rotation and prune,
+"""The maintainer (qstore.runtime.maintainer): one leader per install runs ring rotation and prune,
 promotion, rescue and the counter rollup on a schedule; leadership moves when the leader's
 session ends, and leadership never holds a transaction open."""
 
@@ -18,9 +18,9 @@ from sqlalchemy import Engine, create_engine, event, text
 
 from qstore import QueueStorage, ValidationError
 from qstore.cli import main as cli_main
-from qstore.maintainer import LEADER_KEY_PREFIX, Maintainer, MaintenanceSchedule, RingTick
-from qstore.model import JobState
+from qstore.runtime.maintainer import LEADER_KEY_PREFIX, Maintainer, MaintenanceSchedule, RingTick
 from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore.types import JobState
 
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}
 Q = "mq"

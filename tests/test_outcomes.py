@@ -23,9 +23,9 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from qstore import QueueStorageConfig
-from qstore.model import JobState
 from qstore.schema import storage_schema
 from qstore.storage.planes import queue as queue_plane
+from qstore.types import JobState
 
 UTC = timezone.utc
 

@@ -12,7 +12,7 @@ from jobtools import both_receipt_modes, census, claim, count, install_in_mode, 
 from sqlalchemy import text
 
 from qstore import ValidationError
-from qstore.model import ClaimedRuntimeJob, JobState
+from qstore.types import ClaimedRuntimeJob, JobState
 
 UTC = timezone.utc
 

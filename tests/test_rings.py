@@ -21,10 +21,10 @@ from sqlalchemy import Engine, create_engine, event, func, select, text
 
 from qstore import QueueStorage
 from qstore.errors import UniqueConflictError, ValidationError
-from qstore.model import BusyCounts, PruneOutcome, RotateOutcome, SkipReason
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
-from qstore.storage.planes.upkeep import pristine, pristine_slots, slot_generation
-from qstore.storage.rings import TAIL_PROBE
+from qstore.storage.planes.rings import pristine, pristine_slots, slot_generation
+from qstore.storage.upkeep.rings import TAIL_PROBE
+from qstore.types import BusyCounts, PruneOutcome, RotateOutcome, SkipReason
 
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}
 Q = "rq"

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from qstore import CallerTransactionRefusedError, QueueStorage, ValidationError
 from qstore.aio import AsyncQueueStorage
-from qstore.model import JobState
+from qstore.types import JobState
 
 Scope = Callable[[Engine], AbstractContextManager[object]]
 

@@ -20,7 +20,7 @@ from jobtools import params
 from sqlalchemy import Engine, create_engine, event
 
 from qstore import QueueStorage, status
-from qstore.model import JobState
+from qstore.types import JobState
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Packed array parameters (qstore.storage.sql): a list bound as one array literal
+"""Packed array parameters (qstore.storage.statements): a list bound as one array literal
 must reach PostgreSQL exactly as psycopg's element-by-element list adaptation sends it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
 from sqlalchemy.exc import StatementError
 from sqlalchemy.types import TypeEngine
 
-from qstore.storage.sql import array_param, packed_array_param
+from qstore.storage.statements import array_param, packed_array_param
 
 AWKWARD_TEXT = ['say "hi"', "back\\slash", "a,b", "{braces}", "NULL", "null", " spaced ", "",
                 "ünïcødé ✓", "tab\tnew\nline", "\\x00", None]

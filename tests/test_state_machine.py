@@ -30,8 +30,8 @@ from hypothesis.stateful import (
 from sqlalchemy import text
 
 from qstore import QueueStorage
-from qstore.model import JobState
 from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore.types import JobState
 
 # -- helpers ----------------------------------------------------------------------------------
 

@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session
 from test_round_trips import pooled_pgconn, wire
 
 from qstore.errors import ValidationError
-from qstore.model import JobState
 from qstore.storage.jobs import UniqueOpts
 from qstore.tasks import App, Cancel, Fail, JobContext, RetryAfter, Snooze, Task, WaitForCallback
+from qstore.types import JobState
 
 
 @pytest.fixture

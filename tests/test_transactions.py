@@ -8,7 +8,7 @@ from sqlalchemy import Column, MetaData, Table, Text, bindparam, event, func, in
 from sqlalchemy.orm import Session
 
 from qstore import ValidationError
-from qstore.storage.sql import HotStatement
+from qstore.storage.statements import HotStatement
 from qstore.storage.targets import Policy, Runner, Transactions, reads_committed_state, run
 
 

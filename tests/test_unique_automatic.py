@@ -16,8 +16,8 @@ from jobtools import claim
 from sqlalchemy import text
 
 from qstore import UniqueConflictError
-from qstore.model import JobState
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
+from qstore.types import JobState
 
 BIT = {s: 1 << i for i, s in enumerate(
     ("scheduled", "available", "running", "completed", "retryable", "failed", "cancelled",

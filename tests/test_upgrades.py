@@ -26,7 +26,7 @@ from sqlalchemy import Engine, create_engine, func, inspect, pool, select, text
 from qstore import QueueStorage, QueueStorageConfig
 from qstore.migrate import current_revision, downgrade, upgrade
 from qstore.migrations import REVISIONS
-from qstore.model import JobState, RetryFromDlqOpts
+from qstore.types import JobState, RetryFromDlqOpts
 
 HERE = Path(__file__).resolve().parent
 PREVIOUS_WHEEL = HERE / "data" / "previous_release" / "qstore-0.1.0-1b55e32.whl"

@@ -23,9 +23,9 @@ from test_worker import eventually, settles_in, state_of
 
 from qstore import QueueStorage
 from qstore.errors import SchemaNotInstalledError
-from qstore.maintainer import MaintenanceSchedule
-from qstore.model import JobState
+from qstore.runtime.maintainer import MaintenanceSchedule
 from qstore.tasks import App, Cancel, Fail, JobContext, RetryAfter, Snooze, WaitForCallback
+from qstore.types import JobState
 from qstore.worker import Worker, WorkerSettings
 
 #: Longer than the 0.1 + 0.5 + 2 s an outcome write used to be retried for.

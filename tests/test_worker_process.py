@@ -20,9 +20,9 @@ from sqlalchemy import make_url, text
 from test_worker import eventually
 
 from qstore.cli import main
-from qstore.maintainer import LEADER_KEY_PREFIX
-from qstore.model import JobState
+from qstore.runtime.maintainer import LEADER_KEY_PREFIX
 from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore.types import JobState
 
 APP = '''
 import os, pathlib, time

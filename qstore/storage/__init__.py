@@ -39,21 +39,19 @@ from qstore.storage import (
     checks,
     claim,
     complete,
-    counters,
     dlq,
     lifecycle,
     outcomes,
     read,
-    rescue,
-    rings,
 )
 from qstore.storage import enqueue as enqueuing
 from qstore.storage.context import StorageContext
 from qstore.storage.operations import Operation, SyncFace, op
 from qstore.storage.targets import Policy, Target, run
+from qstore.storage.upkeep import counters, rescue, rings
 
 if TYPE_CHECKING:
-    from qstore.listen import Listener
+    from qstore.storage.listen import Listener
 
 __all__ = ["Naming", "Operations", "QueueStorage"]
 
@@ -317,11 +315,11 @@ class QueueStorage(Operations, Naming, SyncFace):
     active_schema_in_tx = active_schema
 
     def listen(self, engine: Engine, queues: Iterable[str], cancel: bool = True) -> Listener:
-        """A :class:`~qstore.listen.Listener` woken by new ready work on ``queues`` (logical
+        """A :class:`~qstore.storage.listen.Listener` woken by new ready work on ``queues`` (logical
         names) and, when ``cancel``, by operator cancels of running attempts; it holds a
         dedicated autocommit connection of ``engine`` (opened here) until it is closed.
         Not an operation: it opens a connection of its own and takes no target."""
-        from qstore.listen import Listener
+        from qstore.storage.listen import Listener
 
         return Listener(engine, self._ctx.config, queues, cancel=cancel).open()
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from sqlalchemy import BigInteger, CompoundSelect, Connection, Select, bindparam, func, select
 
-from qstore.model import JobRow, JobState
 from qstore.schema import StorageSchema
 from qstore.storage import destinations
 from qstore.storage.bodies import Body
@@ -26,7 +25,8 @@ from qstore.storage.decide import Decision, Destination
 from qstore.storage.jobs import is_stripe, logical_queue
 from qstore.storage.planes import control, execution, queue
 from qstore.storage.planes.execution import LIVE, Closure
-from qstore.storage.sql import receipt_closed
+from qstore.storage.statements import receipt_closed
+from qstore.types import JobRow, JobState
 
 __all__ = [
     "age_waiting_priorities",

@@ -4,7 +4,7 @@
   hands over when it takes an attempt out of running);
 * :class:`Body` — a job's durable body plus where its attempt stood, the input of every
   write of a job's next state (ready, deferred, terminal, DLQ);
-* :func:`job_row` — the public :class:`~qstore.model.JobRow` of a body in a given state.
+* :func:`job_row` — the public :class:`~qstore.types.JobRow` of a body in a given state.
 
 Payload rules: metadata, tags, errors and progress, empty members omitted (an empty payload
 is SQL NULL).
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from qstore.model import JobRow, JobState
 from qstore.storage.jobs import build_payload
+from qstore.types import JobRow, JobState
 
 __all__ = ["Body", "Taken", "error_entry", "job_row"]
 

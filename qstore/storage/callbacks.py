@@ -19,7 +19,6 @@ from typing import Any
 from sqlalchemy import BigInteger, BindParameter, Connection, Select, and_, bindparam, select
 
 from qstore.errors import CallbackNotFoundError, ValidationError
-from qstore.model import CallbackConfig, CallbackPollResult, JobRow, JobState
 from qstore.schema import StorageSchema
 from qstore.storage import destinations, read
 from qstore.storage.bodies import Body
@@ -28,6 +27,7 @@ from qstore.storage.context import StorageContext
 from qstore.storage.decide import Decision, Destination
 from qstore.storage.planes import execution
 from qstore.storage.planes.execution import LIVE, Closure
+from qstore.types import CallbackConfig, CallbackPollResult, JobRow, JobState
 
 __all__ = [
     "RESULT_KEY",

@@ -15,15 +15,6 @@ from datetime import timedelta
 from typing import Any
 
 from qstore.errors import ValidationError
-from qstore.model import (
-    CallbackConfig,
-    ClaimedEntry,
-    ClaimedRuntimeJob,
-    JobState,
-    ListDlqFilter,
-    QueueClaimerLease,
-    RetryFromDlqOpts,
-)
 from qstore.storage.jobs import (
     validate_aware_datetime,
     validate_id,
@@ -32,6 +23,15 @@ from qstore.storage.jobs import (
     validate_queue,
     validate_text,
     validate_uuid,
+)
+from qstore.types import (
+    CallbackConfig,
+    ClaimedEntry,
+    ClaimedRuntimeJob,
+    JobState,
+    ListDlqFilter,
+    QueueClaimerLease,
+    RetryFromDlqOpts,
 )
 
 __all__ = [

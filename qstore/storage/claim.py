@@ -35,7 +35,14 @@ from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
 from sqlalchemy.types import TypeEngine
 
 from qstore.errors import failure_line
-from qstore.model import (
+from qstore.schema import StorageSchema
+from qstore.storage.checks import ms, seconds
+from qstore.storage.context import StorageContext
+from qstore.storage.jobs import stripes_for
+from qstore.storage.planes import control
+from qstore.storage.statements import HotStatement, schema_func
+from qstore.storage.targets import Runner, Transactions
+from qstore.types import (
     ClaimedEntry,
     ClaimedRuntimeJob,
     JobRow,
@@ -43,13 +50,6 @@ from qstore.model import (
     QueueClaimerLease,
     assemble,
 )
-from qstore.schema import StorageSchema
-from qstore.storage.checks import ms, seconds
-from qstore.storage.context import StorageContext
-from qstore.storage.jobs import stripes_for
-from qstore.storage.planes import control
-from qstore.storage.sql import HotStatement, schema_func
-from qstore.storage.targets import Runner, Transactions
 
 __all__ = [
     "ORIGINAL_PRIORITY_KEY",

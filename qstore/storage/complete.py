@@ -17,7 +17,6 @@ from typing import Any
 from sqlalchemy import BigInteger, Connection, Integer, Text, column, select
 
 from qstore.errors import PartialCommitError
-from qstore.model import ClaimedEntry, ClaimedRuntimeJob, JobState
 from qstore.schema import StorageSchema
 from qstore.storage import destinations
 from qstore.storage.bodies import Body
@@ -25,8 +24,9 @@ from qstore.storage.context import StorageContext
 from qstore.storage.decide import Decision, Destination
 from qstore.storage.jobs import holds_key
 from qstore.storage.planes.execution import Closure, take_attempts
-from qstore.storage.sql import HotStatement, packed_array_param, schema_func
+from qstore.storage.statements import HotStatement, packed_array_param, schema_func
 from qstore.storage.targets import Runner, Transactions
+from qstore.types import ClaimedEntry, ClaimedRuntimeJob, JobState
 
 __all__ = [
     "complete_batch",

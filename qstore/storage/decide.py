@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from qstore.model import JobState
 from qstore.storage.bodies import Body
 from qstore.storage.planes.execution import Closure
+from qstore.types import JobState
 
 __all__ = ["Decision", "Destination", "Outcome", "decide", "exhausted"]
 

@@ -3,7 +3,7 @@
 Every outcome, rescue, callback resolution, promotion and admin move builds a list of
 ``(Body, Decision, old_state)`` and calls :func:`apply`; it adds error entries, syncs unique
 keys (control plane) and writes the destination rows (queue plane), and returns the
-resulting :class:`~qstore.model.JobRow` s.
+resulting :class:`~qstore.types.JobRow` s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
-from qstore.model import JobRow, JobState
 from qstore.schema import StorageSchema
 from qstore.storage.bodies import Body, error_entry, job_row
 from qstore.storage.context import StorageContext
@@ -24,7 +23,8 @@ from qstore.storage.decide import Decision, Destination
 from qstore.storage.jobs import PreparedJob, logical_queue
 from qstore.storage.lanes import assign_lanes
 from qstore.storage.planes import control, queue
-from qstore.storage.sql import schema_func
+from qstore.storage.statements import schema_func
+from qstore.types import JobRow, JobState
 
 __all__ = ["UniqueConflicts", "apply", "now", "reenqueue"]
 

@@ -17,7 +17,6 @@ from typing import Any
 from sqlalchemy import Connection, select, tuple_
 
 from qstore.errors import ValidationError
-from qstore.model import DlqEntry, JobRow, JobState, ListDlqFilter, RetryFromDlqOpts
 from qstore.storage import destinations
 from qstore.storage.bodies import Body, job_row
 from qstore.storage.context import StorageContext
@@ -26,6 +25,7 @@ from qstore.storage.jobs import stripes_for
 from qstore.storage.planes import control
 from qstore.storage.planes import queue as queue_plane
 from qstore.storage.read import snapshot_row
+from qstore.types import DlqEntry, JobRow, JobState, ListDlqFilter, RetryFromDlqOpts
 
 __all__ = ["bulk_move_failed_to_dlq", "bulk_retry_from_dlq", "discard_failed_by_kind", "list_dlq",
            "load_dlq_entry", "move_failed_to_dlq", "purge_dlq", "retry_from_dlq"]

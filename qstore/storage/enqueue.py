@@ -39,7 +39,7 @@ from qstore.storage.jobs import (
 from qstore.storage.lanes import assign_lanes
 from qstore.storage.planes import control, queue
 from qstore.storage.planes.queue import DEFERRED_COLUMNS, READY_COLUMNS
-from qstore.storage.sql import HotStatement, packed_array_param, schema_func
+from qstore.storage.statements import HotStatement, packed_array_param, schema_func
 from qstore.storage.targets import Runner
 
 __all__ = ["enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch", "enqueue_params_copy",

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from typing import Any, SupportsIndex
 
 from qstore.errors import ValidationError
-from qstore.model import JobState
+from qstore.types import JobState
 
 __all__ = [
     "DEFAULT_UNIQUE_STATES",

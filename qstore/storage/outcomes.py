@@ -15,7 +15,6 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from qstore.model import JobRow
 from qstore.storage import destinations
 from qstore.storage.bodies import Body
 from qstore.storage.checks import ms
@@ -23,6 +22,7 @@ from qstore.storage.context import StorageContext
 from qstore.storage.decide import Outcome, decide
 from qstore.storage.jobs import logical_queue
 from qstore.storage.planes import control, execution
+from qstore.types import JobRow
 
 __all__ = [
     "cancel_running",

@@ -18,12 +18,12 @@ from typing import Any
 from sqlalchemy import Connection, Select, Table, and_, bindparam, case, column, func, select, table
 from sqlalchemy.types import BigInteger, Text
 
-from qstore.model import JobRow, JobState, QueueCounts
 from qstore.schema import StorageSchema
 from qstore.storage.context import StorageContext
 from qstore.storage.jobs import stripes_for
-from qstore.storage.sql import attempt_leased, receipt_closed
+from qstore.storage.statements import attempt_leased, receipt_closed
 from qstore.storage.targets import holding
+from qstore.types import JobRow, JobState, QueueCounts
 
 __all__ = ["load_job", "load_job_snapshot", "queue_counts", "queue_counts_fast", "snapshot_row",
            "truncated_by_upkeep"]

@@ -46,7 +46,7 @@ have lost entries (it is re-read), never gained one. Operations whose effect wou
 a rollback take the ``OWN`` policy instead.
 
 Hot statements (claim, fast completion, enqueue) go through a :class:`Runner`: on a
-synchronous psycopg connection it sends a :class:`~qstore.storage.sql.HotStatement` on the
+synchronous psycopg connection it sends a :class:`~qstore.storage.statements.HotStatement` on the
 driver cursor directly, skipping SQLAlchemy's per-execute work; with an ``Engine`` it also
 skips the ``Connection`` and its isolation-level round about (a pooled driver connection in
 autocommit mode for the one statement). Where someone listens to SQLAlchemy's cursor events
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
     from qstore.storage.context import StorageContext
-    from qstore.storage.sql import HotStatement
+    from qstore.storage.statements import HotStatement
 
 __all__ = [
     "OWNED",

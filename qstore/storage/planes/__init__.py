@@ -9,7 +9,7 @@ Each plane module is the only Python writer of its tables (the hot-path server f
   state: taking a live attempt out of running, heartbeats, callback tokens;
 * :mod:`~qstore.storage.planes.control` — lanes, unique keys, queue options, claimer
   slots, the terminal counters, the backend registry;
-* :mod:`~qstore.storage.planes.upkeep` — what rotation and pruning do to the rings as a
+* :mod:`~qstore.storage.planes.rings` — what rotation and pruning do to the rings as a
   whole: ring cursors (sequences), slot emptiness, exclusive locks and ``TRUNCATE``.
 
 Operation families (:mod:`qstore.storage.enqueue`, :mod:`~qstore.storage.claim`, …) read

@@ -48,10 +48,10 @@ from sqlalchemy.sql.dml import Update
 
 from qstore.config import COUNTER_BUCKETS
 from qstore.errors import UniqueConflictError, ValidationError
-from qstore.model import JobState, QueueClaimerLease
 from qstore.schema import StorageSchema
 from qstore.storage.jobs import holds_key
-from qstore.storage.sql import packed_array_param, schema_func
+from qstore.storage.statements import packed_array_param, schema_func
+from qstore.types import JobState, QueueClaimerLease
 
 __all__ = [
     "BACKEND",

@@ -47,10 +47,10 @@ from sqlalchemy.dialects.postgresql.dml import Insert as PgInsert
 from sqlalchemy.sql.dml import ReturningDelete, Update
 
 from qstore.errors import InvariantError
-from qstore.model import JobState
 from qstore.schema import StorageSchema
 from qstore.storage.bodies import Taken
-from qstore.storage.sql import attempt_leased, receipt_closed, unnest_rows
+from qstore.storage.statements import attempt_leased, receipt_closed, unnest_rows
+from qstore.types import JobState
 
 __all__ = ["Closure", "ExecutionStatements", "statements", "take_attempts"]
 

@@ -45,12 +45,12 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util.concurrency import await_
 
 from qstore.config import COUNTER_BUCKETS
-from qstore.model import JobState
 from qstore.schema import StorageSchema
 from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage.bodies import Body
 from qstore.storage.jobs import PreparedJob
-from qstore.storage.sql import unnest_rows
+from qstore.storage.statements import unnest_rows
+from qstore.types import JobState
 
 __all__ = [
     "QueueStatements",

@@ -32,8 +32,8 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import REGCLASS
 
-from qstore.model import BusyCounts
 from qstore.schema import Ring, StorageSchema
+from qstore.types import BusyCounts
 
 __all__ = [
     "BLOCKED",

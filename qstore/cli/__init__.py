@@ -1,13 +1,13 @@
 """Command line: ``python -m qstore install | maintain | worker | status | job | dlq | demo``.
 
 Each subcommand lives in its own module exposing ``register(subparsers, common)``
-(:data:`SUBCOMMANDS`); :mod:`qstore.cli_common` holds what they share. ``install`` installs
-or upgrades a schema and activates it (:mod:`qstore.cli_install`); ``maintain`` runs an
-install's upkeep (:mod:`qstore.cli_maintain`); ``worker`` runs an application's tasks
-(:mod:`qstore.cli_worker`); ``status`` reports queues, rings and table
-health (:mod:`qstore.cli_status`); ``job`` shows, retries or cancels one job
-(:mod:`qstore.cli_job`); ``dlq`` lists, retries or purges dead-lettered jobs
-(:mod:`qstore.cli_dlq`); ``demo`` runs the demo steps (:mod:`qstore.demo`). Every refusal
+(:data:`SUBCOMMANDS`); :mod:`qstore.cli.common` holds what they share. ``install`` installs
+or upgrades a schema and activates it (:mod:`qstore.cli.install`); ``maintain`` runs an
+install's upkeep (:mod:`qstore.cli.maintain`); ``worker`` runs an application's tasks
+(:mod:`qstore.cli.worker`); ``status`` reports queues, rings and table
+health (:mod:`qstore.cli.status`); ``job`` shows, retries or cancels one job
+(:mod:`qstore.cli.job`); ``dlq`` lists, retries or purges dead-lettered jobs
+(:mod:`qstore.cli.dlq`); ``demo`` runs the demo steps (:mod:`qstore.cli.demo`). Every refusal
 is one line on stderr (exit status 1), never a traceback.
 """
 
@@ -19,8 +19,14 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TextIO
 
-from qstore import cli_dlq, cli_install, cli_job, cli_maintain, cli_status, cli_worker, demo
-from qstore.cli_common import (
+from qstore.cli import demo
+from qstore.cli import dlq as cli_dlq
+from qstore.cli import install as cli_install
+from qstore.cli import job as cli_job
+from qstore.cli import maintain as cli_maintain
+from qstore.cli import status as cli_status
+from qstore.cli import worker as cli_worker
+from qstore.cli.common import (
     URL_ENV,
     CommandFailed,
     _config,
@@ -31,7 +37,7 @@ from qstore.cli_common import (
     database_url,
     one_line,
 )
-from qstore.demo import (
+from qstore.cli.demo import (
     DEMO_QUEUE,
     DEMO_STEPS,
     DemoContext,

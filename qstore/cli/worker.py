@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from sqlalchemy import create_engine
 
-from qstore.cli_common import CommandFailed, _engine, _url
+from qstore.cli.common import CommandFailed, _engine, _url
 from qstore.config import DEFAULT_SCHEMA
 from qstore.errors import QueueStorageError
 
@@ -32,7 +32,7 @@ def _failed(message: str) -> QueueStorageError:
 
 def load_app(path: str) -> Any:
     """The object ``MODULE:ATTR`` names (the current directory importable first)."""
-    from qstore.tasks import App
+    from qstore.runtime.tasks import App
 
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
@@ -55,7 +55,7 @@ def load_app(path: str) -> Any:
 
 
 def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
-    from qstore.worker import Worker, WorkerSettings  # the runtime only when a worker runs
+    from qstore.runtime.worker import Worker, WorkerSettings  # the runtime only when a worker runs
 
     app = load_app(args.app)
     # the shared --schema option defaults to the default schema: a value other than that one

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from qstore.cli_common import human_bytes, installed, print_json, table_lines
+from qstore.cli.common import human_bytes, installed, print_json, table_lines
 from qstore.status import StatusReport, status_report
 
 __all__ = ["cmd_status", "register", "report_lines"]

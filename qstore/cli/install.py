@@ -1,6 +1,6 @@
 """``qstore install``: install or upgrade a schema and activate it.
 
-``--grant ROLE`` also gives a runtime role its privileges (:mod:`qstore.grants`) in the same
+``--grant ROLE`` also gives a runtime role its privileges (:mod:`qstore.schema.grants`) in the same
 transaction; ``--print-grants ROLE`` only prints them. The install's shape is read back from
 the database: the recorded shape wins, and a ``--*-slot-count`` that conflicts with it is
 refused naming both values.
@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from qstore import grants, migrate
-from qstore.cli_common import _engine, _explicit_shape, _url
+from qstore import migrate
+from qstore.cli.common import _engine, _explicit_shape, _url
 from qstore.config import QueueStorageConfig
 from qstore.errors import translate_errors
+from qstore.schema import grants
 from qstore.storage import QueueStorage
 
 __all__ = ["cmd_install", "register"]

@@ -2,7 +2,7 @@
 
 It installs the schema, defers ``--jobs`` jobs of mixed outcomes (most complete; some raise
 once and complete on their retry, some snooze once, a few fail or cancel themselves), runs a
-:class:`~qstore.worker.Worker` and a :class:`~qstore.maintainer.Maintainer` until every job
+:class:`~qstore.runtime.worker.Worker` and a :class:`~qstore.runtime.maintainer.Maintainer` until every job
 is terminal with a progress line, and prints a summary: jobs/s, pickup latency, outcome
 counts, the maintainer's rotations and prunes, dead tuples and bytes. ``--plot FILE.png``
 draws throughput and dead tuples over time (matplotlib, optional); ``--show-tables`` also
@@ -27,15 +27,15 @@ from typing import Any, TextIO
 
 from sqlalchemy import Engine, create_engine, inspect, select
 
-from qstore.cli_common import CommandFailed, _config, _engine, database_url, human_bytes
+from qstore.cli.common import CommandFailed, _config, _engine, database_url, human_bytes
 from qstore.embedded import embedded_database
 from qstore.errors import translate_errors
-from qstore.maintainer import Maintainer, MaintenanceSchedule, RingTick
+from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule, RingTick
+from qstore.runtime.tasks import App, Cancel, Fail, JobContext, Snooze
+from qstore.runtime.worker import Worker, WorkerSettings
 from qstore.status import schema_health
 from qstore.storage import QueueStorage
-from qstore.storage.planes.upkeep import slot_generation
-from qstore.tasks import App, Cancel, Fail, JobContext, Snooze
-from qstore.worker import Worker, WorkerSettings
+from qstore.storage.planes.rings import slot_generation
 
 __all__ = ["DEMO_STEPS", "TABLE_STEPS", "DemoContext", "embedded_database", "outcome_for", "register",
            "run_demo", "step_run_jobs"]

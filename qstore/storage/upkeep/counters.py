@@ -44,13 +44,14 @@ from sqlalchemy.dialects.postgresql import INTERVAL
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from qstore.errors import ValidationError, failure_line
-from qstore.model import TerminalDeltaRollupOutcome
 from qstore.schema import StorageSchema
 from qstore.storage.context import StorageContext
-from qstore.storage.planes import control, upkeep
-from qstore.storage.planes.upkeep import BLOCKED, slot_generation
-from qstore.storage.sql import receipt_closed
+from qstore.storage.planes import control
+from qstore.storage.planes import rings as ring_plane
+from qstore.storage.planes.rings import BLOCKED, slot_generation
+from qstore.storage.statements import receipt_closed
 from qstore.storage.targets import Transactions
+from qstore.types import TerminalDeltaRollupOutcome
 
 __all__ = [
     "PINNED_AFTER",
@@ -152,8 +153,8 @@ class _SlotResult:
 def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int, pinned_after: timedelta) -> _SlotResult:
     st = _slot_rollup(sch, k)
     ring = sch.queue_ring
-    upkeep.lock_ring(conn, sch, ring)
-    now = upkeep.generation(conn, ring)
+    ring_plane.lock_ring(conn, sch, ring)
+    now = ring_plane.generation(conn, ring)
     if now % ring.slot_count == k:
         return _SlotResult("active")
     if slot_generation(now, k, ring.slot_count) != gen:
@@ -162,7 +163,7 @@ def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int, pinned_
         return _SlotResult("pinned")
 
     def body() -> _SlotResult:
-        upkeep.lock_exclusive(conn, [sch.deltas.children[k]])
+        ring_plane.lock_exclusive(conn, [sch.deltas.children[k]])
         if mvcc_horizon_pinned(conn, pinned_after):
             return _SlotResult("pinned")
         if conn.execute(st.active).scalar():
@@ -170,10 +171,10 @@ def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int, pinned_
         delta_rows, keys = conn.execute(st.stats).one()
         if delta_rows:
             control.fold_slot_deltas(conn, st.upsert)
-            upkeep.truncate_tables(conn, [sch.deltas.children[k]])
+            ring_plane.truncate_tables(conn, [sch.deltas.children[k]])
         return _SlotResult("rolled", int(delta_rows), int(keys))
 
-    result = upkeep.guarded(conn, body)
+    result = ring_plane.guarded(conn, body)
     return _SlotResult("blocked") if result is BLOCKED else result  # type: ignore[return-value]
 
 
@@ -205,7 +206,7 @@ def rollup_terminal_count_deltas(ctx: StorageContext, tx: Transactions, max_slot
     ring = sch.queue_ring
     n = ring.slot_count
     with tx.unit() as conn:
-        now = upkeep.generation(conn, ring)
+        now = ring_plane.generation(conn, ring)
         cur = now % n
         candidates = [
             (slot, slot_generation(now, slot, n)) for slot in ((cur + i) % n for i in range(1, n))
@@ -232,7 +233,7 @@ def rollup_terminal_count_deltas(ctx: StorageContext, tx: Transactions, max_slot
                 blocked += 1
         if not pinned:
             with tx.unit() as conn:
-                upkeep.lock_ring(conn, sch, ring)
+                ring_plane.lock_ring(conn, sch, ring)
                 if mvcc_horizon_pinned(conn, pinned_after):
                     pinned = True
                 else:
@@ -260,9 +261,9 @@ def rebuild_terminal_counters(ctx: StorageContext, conn: Connection) -> int:
     sch = ctx.schema
     key = f"{REBUILD_LOCK_PREFIX}{sch.config.schema}"
     conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
-    upkeep.lock_ring(conn, sch, sch.queue_ring)
-    upkeep.lock_exclusive(conn, [sch.done.parent, sch.deltas.parent, sch.live_counts])
-    upkeep.truncate_tables(conn, [sch.live_counts, sch.deltas.parent])
+    ring_plane.lock_ring(conn, sch, sch.queue_ring)
+    ring_plane.lock_exclusive(conn, [sch.done.parent, sch.deltas.parent, sch.live_counts])
+    ring_plane.truncate_tables(conn, [sch.live_counts, sch.deltas.parent])
     # the table was truncated above, so its size is exactly what was written
     return control.rebuild_live_counts(conn, sch)
 

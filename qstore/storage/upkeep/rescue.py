@@ -20,7 +20,6 @@ from sqlalchemy import Connection, Integer, Select, and_, bindparam, delete, fun
 from sqlalchemy.dialects.postgresql import INTERVAL
 from sqlalchemy.sql.dml import ReturningDelete
 
-from qstore.model import JobRow, JobState
 from qstore.schema import StorageSchema
 from qstore.storage import destinations
 from qstore.storage.bodies import Body
@@ -30,7 +29,8 @@ from qstore.storage.decide import Decision, Destination, exhausted, rescue_decis
 from qstore.storage.destinations import UniqueConflicts
 from qstore.storage.planes import execution, queue
 from qstore.storage.planes.execution import Closure
-from qstore.storage.sql import attempt_leased, receipt_closed
+from qstore.storage.statements import attempt_leased, receipt_closed
+from qstore.types import JobRow, JobState
 
 __all__ = ["RESCUE_LIMIT", "promote_due", "rescue_expired_callbacks", "rescue_expired_deadlines",
            "rescue_stale_heartbeats"]

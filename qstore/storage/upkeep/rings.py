@@ -87,12 +87,13 @@ from sqlalchemy import (
     true,
 )
 
-from qstore.model import PruneOutcome, RotateOutcome, SkipReason
 from qstore.schema import Ring, StorageSchema
 from qstore.storage.context import StorageContext
-from qstore.storage.planes import control, upkeep
-from qstore.storage.planes.upkeep import Blocked, bounded_count
-from qstore.storage.sql import receipt_closed
+from qstore.storage.planes import control
+from qstore.storage.planes import rings as ring_plane
+from qstore.storage.planes.rings import Blocked, bounded_count
+from qstore.storage.statements import receipt_closed
+from qstore.types import PruneOutcome, RotateOutcome, SkipReason
 
 __all__ = ["claim_slot_bytes", "oldest_initialised_slot", "prune_oldest", "prune_oldest_claims", "prune_oldest_leases", "rotate",
            "rotate_claims", "rotate_leases", "vacuum_leases"]
@@ -202,18 +203,18 @@ def _derived_gate(sch: StorageSchema, ring_name: str, k: int) -> Select[Any]:
 # -- rotate ----------------------------------------------------------------------------------
 def _rotate(conn: Connection, sch: StorageSchema, ring: Ring) -> RotateOutcome:
     n = ring.slot_count
-    upkeep.lock_ring(conn, sch, ring)
-    gen = upkeep.generation(conn, ring)
+    ring_plane.lock_ring(conn, sch, ring)
+    gen = ring_plane.generation(conn, ring)
     cur = gen % n
-    if upkeep.pristine(conn, ring, cur):
+    if ring_plane.pristine(conn, ring, cur):
         return RotateOutcome.skipped_idle(cur, gen)
     nxt = (cur + 1) % n
-    busy = upkeep.busy(conn, ring, nxt)
+    busy = ring_plane.busy(conn, ring, nxt)
     if busy.total():
         return RotateOutcome.skipped_busy(nxt, busy)
     # a sequence move, visible to every session at once: the policy gives rotation a
     # transaction of its own, so nothing after this statement can roll back under it
-    upkeep.advance(conn, ring, gen + 1)
+    ring_plane.advance(conn, ring, gen + 1)
     return RotateOutcome.rotated(nxt, gen + 1)
 
 
@@ -242,7 +243,7 @@ def claim_slot_bytes(ctx: StorageContext, conn: Connection) -> int:
     read of those two children). A maintainer turns the ring once this passes a threshold
     (or the slot has been current long enough) instead of on a fixed clock, so the bytes a
     slot holds follow the claim volume, not the claim rate."""
-    return upkeep.current_bytes(conn, ctx.schema.claim_ring)
+    return ring_plane.current_bytes(conn, ctx.schema.claim_ring)
 
 
 # -- prune: queue ring -----------------------------------------------------------------------
@@ -273,7 +274,7 @@ def _prune_queue_slot(conn: Connection, sch: StorageSchema, k: int) -> PruneOutc
     early = _queue_gate_failure(conn, gates, k)
     if early is not None:
         return early
-    upkeep.lock_exclusive(conn, sch.queue_ring.children(k))
+    ring_plane.lock_exclusive(conn, sch.queue_ring.children(k))
     # Under the lock, every row committed while it was awaited is visible. Once the gates
     # pass they can only fail again through a ready row that arrived since (a late writer
     # that read the ring cursor before a rotation): ready rows are never deleted, so an
@@ -284,7 +285,7 @@ def _prune_queue_slot(conn: Connection, sch: StorageSchema, k: int) -> PruneOutc
             return late
     control.append_prune_fold(conn, sch, gates.fold, gates.drop_live)
     control.release_keys_where(conn, sch, gates.owners)
-    upkeep.truncate_tables(conn, upkeep.written(conn, sch.queue_ring, k))
+    ring_plane.truncate_tables(conn, ring_plane.written(conn, sch.queue_ring, k))
     return PruneOutcome.pruned(k)
 
 
@@ -298,13 +299,13 @@ def prune_oldest(ctx: StorageContext, conn: Connection) -> PruneOutcome:
     sch = ctx.schema
     ring = sch.queue_ring
     n = ring.slot_count
-    upkeep.lock_ring(conn, sch, ring)
-    cur = upkeep.generation(conn, ring) % n
-    clean = upkeep.pristine_slots(conn, ring)
+    ring_plane.lock_ring(conn, sch, ring)
+    cur = ring_plane.generation(conn, ring) % n
+    clean = ring_plane.pristine_slots(conn, ring)
     k = next((slot for slot in ((cur + i) % n for i in range(1, n)) if not clean[slot]), None)
     if k is None:
         return PruneOutcome.noop()
-    result = upkeep.guarded(conn, lambda: _prune_queue_slot(conn, sch, k))
+    result = ring_plane.guarded(conn, lambda: _prune_queue_slot(conn, sch, k))
     return PruneOutcome.blocked(k) if isinstance(result, Blocked) else result
 
 
@@ -325,33 +326,33 @@ def oldest_initialised_slot(current: int, generation: int, slot_count: int) -> i
 def _prune_derived_slot(conn: Connection, sch: StorageSchema, ring: Ring, k: int) -> PruneOutcome:
     # Sizes first: a slot already truncated and not written since needs no gate. (Reading
     # a size share-locks the child, so this too runs under the guard's lock timeout.)
-    if upkeep.pristine(conn, ring, k):
+    if ring_plane.pristine(conn, ring, k):
         return PruneOutcome.noop()
     gate = _derived_gate(sch, ring.name, k)
     n = int(conn.execute(gate).scalar_one())
     if n:
         return PruneOutcome.skipped_active(k, _ACTIVE[ring.name], n)
-    upkeep.lock_exclusive(conn, ring.children(k))
+    ring_plane.lock_exclusive(conn, ring.children(k))
     n = int(conn.execute(gate).scalar_one())
     if n:
         return PruneOutcome.skipped_active(k, _ACTIVE[ring.name], n)
-    upkeep.truncate_tables(conn, upkeep.written(conn, ring, k))
+    ring_plane.truncate_tables(conn, ring_plane.written(conn, ring, k))
     return PruneOutcome.pruned(k)
 
 
 def _prune_derived(conn: Connection, sch: StorageSchema, ring: Ring) -> PruneOutcome:
     n = ring.slot_count
-    upkeep.lock_ring(conn, sch, ring)
-    gen = upkeep.generation(conn, ring)
+    ring_plane.lock_ring(conn, sch, ring)
+    gen = ring_plane.generation(conn, ring)
     cur = gen % n
     k = oldest_initialised_slot(cur, gen, n)
     if k is None:
         # Only the current slot was ever initialised: nothing to do if it is pristine,
         # otherwise its rows/dead tuples can only be reclaimed after a rotation.
-        if upkeep.pristine(conn, ring, cur):
+        if ring_plane.pristine(conn, ring, cur):
             return PruneOutcome.noop()
         return PruneOutcome.skipped_active(cur, _CURRENT[ring.name], 0)
-    result = upkeep.guarded(conn, lambda: _prune_derived_slot(conn, sch, ring, k))
+    result = ring_plane.guarded(conn, lambda: _prune_derived_slot(conn, sch, ring, k))
     return PruneOutcome.blocked(k) if isinstance(result, Blocked) else result
 
 
@@ -375,4 +376,4 @@ def vacuum_leases(ctx: StorageContext, conn: Connection) -> None:
 
     Fallback for a pinned lease ring (e.g. a long ``waiting_external`` lease keeps rotation
     from reaching its slot, so deleted leases accumulate)."""
-    upkeep.vacuum(conn, [ctx.schema.leases.parent])
+    ring_plane.vacuum(conn, [ctx.schema.leases.parent])

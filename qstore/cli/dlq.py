@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from qstore.cli_common import CommandFailed, installed, positive_int, print_json, table_lines
-from qstore.cli_job import job_json
-from qstore.model import DlqEntry, ListDlqFilter
+from qstore.cli.common import CommandFailed, installed, positive_int, print_json, table_lines
+from qstore.cli.job import job_json
+from qstore.types import DlqEntry, ListDlqFilter
 
 __all__ = ["DEFAULT_LIMIT", "cmd_dlq_list", "cmd_dlq_purge", "cmd_dlq_retry", "register"]
 

@@ -18,9 +18,9 @@ from typing import Any, TextIO
 
 from sqlalchemy import Engine
 
-from qstore.cli_common import CommandFailed, installed, json_value, positive_int, print_json
-from qstore.model import DlqEntry, JobRow, JobState
+from qstore.cli.common import CommandFailed, installed, json_value, positive_int, print_json
 from qstore.storage import QueueStorage
+from qstore.types import DlqEntry, JobRow, JobState
 
 __all__ = ["cmd_job_cancel", "cmd_job_retry", "cmd_job_show", "job_json", "job_lines", "register"]
 

@@ -1,4 +1,4 @@
-"""``qstore maintain``: run an install's upkeep (:mod:`qstore.maintainer`) until
+"""``qstore maintain``: run an install's upkeep (:mod:`qstore.runtime.maintainer`) until
 interrupted, or every task once with ``--once`` (exit 1 if one failed). A schema that
 disappears while it runs stops it with one line (exit 1)."""
 
@@ -14,10 +14,10 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from qstore import migrate
-from qstore.cli_common import _engine, _explicit_shape, _url
+from qstore.cli.common import _engine, _explicit_shape, _url
 from qstore.config import QueueStorageConfig
 from qstore.errors import SchemaNotInstalledError
-from qstore.maintainer import Maintainer, TaskReport
+from qstore.runtime.maintainer import Maintainer, TaskReport
 from qstore.storage import QueueStorage
 
 __all__ = ["cmd_maintain", "register"]

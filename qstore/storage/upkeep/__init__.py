@@ -1,0 +1,1 @@
+"""Upkeep operations: rotate and prune the rings, counter rollup, rescue and promotion."""

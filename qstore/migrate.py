@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,12 @@ from sqlalchemy.schema import CreateSchema
 from alembic import command
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import QueueStorageError, ShapeMismatchError, ValidationError
-from qstore.migrations import REVISIONS
 from qstore.schema import StorageSchema, storage_schema
 from qstore.schema.functions import execute_ddl
 
 __all__ = [
     "BRANCH_LABEL",
+    "REVISIONS",
     "SHAPE_FIELDS",
     "InstallState",
     "VersionRecord",
@@ -71,6 +72,22 @@ __all__ = [
     "upgrade",
     "version_location",
 ]
+
+
+_REVISION_FILE = re.compile(r"qstore_(\d{4})_\w+\.py")
+
+
+def _revisions() -> tuple[str, ...]:
+    versions = resources.files("qstore.migrations").joinpath("versions")
+    return tuple(sorted(m.group(1) for entry in versions.iterdir()
+                        if (m := _REVISION_FILE.fullmatch(entry.name))))
+
+
+#: Ids of the shipped revisions in order, read from the file names in
+#: ``qstore/migrations/versions`` (``qstore_<id>_<slug>.py``; ids are four digits that sort in
+#: revision order). The last one is the head, whose declaration :mod:`qstore.schema` and
+#: :mod:`qstore.sql` hold.
+REVISIONS = _revisions()
 
 BRANCH_LABEL = "qstore"
 PACKAGE_MIGRATIONS = Path(__file__).with_name("migrations")

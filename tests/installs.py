@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine, text
 
 from qstore import QueueStorageConfig
-from qstore.migrations import REVISIONS
+from qstore.migrate import REVISIONS
 from qstore.schema import seed_rows, storage_schema
 from qstore.storage import lifecycle
 

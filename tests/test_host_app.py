@@ -27,8 +27,7 @@ from sqlalchemy.orm import Session
 
 from qstore import QueueStorage, QueueStorageConfig, ValidationError
 from qstore.cli import main as qstore_cli
-from qstore.migrate import VersionRecord, install_state, version_location
-from qstore.migrations import REVISIONS
+from qstore.migrate import REVISIONS, VersionRecord, install_state, version_location
 from qstore.runtime.maintainer import Maintainer
 from qstore.storage.jobs import InsertOpts, InsertParams
 

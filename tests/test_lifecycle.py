@@ -22,8 +22,7 @@ from qstore import (
     ValidationError,
     cli,
 )
-from qstore.migrate import current_revision
-from qstore.migrations import REVISIONS
+from qstore.migrate import REVISIONS, current_revision
 from qstore.storage import lifecycle
 
 

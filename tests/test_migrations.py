@@ -33,8 +33,7 @@ from sqlalchemy import Engine, create_engine, inspect, pool, text
 
 import qstore
 from qstore import QueueStorage
-from qstore.migrate import BRANCH_LABEL, version_location
-from qstore.migrations import REVISIONS
+from qstore.migrate import BRANCH_LABEL, REVISIONS, version_location
 
 REPO = Path(__file__).resolve().parents[1]
 INI = REPO / "alembic.ini"

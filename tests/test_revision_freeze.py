@@ -20,8 +20,7 @@ import pytest
 from alembic.script import ScriptDirectory
 
 from qstore import QueueStorageConfig
-from qstore.migrate import alembic_config
-from qstore.migrations import REVISIONS
+from qstore.migrate import REVISIONS, alembic_config
 
 DIGESTS = Path(__file__).with_name("data") / "revision_digests.json"
 FROZEN = Path(__file__).resolve().parents[1] / "qstore" / "migrations" / "frozen"

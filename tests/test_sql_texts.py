@@ -14,7 +14,7 @@ import re
 import pytest
 
 from qstore import QueueStorageConfig
-from qstore.migrations import REVISIONS
+from qstore.migrate import REVISIONS
 from qstore.sql import FUNCTIONS, VIEWS, function_texts, view_texts
 
 SHAPES = [

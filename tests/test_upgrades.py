@@ -24,8 +24,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, func, inspect, pool, select, text
 
 from qstore import QueueStorage, QueueStorageConfig
-from qstore.migrate import current_revision, downgrade, upgrade
-from qstore.migrations import REVISIONS
+from qstore.migrate import REVISIONS, current_revision, downgrade, upgrade
 from qstore.types import JobState, RetryFromDlqOpts
 
 HERE = Path(__file__).resolve().parent

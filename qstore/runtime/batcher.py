@@ -23,7 +23,7 @@ Guarantees:
   follow-up, a bad argument), each attempt is tried alone, and one that still fails ends
   ``fail_retryable`` with the reason, its follow-ups not written.
 
-Failures to reach the database are logged through an :class:`~qstore.runtime.outage.OutageLog`
+Failures to reach the database are logged through an :class:`~qstore.outage.OutageLog`
 (one WARNING when completions start failing, DEBUG while they go on failing the same way,
 one INFO line once they land again); a worker passes its own.
 """
@@ -45,7 +45,7 @@ from qstore.errors import (
     ValidationError,
     translate_errors,
 )
-from qstore.runtime.outage import OutageLog
+from qstore.outage import OutageLog
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import InsertParams
 from qstore.types import ClaimedRuntimeJob

@@ -14,7 +14,7 @@ over. The lock lives on a dedicated connection in autocommit mode, so leadership
 holds a transaction open (it does not pin the MVCC horizon). Every task runs on the given
 ``Engine`` in its own transaction; a failing task is reported, tried again after
 ``min(its cadence, 5 s)``, and the loop goes on. Failures are logged through an
-:class:`~qstore.runtime.outage.OutageLog`: while the database is away, one WARNING line when
+:class:`~qstore.outage.OutageLog`: while the database is away, one WARNING line when
 maintenance starts failing (and when it fails differently), DEBUG for the repeats, one INFO
 line when it works again; a traceback only at DEBUG, or for an error that is not a database
 error (a bug).
@@ -39,7 +39,7 @@ from sqlalchemy import Connection, Engine, func, literal, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from qstore.errors import ValidationError
-from qstore.runtime.outage import OutageLog
+from qstore.outage import OutageLog
 from qstore.storage import QueueStorage
 from qstore.storage.checks import MAX_BATCH
 from qstore.types import JobState, PruneOutcome, RotateOutcome

@@ -30,7 +30,7 @@ stop. A second signal cuts the wait short.
 While the database is away, nothing is dropped early: claims, completions, heartbeats and
 the listener retry, and an outcome write is retried until shortly before its attempt would
 count as abandoned, then the attempt is given back (see :meth:`Worker._write`). Failures are
-logged as a few lines per outage (:class:`~qstore.runtime.outage.OutageLog`). A worker checks that
+logged as a few lines per outage (:class:`~qstore.outage.OutageLog`). A worker checks that
 its schema is installed before it starts, and stops by itself, with one ERROR line, when
 the schema disappears while it runs (:attr:`Worker.failure`).
 """
@@ -65,9 +65,9 @@ from qstore.errors import (
     ValidationError,
     translate_errors,
 )
+from qstore.outage import OutageLog, describe_failure
 from qstore.runtime.batcher import CompletionBatcher
 from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
-from qstore.runtime.outage import OutageLog, describe_failure
 from qstore.runtime.tasks import (
     App,
     Cancel,

@@ -19,7 +19,7 @@ from sqlalchemy.schema import CreateSchema
 from qstore import migrate
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import SchemaNotInstalledError, ValidationError
-from qstore.migrations import REVISIONS
+from qstore.migrate import REVISIONS
 from qstore.schema import storage_schema
 from qstore.storage.context import StorageContext
 from qstore.storage.planes import control

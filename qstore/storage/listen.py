@@ -16,7 +16,7 @@ growing delay while the server stays away) and returns a :class:`Wakeup` with
 context manager or call :meth:`Listener.close`.
 
 A lost connection is one WARNING line, the tries to reconnect while the server stays away
-are DEBUG, and the reconnect is one INFO line (:class:`~qstore.runtime.outage.OutageLog`). A
+are DEBUG, and the reconnect is one INFO line (:class:`~qstore.outage.OutageLog`). A
 connection that failed is closed, never handed back to the engine's pool (it would be reset
 there, which fails on a dead connection).
 """
@@ -41,7 +41,7 @@ from sqlalchemy import Engine
 
 from qstore.config import QueueStorageConfig
 from qstore.errors import ValidationError
-from qstore.runtime.outage import OutageLog
+from qstore.outage import OutageLog
 from qstore.storage.jobs import validate_queue
 
 __all__ = ["Listener", "Wakeup"]

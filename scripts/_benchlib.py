@@ -33,6 +33,7 @@ __all__ = [
     "Waker",
     "WireTrace",
     "XminPin",
+    "database_wal",
     "dead_tuples",
     "drain",
     "ensure_database",
@@ -159,8 +160,9 @@ def wal_since(engine: Engine, lsn: str) -> int:
 
 
 def wal_breakdown(engine: Engine, start_lsn: str, end_lsn: str) -> dict[str, Any] | None:
-    """Where the WAL between two positions went, from ``pg_walinspect`` (None when the
-    server does not ship it): bytes and records per relation (heap or index, by name; ring
+    """Where the WAL of this database between two positions went, from ``pg_walinspect``
+    (None when the server does not ship it; records of other databases and the commits of
+    their transactions are left out): bytes and records per relation (heap or index, by name; ring
     children fold into their family; records that touch no relation, such as commits, by
     their type), and per relation and record type (``by_record``: inserts, locks, updates,
     ...). Full-page images are counted in the bytes and also reported apart
@@ -175,8 +177,11 @@ def wal_breakdown(engine: Engine, start_lsn: str, end_lsn: str) -> dict[str, Any
         WITH recs AS (
           SELECT r.resource_manager AS rmgr, r.record_type, r.record_length, r.fpi_length,
                  substring(r.block_ref FROM 'rel ([0-9]+)/[0-9]+/[0-9]+')::oid AS spc,
-                 substring(r.block_ref FROM 'rel [0-9]+/[0-9]+/([0-9]+)')::oid AS node
-            FROM pg_get_wal_records_info(CAST(:a AS pg_lsn), CAST(:b AS pg_lsn)) r)
+                 substring(r.block_ref FROM 'rel [0-9]+/([0-9]+)/[0-9]+')::oid AS db,
+                 substring(r.block_ref FROM 'rel [0-9]+/[0-9]+/([0-9]+)')::oid AS node, r.xid
+            FROM pg_get_wal_records_info(CAST(:a AS pg_lsn), least(CAST(:b AS pg_lsn), pg_current_wal_flush_lsn())) r),
+        this_db AS (SELECT oid FROM pg_database WHERE datname = current_database()),
+        ours AS (SELECT DISTINCT xid FROM recs WHERE db = (SELECT oid FROM this_db))
         SELECT coalesce(n.nspname || '.' || c.relname,
                         CASE WHEN recs.node IS NULL THEN '(' || recs.rmgr || ' ' || recs.record_type || ')'
                              ELSE '(relation ' || recs.node || ')' END) AS what,
@@ -190,6 +195,8 @@ def wal_breakdown(engine: Engine, start_lsn: str, end_lsn: str) -> dict[str, Any
                                         WHERE datname = current_database()) THEN 0
                       ELSE recs.spc END, recs.node)
           LEFT JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE recs.db = (SELECT oid FROM this_db)
+            OR (recs.db IS NULL AND recs.xid IN (SELECT xid FROM ours))
          GROUP BY 1, 2, 3 ORDER BY 5 DESC
         """
     )
@@ -214,7 +221,11 @@ def wal_breakdown(engine: Engine, start_lsn: str, end_lsn: str) -> dict[str, Any
 class ServerMeter:
     """What the server spent on one database between :meth:`start` and :meth:`stop`:
 
-    * ``wal_bytes``: WAL written by the whole server (``pg_current_wal_lsn`` difference);
+    * ``wal_bytes``: WAL written by the whole server (``pg_current_wal_lsn`` difference),
+      and ``wal_db_bytes``: the part of it that belongs to this database (see
+      :func:`database_wal`; None without ``pg_walinspect`` or the right to make a
+      replication slot, which keeps the stretch's WAL until it is read); with
+      ``breakdown``, ``wal_by_relation`` (:func:`wal_breakdown`);
     * ``active_ms``: time the database's sessions spent running statements
       (``pg_stat_database.active_time``; sessions report it when they go idle, at most
       once a second unless forced, so :meth:`stop` first forces the pooled sessions of
@@ -226,8 +237,10 @@ class ServerMeter:
       (``sampler_cpu_s``) so callers can take it out of the client's process time;
     * ``xacts``: transactions committed or rolled back in the database."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, breakdown: bool = False) -> None:
         self._engine = engine
+        self._breakdown = breakdown
+        self._slot: Connection | None = None
         with engine.connect() as conn:
             self._db = str(conn.execute(text("SELECT current_database()")).scalar_one())
             self._local = str(engine.url.host) in ("127.0.0.1", "localhost", "::1", "None")
@@ -293,7 +306,27 @@ class ServerMeter:
             self._sampler_cpu = time.thread_time() - t0
         self._sampler_cpu = time.thread_time() - t0
 
+    def _hold_wal(self) -> None:
+        """Keep the stretch's WAL on the server until :meth:`stop` has read it: a temporary
+        physical replication slot reserving WAL from now on (it holds no xmin, so it pins no
+        MVCC horizon), on a session of its own; a checkpoint would otherwise recycle the
+        segments before ``pg_walinspect`` reads them. Skipped when it cannot be made."""
+        try:
+            conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_walinspect"))
+            conn.execute(text("SELECT pg_create_physical_replication_slot(:n, true, true)"),
+                         {"n": f"bench_meter_{os.getpid()}_{id(self)}"})
+            self._slot = conn
+        except Exception:
+            self._slot = None
+
+    def _release_wal(self) -> None:
+        if self._slot is not None:
+            self._slot.close()  # a temporary slot ends with its session
+            self._slot = None
+
     def start(self) -> ServerMeter:
+        self._hold_wal()
         self._lsn0, self._active0, self._xacts0 = self._stats()
         if self._local:
             first = self._backends()
@@ -322,9 +355,47 @@ class ServerMeter:
         with self._engine.connect() as conn:
             wal = int(conn.execute(text("SELECT pg_wal_lsn_diff(CAST(:b AS pg_lsn), CAST(:a AS pg_lsn))"),
                                    {"a": self._lsn0, "b": wal_lsn}).scalar_one())
-        return {"wal_bytes": wal, "wal_from": self._lsn0, "wal_to": wal_lsn,
+        try:
+            db_wal = database_wal(self._engine, self._lsn0, wal_lsn) if self._slot is not None else None
+            detail = (wal_breakdown(self._engine, self._lsn0, wal_lsn)
+                      if self._breakdown and self._slot is not None else None)
+        finally:
+            self._release_wal()
+        return {"wal_bytes": wal, "wal_db_bytes": db_wal, "wal_by_relation": detail,
+                "wal_from": self._lsn0, "wal_to": wal_lsn,
                 "active_ms": active - self._active0, "backend_cpu_s": cpu,
                 "xacts": xacts - self._xacts0, "sampler_cpu_s": self._sampler_cpu}
+
+
+def database_wal(engine: Engine, start_lsn: str, end_lsn: str) -> int | None:
+    """Bytes of WAL between two positions that belong to the engine's database: records
+    touching its own relations (system catalogs left out: their pruning after the
+    benchmarks' reinstalls is not the workload's), and the commit (or abort) records of the
+    transactions that wrote them. Other databases' traffic on a shared server is left out,
+    which the plain position difference cannot do. None without ``pg_walinspect``."""
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_walinspect"))
+    except Exception:
+        return None
+    query = text(
+        """
+        WITH recs AS (
+          SELECT r.xid, r.record_length,
+                 substring(r.block_ref FROM 'rel [0-9]+/([0-9]+)/[0-9]+')::oid AS db,
+                 substring(r.block_ref FROM 'rel [0-9]+/[0-9]+/([0-9]+)')::bigint AS node
+            FROM pg_get_wal_records_info(CAST(:a AS pg_lsn), least(CAST(:b AS pg_lsn), pg_current_wal_flush_lsn())) r),
+        mine AS (SELECT * FROM recs
+                  WHERE db = (SELECT oid FROM pg_database WHERE datname = current_database())
+                    AND node >= 16384),
+        ours AS (SELECT DISTINCT xid FROM mine)
+        SELECT (SELECT coalesce(sum(record_length), 0) FROM mine)
+             + (SELECT coalesce(sum(record_length), 0) FROM recs
+                 WHERE db IS NULL AND xid IN (SELECT xid FROM ours))
+        """
+    )
+    with engine.connect() as conn:
+        return int(conn.execute(query, {"a": start_lsn, "b": end_lsn}).scalar_one())
 
 
 def force_stats_flush(engine: Engine) -> None:
@@ -348,8 +419,10 @@ def per_job(use: dict[str, Any], jobs: int, client_cpu_s: float) -> dict[str, An
     """The figures of a :class:`ServerMeter` stretch and the client's CPU, per job."""
     n = max(jobs, 1)
     cpu = use.get("backend_cpu_s")
+    db = use.get("wal_db_bytes")
     return {
         "wal_bytes_per_job": use["wal_bytes"] / n,
+        "wal_db_bytes_per_job": None if db is None else db / n,
         "server_active_us_per_job": use["active_ms"] * 1000.0 / n,
         "server_cpu_us_per_job": None if cpu is None else cpu * 1e6 / n,
         "server_xacts_per_job": use["xacts"] / n,
@@ -446,8 +519,10 @@ class XminPin:
     (``BEGIN; SELECT txid_current();``), so VACUUM/pruning cannot remove anything deleted
     after it started."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, breakdown: bool = False) -> None:
         self._engine = engine
+        self._breakdown = breakdown
+        self._slot: Connection | None = None
         self._conn: Connection | None = None
         self.xid: int | None = None
 

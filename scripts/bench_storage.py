@@ -343,14 +343,16 @@ def measured_drain(engine: Engine, system: Any, phase: str, n: int, args: argpar
                    exact_dead: bool, *, own_transactions: bool,
                    handle: Callable[[Any], object] | None = None,
                    tolerate_errors: bool = False,
-                   after_drain: Callable[[], object] | None = None) -> dict[str, Any]:
+                   after_drain: Callable[[], object] | None = None,
+                   wal_detail: bool = False) -> dict[str, Any]:
     """Drain the ``n`` loaded jobs (horizon pinned in phase ``pinned``, from before the
     drain until the dead tuples are counted) and check that every job was drained exactly
     once. Returns the ``drain`` (with the server's and the client's cost per job, see
     ``_benchlib.ServerMeter``), ``server``, ``dead_tuples``, ``dead_total`` and ``problems``
-    entries. ``after_drain`` is called as soon as the last worker has stopped."""
+    entries. ``after_drain`` is called as soon as the last worker has stopped;
+    ``wal_detail`` adds where the WAL went (``server.wal_by_relation``)."""
     res: dict[str, Any] = {}
-    meter = ServerMeter(engine)
+    meter = ServerMeter(engine, breakdown=wal_detail)
     with pinned(engine, phase == "pinned") as pin:
         if pin is not None:
             res["pinned_xid"] = pin.xid

@@ -29,29 +29,36 @@ __all__ = [
     "PacedSchedule",
     "PickupResult",
     "ScheduleFigures",
+    "ServerMeter",
     "Waker",
+    "WireTrace",
     "XminPin",
+    "database_wal",
     "dead_tuples",
     "drain",
     "ensure_database",
     "ensure_pgstattuple",
     "finish",
+    "force_stats_flush",
     "format_table",
     "latency_summary",
     "make_engine",
     "median",
     "paced_pickup",
+    "per_job",
     "percentile",
     "pinned",
     "server_info",
     "timed_enqueue",
     "timed_single_enqueue",
     "verdict",
+    "wal_breakdown",
     "wal_position",
     "wal_since",
 ]
 
 _SLOT_SUFFIX = re.compile(r"_\d+$")
+_RING_CHILD = re.compile(r"_\d+(?=_|$)")  # the slot number of a ring child or its index
 
 
 def finish(json_path: Path | None, payload: dict[str, Any], problems: list[str]) -> int:
@@ -152,6 +159,341 @@ def wal_since(engine: Engine, lsn: str) -> int:
                                 {"lsn": lsn}).scalar_one())
 
 
+def wal_breakdown(engine: Engine, start_lsn: str, end_lsn: str) -> dict[str, Any] | None:
+    """Where the WAL of this database between two positions went, from ``pg_walinspect``
+    (None when the server does not ship it; records of other databases and the commits of
+    their transactions are left out): bytes and records per relation (heap or index, by name; ring
+    children fold into their family; records that touch no relation, such as commits, by
+    their type), and per relation and record type (``by_record``: inserts, locks, updates,
+    ...). Full-page images are counted in the bytes and also reported apart
+    (``fpi_bytes``)."""
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_walinspect"))
+    except Exception:
+        return None
+    query = text(
+        """
+        WITH recs AS (
+          SELECT r.resource_manager AS rmgr, r.record_type, r.record_length, r.fpi_length,
+                 substring(r.block_ref FROM 'rel ([0-9]+)/[0-9]+/[0-9]+')::oid AS spc,
+                 substring(r.block_ref FROM 'rel [0-9]+/([0-9]+)/[0-9]+')::oid AS db,
+                 substring(r.block_ref FROM 'rel [0-9]+/[0-9]+/([0-9]+)')::oid AS node, r.xid
+            FROM pg_get_wal_records_info(CAST(:a AS pg_lsn), least(CAST(:b AS pg_lsn), pg_current_wal_flush_lsn())) r),
+        this_db AS (SELECT oid FROM pg_database WHERE datname = current_database()),
+        ours AS (SELECT DISTINCT xid FROM recs WHERE db = (SELECT oid FROM this_db))
+        SELECT coalesce(n.nspname || '.' || c.relname,
+                        CASE WHEN recs.node IS NULL THEN '(' || recs.rmgr || ' ' || recs.record_type || ')'
+                             ELSE '(relation ' || recs.node || ')' END) AS what,
+               c.relkind, recs.rmgr || '/' || recs.record_type AS record,
+               count(*) AS records, sum(recs.record_length) AS bytes,
+               sum(recs.fpi_length) AS fpi_bytes
+          FROM recs
+          LEFT JOIN pg_class c
+            ON c.oid = pg_filenode_relation(
+                 CASE WHEN recs.spc = (SELECT dattablespace FROM pg_database
+                                        WHERE datname = current_database()) THEN 0
+                      ELSE recs.spc END, recs.node)
+          LEFT JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE recs.db = (SELECT oid FROM this_db)
+            OR (recs.db IS NULL AND recs.xid IN (SELECT xid FROM ours))
+         GROUP BY 1, 2, 3 ORDER BY 5 DESC
+        """
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(query, {"a": start_lsn, "b": end_lsn}).all()
+    out: dict[str, dict[str, Any]] = {}
+    by_record: dict[str, dict[str, int]] = {}
+    for what, relkind, record, records, nbytes, fpi in rows:
+        key = _RING_CHILD.sub("", what, count=1) if relkind else what
+        if relkind == "i":
+            key += " (index)"
+        for entry in (out.setdefault(key, {"records": 0, "bytes": 0, "fpi_bytes": 0}),
+                      by_record.setdefault(f"{key} {record}", {"records": 0, "bytes": 0, "fpi_bytes": 0})):
+            entry["records"] += int(records)
+            entry["bytes"] += int(nbytes)
+            entry["fpi_bytes"] += int(fpi or 0)
+    total = sum(e["bytes"] for e in out.values())
+    return {"total_bytes": total, "by_relation": out, "by_record": by_record}
+
+
+# -- server and client cost of a measured stretch -------------------------------------------
+class ServerMeter:
+    """What the server spent on one database between :meth:`start` and :meth:`stop`:
+
+    * ``wal_bytes``: WAL written by the whole server (``pg_current_wal_lsn`` difference),
+      and ``wal_db_bytes``: the part of it that belongs to this database (see
+      :func:`database_wal`; None without ``pg_walinspect`` or the right to make a
+      replication slot, which keeps the stretch's WAL until it is read); with
+      ``breakdown``, ``wal_by_relation`` (:func:`wal_breakdown`);
+    * ``active_ms``: time the database's sessions spent running statements
+      (``pg_stat_database.active_time``; sessions report it when they go idle, at most
+      once a second unless forced, so :meth:`stop` first forces the pooled sessions of
+      ``engines`` and waits for closed sessions to report);
+    * ``backend_cpu_s``: CPU time of the database's backend processes, read from ``/proc``
+      (the server must run on this host; None otherwise), sampled by a thread of its own
+      five times a second so a backend that exits early still counts up to its last sample
+      (call :meth:`sample` just before closing sessions); that thread's own CPU is reported
+      (``sampler_cpu_s``) so callers can take it out of the client's process time;
+    * ``xacts``: transactions committed or rolled back in the database."""
+
+    def __init__(self, engine: Engine, breakdown: bool = False) -> None:
+        self._engine = engine
+        self._breakdown = breakdown
+        self._slot: Connection | None = None
+        with engine.connect() as conn:
+            self._db = str(conn.execute(text("SELECT current_database()")).scalar_one())
+            self._local = str(engine.url.host) in ("127.0.0.1", "localhost", "::1", "None")
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._first: dict[int, float] = {}
+        self._last: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sampler_cpu = 0.0
+        self._readable = False
+
+    def _stats(self) -> tuple[str, float, int]:
+        with self._engine.connect() as conn:
+            conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+            lsn, active, xacts = conn.execute(text(
+                "SELECT pg_current_wal_lsn()::text, active_time, xact_commit + xact_rollback "
+                "FROM pg_stat_database WHERE datname = current_database()")).one()
+            conn.rollback()
+        return str(lsn), float(active or 0.0), int(xacts)
+
+    def _backends(self) -> dict[int, float]:
+        """CPU seconds of every process whose title names this database's backends."""
+        out: dict[int, float] = {}
+        needle = f" {self._db} ".encode()
+        try:
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        except OSError:
+            return out
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    title = f.read(200)
+                if not title.startswith(b"postgres: ") or needle not in title:
+                    continue
+                out[pid] = self._cpu_of(pid)
+            except (OSError, ValueError, IndexError):
+                continue
+        return out
+
+    def _cpu_of(self, pid: int) -> float:
+        # schedstat: nanoseconds on a CPU; stat: user + system in clock ticks (10 ms)
+        try:
+            with open(f"/proc/{pid}/schedstat", "rb") as f:
+                return int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / self._tick
+
+    def sample(self) -> None:
+        """Read the backends' CPU now (before sessions that are about to close go away)."""
+        if self._thread is not None and not self._stop.is_set():
+            for pid, cpu in self._backends().items():
+                self._first.setdefault(pid, 0.0)
+                self._last[pid] = cpu
+
+    def _sample(self) -> None:
+        t0 = time.thread_time()
+        while not self._stop.wait(0.2):
+            for pid, cpu in self._backends().items():
+                self._first.setdefault(pid, 0.0)  # a backend born in the stretch counts from 0
+                self._last[pid] = cpu
+            self._sampler_cpu = time.thread_time() - t0
+        self._sampler_cpu = time.thread_time() - t0
+
+    def _hold_wal(self) -> None:
+        """Keep the stretch's WAL on the server until :meth:`stop` has read it: a temporary
+        physical replication slot reserving WAL from now on (it holds no xmin, so it pins no
+        MVCC horizon), on a session of its own; a checkpoint would otherwise recycle the
+        segments before ``pg_walinspect`` reads them. Skipped when it cannot be made."""
+        try:
+            conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_walinspect"))
+            conn.execute(text("SELECT pg_create_physical_replication_slot(:n, true, true)"),
+                         {"n": f"bench_meter_{os.getpid()}_{id(self)}"})
+            self._slot = conn
+        except Exception:
+            self._slot = None
+
+    def _release_wal(self) -> None:
+        if self._slot is not None:
+            self._slot.close()  # a temporary slot ends with its session
+            self._slot = None
+
+    def start(self) -> ServerMeter:
+        self._hold_wal()
+        self._lsn0, self._active0, self._xacts0 = self._stats()
+        if self._local:
+            first = self._backends()
+            self._readable = bool(first)
+            self._first, self._last = dict(first), dict(first)
+            self._thread = threading.Thread(target=self._sample, name="server-meter", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, *engines: Engine, settle: float = 0.3) -> dict[str, Any]:
+        """Stop measuring; ``engines``: engines whose pooled sessions may hold statistics not
+        yet reported (each idle pooled session is made to report them)."""
+        wal_lsn = wal_position(self._engine)
+        cpu: float | None = None
+        if self._thread is not None:
+            last = self._backends()
+            self._stop.set()
+            self._thread.join()
+            self._last.update(last)
+            if self._readable:
+                cpu = sum(v - self._first.get(pid, 0.0) for pid, v in self._last.items())
+        for eng in engines:
+            force_stats_flush(eng)
+        time.sleep(settle)
+        _, active, xacts = self._stats()
+        with self._engine.connect() as conn:
+            wal = int(conn.execute(text("SELECT pg_wal_lsn_diff(CAST(:b AS pg_lsn), CAST(:a AS pg_lsn))"),
+                                   {"a": self._lsn0, "b": wal_lsn}).scalar_one())
+        try:
+            db_wal = database_wal(self._engine, self._lsn0, wal_lsn) if self._slot is not None else None
+            detail = (wal_breakdown(self._engine, self._lsn0, wal_lsn)
+                      if self._breakdown and self._slot is not None else None)
+        finally:
+            self._release_wal()
+        return {"wal_bytes": wal, "wal_db_bytes": db_wal, "wal_by_relation": detail,
+                "wal_from": self._lsn0, "wal_to": wal_lsn,
+                "active_ms": active - self._active0, "backend_cpu_s": cpu,
+                "xacts": xacts - self._xacts0, "sampler_cpu_s": self._sampler_cpu}
+
+
+def database_wal(engine: Engine, start_lsn: str, end_lsn: str) -> int | None:
+    """Bytes of WAL between two positions that belong to the engine's database: records
+    touching its own relations (system catalogs left out: their pruning after the
+    benchmarks' reinstalls is not the workload's), and the commit (or abort) records of the
+    transactions that wrote them. Other databases' traffic on a shared server is left out,
+    which the plain position difference cannot do. None without ``pg_walinspect``."""
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_walinspect"))
+    except Exception:
+        return None
+    query = text(
+        """
+        WITH recs AS (
+          SELECT r.xid, r.record_length,
+                 substring(r.block_ref FROM 'rel [0-9]+/([0-9]+)/[0-9]+')::oid AS db,
+                 substring(r.block_ref FROM 'rel [0-9]+/[0-9]+/([0-9]+)')::bigint AS node
+            FROM pg_get_wal_records_info(CAST(:a AS pg_lsn), least(CAST(:b AS pg_lsn), pg_current_wal_flush_lsn())) r),
+        mine AS (SELECT * FROM recs
+                  WHERE db = (SELECT oid FROM pg_database WHERE datname = current_database())
+                    AND node >= 16384),
+        ours AS (SELECT DISTINCT xid FROM mine)
+        SELECT (SELECT coalesce(sum(record_length), 0) FROM mine)
+             + (SELECT coalesce(sum(record_length), 0) FROM recs
+                 WHERE db IS NULL AND xid IN (SELECT xid FROM ours))
+        """
+    )
+    with engine.connect() as conn:
+        return int(conn.execute(query, {"a": start_lsn, "b": end_lsn}).scalar_one())
+
+
+def force_stats_flush(engine: Engine) -> None:
+    """Make every idle pooled session of ``engine`` report its pending statistics now (each
+    runs ``pg_stat_force_next_flush()``, whose transaction's end reports them)."""
+    pool = engine.pool
+    n = pool.checkedin() if hasattr(pool, "checkedin") else 0
+    conns = []
+    try:
+        for _ in range(n):
+            conns.append(engine.connect())
+        for c in conns:
+            c.execute(text("SELECT pg_stat_force_next_flush()"))
+            c.commit()
+    finally:
+        for c in conns:
+            c.close()
+
+
+def per_job(use: dict[str, Any], jobs: int, client_cpu_s: float) -> dict[str, Any]:
+    """The figures of a :class:`ServerMeter` stretch and the client's CPU, per job."""
+    n = max(jobs, 1)
+    cpu = use.get("backend_cpu_s")
+    db = use.get("wal_db_bytes")
+    return {
+        "wal_bytes_per_job": use["wal_bytes"] / n,
+        "wal_db_bytes_per_job": None if db is None else db / n,
+        "server_active_us_per_job": use["active_ms"] * 1000.0 / n,
+        "server_cpu_us_per_job": None if cpu is None else cpu * 1e6 / n,
+        "server_xacts_per_job": use["xacts"] / n,
+        "client_cpu_us_per_job": client_cpu_s * 1e6 / n,
+    }
+
+
+class WireTrace:
+    """Counts what clients send on the wire: libpq's protocol trace of each connection
+    :meth:`attach`\\ ed (a temporary file each). ``round_trips``: every extended-protocol
+    exchange ends with ``Sync`` and a simple query is one ``Query``. Tracing costs client
+    time, so it is for a run of its own, not a timed one."""
+
+    def __init__(self) -> None:
+        self._files: list[Any] = []
+        self._conns: list[Any] = []
+        self._lock = threading.Lock()
+
+    def attach(self, pgconn: Any) -> None:
+        """Trace ``pgconn`` (a ``psycopg.pq`` connection) from now on."""
+        import tempfile
+
+        from psycopg import pq
+
+        f = tempfile.TemporaryFile("w+")  # noqa: SIM115 - open until counts() reads it
+        pgconn.trace(f.fileno())
+        pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+        with self._lock:
+            self._files.append(f)
+            self._conns.append(pgconn)
+
+    @staticmethod
+    def detach(pgconn: Any) -> None:
+        """Stop tracing ``pgconn`` (libpq flushes its trace): call it before the connection
+        closes, or what libpq still buffers is lost."""
+        with contextlib.suppress(Exception):
+            pgconn.untrace()
+
+    def attach_engine(self, engine: Engine) -> None:
+        """Trace every connection ``engine`` opens from now on (a fresh engine traces all)."""
+        from sqlalchemy import event
+
+        @event.listens_for(engine, "connect")
+        def traced(dbapi_conn: Any, record: Any) -> None:
+            self.attach(dbapi_conn.pgconn)
+
+    def counts(self) -> dict[str, int]:
+        """Messages sent by the clients, by protocol message name (untraces them first)."""
+        out: dict[str, int] = {}
+        with self._lock:
+            for pgconn in self._conns:
+                with contextlib.suppress(Exception):
+                    pgconn.untrace()
+            for f in self._files:
+                f.flush()
+                f.seek(0)
+                for line in f:
+                    parts = line.split("\t", 3)
+                    if len(parts) >= 3 and parts[0] == "F":
+                        name = parts[2].strip()
+                        out[name] = out.get(name, 0) + 1
+                f.close()
+            self._files.clear()
+            self._conns.clear()
+        return out
+
+    @staticmethod
+    def round_trips(counts: dict[str, int]) -> int:
+        return counts.get("Sync", 0) + counts.get("Query", 0)
+
+
 # -- enqueue --------------------------------------------------------------------------
 def timed_enqueue(
     engine: Engine,
@@ -177,8 +519,10 @@ class XminPin:
     (``BEGIN; SELECT txid_current();``), so VACUUM/pruning cannot remove anything deleted
     after it started."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, breakdown: bool = False) -> None:
         self._engine = engine
+        self._breakdown = breakdown
+        self._slot: Connection | None = None
         self._conn: Connection | None = None
         self.xid: int | None = None
 

@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _benchlib import (
     PickupResult,
+    ServerMeter,
     Waker,
     checkpoint,
     dead_tuples,
@@ -84,13 +85,12 @@ from _benchlib import (
     make_engine,
     median,
     paced_pickup,
+    per_job,
     pinned,
     server_info,
     timed_enqueue,
     timed_single_enqueue,
     verdict,
-    wal_position,
-    wal_since,
 )
 from classic_queue import ClassicQueue
 
@@ -342,15 +342,22 @@ def load_for_drain(engine: Engine, system: Any, prepared: Sequence[Any],
 def measured_drain(engine: Engine, system: Any, phase: str, n: int, args: argparse.Namespace,
                    exact_dead: bool, *, own_transactions: bool,
                    handle: Callable[[Any], object] | None = None,
-                   tolerate_errors: bool = False) -> dict[str, Any]:
+                   tolerate_errors: bool = False,
+                   after_drain: Callable[[], object] | None = None,
+                   wal_detail: bool = False) -> dict[str, Any]:
     """Drain the ``n`` loaded jobs (horizon pinned in phase ``pinned``, from before the
     drain until the dead tuples are counted) and check that every job was drained exactly
-    once. Returns the ``drain``, ``dead_tuples``, ``dead_total`` and ``problems`` entries."""
+    once. Returns the ``drain`` (with the server's and the client's cost per job, see
+    ``_benchlib.ServerMeter``), ``server``, ``dead_tuples``, ``dead_total`` and ``problems``
+    entries. ``after_drain`` is called as soon as the last worker has stopped;
+    ``wal_detail`` adds where the WAL went (``server.wal_by_relation``)."""
     res: dict[str, Any] = {}
-    wal_from = wal_position(engine)
+    meter = ServerMeter(engine, breakdown=wal_detail)
     with pinned(engine, phase == "pinned") as pin:
         if pin is not None:
             res["pinned_xid"] = pin.xid
+        meter.start()
+        cpu0 = time.process_time()
         d = drain(
             engine,
             threads=args.threads,
@@ -363,7 +370,10 @@ def measured_drain(engine: Engine, system: Any, phase: str, n: int, args: argpar
             handle=handle,
             tolerate_errors=tolerate_errors,
         )
-        wal_bytes = wal_since(engine, wal_from)
+        cpu = time.process_time() - cpu0
+        if after_drain is not None:
+            after_drain()
+        use = meter.stop(engine)
         with engine.connect() as conn, conn.begin():
             leftover = len(system.claim(conn, args.batch))
         dead = dead_tuples(engine, system.schema, exact_dead)
@@ -381,17 +391,19 @@ def measured_drain(engine: Engine, system: Any, phase: str, n: int, args: argpar
         "wall_seconds": d.wall_seconds,
         "jobs_per_s": d.jobs_per_s,
         "duplicates": d.duplicates,
-        "wal_bytes_per_job": wal_bytes / max(d.jobs, 1),
         "claim_calls": d.claim_calls,
         "empty_claims": d.empty_claims,
         "early_exits": d.early_exits,
         "per_thread_min": min(d.per_thread),
         "per_thread_max": max(d.per_thread),
+        # WAL, server time and CPU, server transactions and the client's CPU, per job
+        **per_job(use, d.jobs, cpu - use["sampler_cpu_s"]),
     }
     if handle is not None:
         res["drain"]["handled"] = d.handled
     if tolerate_errors:
         res["drain"]["errors"] = d.errors
+    res["server"] = use
     res["dead_tuples"] = dead
     res["dead_total"] = sum(f["dead"] for f in dead.values())
     res["problems"] = problems

@@ -1,58 +1,93 @@
 """The worker benchmark: qstore's :class:`qstore.worker.Worker` with its default settings,
-side by side in one run with the same storage driven by a plain loop and with the in-repo
-classic SKIP LOCKED queue driven by the equivalent loop.
+side by side in one run with the same storage driven by a plain loop and with two classic
+SKIP LOCKED queues: the in-repo SQLAlchemy one (``classic_queue.py``) and one written
+directly on psycopg 3 (``classic_psycopg.py``: prepared statements, a connection per worker
+thread). Every ratio is computed against the better of the two classic queues in the same
+run (the faster drain, the lower pickup p95, the faster single enqueue), and both are
+reported.
 
-Two modes (``--mode``, default both):
+Modes (``--mode``, default all three):
 
-``drain`` — per phase (``clean``, then ``pinned``: another session holds an xid from before
-the drain until the dead tuples are counted) and per system, N no-op jobs (``--jobs``,
-default 20,000) are loaded with COPY into a fresh schema, then drained with
+``drain`` — per round, phase (``clean``, then ``pinned``: another session holds an xid
+from before the drain until the dead tuples are counted) and system, N no-op jobs
+(``--jobs``, default 20,000) are loaded with COPY into a fresh schema, then drained with
 ``--concurrency`` (16) concurrent handlers:
 
 * ``classic`` — 16 threads loop claim 10 / no-op handler per job / ``DELETE`` the batch
-  (each call one autocommitted statement): the natural loop of ``bench_storage.py``;
+  over SQLAlchemy (each call one autocommitted statement): the natural loop of
+  ``bench_storage.py``;
+* ``classic_pg`` — the same loop on psycopg 3 directly: 16 worker threads, each on its own
+  connection, prepared ``UPDATE … RETURNING`` claim of 10 and ``DELETE``
+  (``--classic-pg-driver asyncio``: coroutines instead);
 * ``storage`` — the same loop over qstore's storage API with an Engine target
   (``claim_runtime_batch(engine, queue, 10)`` / handler / ``complete_runtime_batch``): the
   storage-level rate the worker is held to;
 * ``worker`` — a :class:`~qstore.tasks.App` with one no-op task and a
   :class:`~qstore.worker.Worker` (``concurrency=16``, every other setting its default, the
-  maintainer running inside as by default); the drain runs from ``worker.start()`` until the
-  queue shows no available and no running job. The worker process's CPU time and the server
-  transactions it committed are divided by the jobs drained.
+  maintainer running inside as by default); the drain runs from ``worker.start()`` until
+  the worker has committed every completion.
 
-``pickup`` — a producer calls ``task.defer(engine, ...)`` once per job at ``--rate`` jobs/s
-for ``--duration`` seconds (after ``--warmup`` seconds that are not measured) while a
-default worker runs; pickup latency = handler start - the clock read right after ``defer``
-returned (one process, one clock), clean and pinned. It also lines the worker maintainer's
-runs up with the pickups: per task, the share of all pickups and of the slowest 5% whose
-wait overlapped one of its runs (``tail_overlap``). The classic queue's figure for the same
-schedule comes from ``bench_storage.py --mode steady`` (its LISTEN/NOTIFY-woken loop).
+Per drain: jobs/s, and per job the WAL the server wrote, the time the database's sessions
+spent running statements (``pg_stat_database.active_time``), the CPU of the database's
+backend processes (from ``/proc``, the server being on this host), the server transactions
+and the benchmark process's own CPU (``time.process_time``: the client's CPU, the
+measuring thread's taken out). With ``--account-jobs N`` (default 5,000; 0 skips it) each
+system then drains N more jobs once in a clean phase with every connection's protocol
+traced (libpq trace, which costs client time, so nothing of this run is timed): round
+trips and protocol messages per job, and where the WAL went per relation
+(``pg_walinspect``).
 
-Targets: worker >= 0.6x classic clean and >= 1.2x pinned, >= 8,000 jobs/s in both, >= 0.8x the
-storage-level rate of the same run; pickup p95 ≤ 5 ms clean, ≤ 10 ms pinned with the producer
-holding the offered rate.
+``pickup`` — per offered rate (``--rates``, default 500 and 2,000 jobs/s), phase and
+system, ``--producers`` threads share a schedule of single enqueues for ``--duration``
+seconds (after ``--warmup`` seconds that are not measured) while the system's workers run
+(16 of them): qstore's default worker (producers call ``task.defer(engine, ...)``), the
+SQLAlchemy classic queue (an autocommitted ``INSERT`` whose statement trigger sends
+``NOTIFY``; 16 threads woken by ``LISTEN``, claim 10) and the psycopg classic queue (a
+prepared ``INSERT`` that sends its own ``pg_notify``; 16 worker threads woken by
+``LISTEN``, claim 10). Pickup latency = handler start - the clock read right after the
+enqueue call returned (one process, one clock). For the worker it also lines the
+maintainer's runs up with the pickups (``tail_overlap``).
 
-    python scripts/bench_worker.py --json worker.json
-    python scripts/bench_worker.py --mode pickup --rate 500 --duration 60
+``enqueue`` — per phase, one thread enqueues single jobs back to back for
+``--enqueue-seconds``: qstore ``task.defer(engine, ...)`` (one autocommitted statement),
+the SQLAlchemy classic ``INSERT`` (with its NOTIFY trigger) and the psycopg classic's
+prepared ``INSERT`` with ``pg_notify`` (autocommit).
+
+Targets (worker with its defaults against the better classic queue of the same run,
+medians over ``--rounds``): drain of 20,000 >= 1.0x clean and >= 2.0x pinned (>= 4.0x
+pinned from 100,000 jobs); WAL per drained job <= the classic's; worker CPU per job
+<= 30 us; >= 8,000 jobs/s in both phases and >= 0.8x the storage loop; pickup p95 <= the
+classic's at every offered rate, clean and pinned (and <= 5 ms clean, <= 10 ms pinned at
+500/s), with the producer holding the offered rate; single defer >= 0.8x the classic's
+single enqueue.
+
+    python scripts/bench_worker.py --rounds 3 --json worker.json
+    python scripts/bench_worker.py --mode drain --jobs 100000 --phases pinned
+    python scripts/bench_worker.py --mode pickup --rates 500,2000 --duration 60
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_storage as bs
 from _benchlib import (
     PacedSchedule,
+    ServerMeter,
+    Waker,
+    WireTrace,
     checkpoint,
     dead_tuples,
     ensure_database,
@@ -62,10 +97,14 @@ from _benchlib import (
     latency_summary,
     make_engine,
     median,
+    paced_pickup,
+    per_job,
     pinned,
     server_info,
+    timed_single_enqueue,
     verdict,
 )
+from classic_psycopg import ClassicPsycopg
 
 from qstore.runtime.maintainer import MaintenanceSchedule
 from qstore.tasks import App, JobContext
@@ -73,14 +112,22 @@ from qstore.worker import Worker, WorkerSettings
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/bench_worker"
 PHASES = ("clean", "pinned")
-MODES = ("drain", "pickup")
+MODES = ("drain", "pickup", "enqueue")
+CLASSICS = {"sqlalchemy": "classic", "psycopg": "classic_pg"}  # --classics name -> system name
+CLASSIC_BATCH = 10  # the classic loops claim 10, as a first worker loop does
+LONG_DRAIN = 100_000  # jobs: from here on the long pinned-drain target applies
 TARGETS = {
-    "clean_vs_classic": 0.6,  # worker / classic, >=
-    "pinned_vs_classic": 1.2,  # worker / classic, >=
+    "clean_vs_classic": 1.0,  # worker / better classic, >=
+    "pinned_vs_classic": 2.0,  # worker / better classic, >=
+    "pinned_vs_classic_100k": 4.0,  # worker / better classic, >=, from 100,000 jobs
+    "wal_vs_classic": 1.0,  # worker WAL per job / the better classic's, <=
+    "worker_cpu_us_per_job": 30.0,  # <=
     "jobs_per_s": 8_000.0,  # worker, >=, both phases
     "vs_storage": 0.8,  # worker / storage-level loop, >=
-    "clean_pickup_p95_ms": 5.0,
-    "pinned_pickup_p95_ms": 10.0,
+    "pickup_p95_vs_classic": 1.0,  # worker p95 / the lower classic p95, <=
+    "clean_pickup_p95_ms": 5.0,  # worker, <=, at 500/s
+    "pinned_pickup_p95_ms": 10.0,  # worker, <=, at 500/s
+    "defer_vs_classic": 0.8,  # single defer / the faster classic single enqueue, >=
 }
 HOLDS_RATE = 0.99
 
@@ -124,13 +171,6 @@ def make_app(system: bs.QstoreSystem, recorder: Recorder) -> tuple[App, Any]:
     return app, bench_job
 
 
-def server_xacts(engine: Engine) -> int:
-    with engine.connect() as conn:
-        return int(conn.execute(text(
-            "SELECT xact_commit + xact_rollback FROM pg_stat_database "
-            "WHERE datname = current_database()")).scalar_one())
-
-
 def wait_completed(worker: Worker, n: int, timeout: float) -> float:
     """Poll the worker's counters until ``n`` completions were committed; returns when."""
     until = time.perf_counter() + timeout
@@ -142,8 +182,29 @@ def wait_completed(worker: Worker, n: int, timeout: float) -> float:
                        f"within {timeout:.0f} s")
 
 
+def new_worker(app: App, engine: Engine, args: argparse.Namespace) -> Worker:
+    return Worker(app, engine, WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency,
+                                              schedule=args.schedule))
+
+
+# -- drain ------------------------------------------------------------------------------------
+class Systems:
+    """The systems of one run (qstore's schema and the classic queues' schemas)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.qsys = bs.QstoreSystem(args.qstore_schema, None, deadline=None)
+        self.csys = bs.ClassicSystem(args.classic_schema)
+        self.cpg = ClassicPsycopg(args.url, args.classic_pg_schema, driver=args.classic_pg_driver)
+        self.classics = [CLASSICS[c] for c in args.classics]
+
+    def drop(self, engine: Engine) -> None:
+        self.qsys.drop(engine)
+        self.csys.drop(engine)
+        self.cpg.drop()
+
+
 def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
-                 args: argparse.Namespace, exact: bool) -> dict[str, Any]:
+                 args: argparse.Namespace, exact: bool, trace: WireTrace | None = None) -> dict[str, Any]:
     """Load ``n`` jobs, then drain them with a default worker (see the module docstring)."""
     recorder = Recorder()
     app, _ = make_app(system, recorder)
@@ -154,10 +215,12 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
         system.enqueue_copy(conn, prepared)
     recorder.reset(n)
     res: dict[str, Any] = {"system": "worker", "phase": phase, "jobs": n}
+    if trace is not None:
+        trace.attach_engine(engine)  # the worker's connections are all new: the pool was disposed
+        engine.dispose()
     with pinned(engine, phase == "pinned"):
-        worker = Worker(app, engine, WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency,
-                                                        schedule=args.schedule))
-        xacts0 = server_xacts(engine)
+        worker = new_worker(app, engine, args)
+        meter = ServerMeter(engine, breakdown=trace is not None).start()
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         worker.start()
@@ -166,7 +229,9 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
                 raise RuntimeError(f"worker started {len(recorder.started)} of {n} jobs")
             t1 = wait_completed(worker, n, args.timeout)
             cpu = time.process_time() - cpu0
-            xacts = server_xacts(engine) - xacts0
+            if trace is not None:
+                res["wire"] = trace.counts()
+            use = meter.stop(engine)
         finally:
             worker.stop(timeout=30.0)
         counts = system.storage.queue_counts(engine, bs.QUEUE)
@@ -179,9 +244,10 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
         problems.append(f"{recorder.duplicates} jobs handled twice")
     if counts.available or counts.running:
         problems.append(f"left available={counts.available} running={counts.running}")
+    figures = per_job(use, n, cpu - use["sampler_cpu_s"])
     res["drain"] = {"jobs": n, "seconds": seconds, "jobs_per_s": n / seconds,
-                    "cpu_us_per_job": cpu / n * 1e6,
-                    "server_xacts_per_job": xacts / n}
+                    "cpu_us_per_job": figures["client_cpu_us_per_job"], **figures}
+    res["server"] = use
     res["stats"] = stats_of(worker)
     res["dead_tuples"] = dead
     res["dead_total"] = sum(f["dead"] for f in dead.values())
@@ -200,70 +266,205 @@ def stats_of(worker: Worker) -> dict[str, Any]:
     return {"repr": repr(stats)}
 
 
+def attach_pool(trace: WireTrace, engine: Engine) -> None:
+    """Trace the idle pooled connections of ``engine`` (all checked out at once, so each is
+    a different one) and every connection it opens from now on."""
+    pool: Any = engine.pool
+    conns = [engine.connect() for _ in range(pool.checkedin())]
+    try:
+        for c in conns:
+            trace.attach(c.connection.driver_connection.pgconn)  # type: ignore[union-attr]
+    finally:
+        for c in conns:
+            c.close()
+    trace.attach_engine(engine)
+
+
 def loop_drain(engine: Engine, system: Any, phase: str, n: int, args: argparse.Namespace,
-               exact: bool) -> dict[str, Any]:
+               exact: bool, trace: WireTrace | None = None) -> dict[str, Any]:
     """The natural loop of ``bench_storage.py`` (16 threads, claim 10, handler, complete)."""
     nat = bs.parse_args(["--mode", "natural", "--jobs", str(n), "--threads", str(args.concurrency)])
-    nat.batch = 10
+    nat.batch = CLASSIC_BATCH
     name = "storage" if isinstance(system, bs.QstoreSystem) else "classic"
     res: dict[str, Any] = {"system": name, "phase": phase, "jobs": n}
     system.fresh(engine)
     checkpoint(engine)
     bs.load_for_drain(engine, system, system.convert(bs.workload(n)), nat, fresh=False)
+    if trace is not None:
+        attach_pool(trace, engine)
+    def counted() -> None:
+        if trace is not None:
+            res["wire"] = trace.counts()
+
     res.update(bs.measured_drain(engine, system, phase, n, nat, exact, own_transactions=True,
-                                 handle=bs.handler, tolerate_errors=True))
+                                 handle=bs.handler, tolerate_errors=True, after_drain=counted,
+                                 wal_detail=trace is not None))
     return res
 
 
+def pg_drain(engine: Engine, cpg: ClassicPsycopg, phase: str, n: int, args: argparse.Namespace,
+             exact: bool, trace: WireTrace | None = None) -> dict[str, Any]:
+    """The psycopg classic queue's drain: its workers (``--concurrency``) loop claim 10 /
+    handler / ``DELETE``. Loaded with COPY and vacuumed (as the SQLAlchemy classic's table
+    is after its warm-up); each worker's connection prepares its statements before the
+    clock starts."""
+    res: dict[str, Any] = {"system": "classic_pg", "phase": phase, "jobs": n, "driver": cpg.driver}
+    cpg.create()
+    checkpoint(engine)
+    cpg.enqueue_copy(bs.workload(n))
+    cpg.vacuum()
+    meter = ServerMeter(engine, breakdown=trace is not None)
+    clock: dict[str, float] = {}
+
+    def started() -> None:
+        meter.start()
+        clock["cpu"] = time.process_time()
+
+    with pinned(engine, phase == "pinned") as pin:
+        if pin is not None:
+            res["pinned_xid"] = pin.xid
+        d = cpg.drain(bs.QUEUE, n, workers=args.concurrency, batch=CLASSIC_BATCH, handle=bs.handler,
+                      on_start=started, on_end=meter.sample,
+                      on_connect=None if trace is None else lambda c: trace.attach(c.pgconn),
+                      on_close=None if trace is None else lambda c: trace.detach(c.pgconn))
+        cpu = time.process_time() - clock["cpu"]
+        if trace is not None:
+            res["wire"] = trace.counts()
+        use = meter.stop(engine)
+        leftover = cpg.claimable(bs.QUEUE)
+        dead = dead_tuples(engine, cpg.schema, exact)
+    problems = []
+    if d.jobs != n:
+        problems.append(f"drained {d.jobs} of {n} jobs")
+    if leftover:
+        problems.append(f"{leftover} jobs still claimable after the drain")
+    if d.duplicates:
+        problems.append(f"{d.duplicates} duplicate job ids claimed")
+    res["drain"] = {"jobs": d.jobs, "seconds": d.seconds, "wall_seconds": d.wall_seconds,
+                    "jobs_per_s": d.jobs_per_s, "duplicates": d.duplicates,
+                    "claim_calls": d.claim_calls, "empty_claims": d.empty_claims,
+                    "handled": d.handled, "errors": d.errors,
+                    **per_job(use, d.jobs, cpu - use["sampler_cpu_s"])}
+    res["server"] = use
+    res["dead_tuples"] = dead
+    res["dead_total"] = sum(f["dead"] for f in dead.values())
+    res["problems"] = problems
+    return res
+
+
+def drain_plan(engine: Engine, sy: Systems, args: argparse.Namespace, exact: bool
+               ) -> list[tuple[str, Callable[[str, int, WireTrace | None], dict[str, Any]]]]:
+    """(system, run(phase, jobs, trace)) in the order they run in each round and phase."""
+    plan: list[tuple[str, Callable[[str, int, WireTrace | None], dict[str, Any]]]] = []
+    if "classic" in sy.classics:
+        plan.append(("classic", lambda p, n, t: loop_drain(engine, sy.csys, p, n, args, exact, t)))
+    if "classic_pg" in sy.classics:
+        plan.append(("classic_pg", lambda p, n, t: pg_drain(engine, sy.cpg, p, n, args, exact, t)))
+    if not args.skip_storage:
+        plan.append(("storage", lambda p, n, t: loop_drain(engine, sy.qsys, p, n, args, exact, t)))
+    plan.append(("worker", lambda p, n, t: worker_drain(engine, sy.qsys, p, n, args, exact, t)))
+    return plan
+
+
 def run_drain(engine: Engine, args: argparse.Namespace, exact: bool) -> list[dict[str, Any]]:
-    qsys = bs.QstoreSystem(args.qstore_schema, None, deadline=None)
-    csys = bs.ClassicSystem(args.classic_schema)
+    sy = Systems(args)
     results = []
     try:
+        plan = drain_plan(engine, sy, args, exact)
         for rnd in range(1, args.rounds + 1):
             for phase in args.phases:
-                for label, fn in (("classic", lambda p: loop_drain(engine, csys, p, args.jobs, args, exact)),
-                                  ("storage", lambda p: loop_drain(engine, qsys, p, args.jobs, args, exact)),
-                                  ("worker", lambda p: worker_drain(engine, qsys, p, args.jobs, args, exact))):
+                for label, fn in plan:
                     print(f"... drain round {rnd}/{args.rounds}: {label} / {phase}", flush=True)
-                    r = fn(phase)
+                    r = fn(phase, args.jobs, None)
                     r["round"] = rnd
                     results.append(r)
+                    d = r["drain"]
+                    print(f"    {d['jobs_per_s']:,.0f} jobs/s, WAL {bs.fmt(d['wal_db_bytes_per_job'])} B/job, "
+                          f"client CPU {d['client_cpu_us_per_job']:.0f} us/job", flush=True)
     finally:
-        qsys.drop(engine)
-        csys.drop(engine)
+        sy.drop(engine)
     return results
 
 
-def summarise_drain(results: list[dict[str, Any]]) -> dict[str, Any]:
+def run_accounting(engine: Engine, args: argparse.Namespace, exact: bool) -> list[dict[str, Any]]:
+    """Each system drains ``--account-jobs`` jobs once, clean, with every connection traced
+    (on an engine of its own, so no other run is traced): round trips and messages per job,
+    and the WAL per relation."""
+    sy = Systems(args)
+    out = []
+    try:
+        for label, _ in drain_plan(engine, sy, args, exact):
+            print(f"... accounting: {label}", flush=True)
+            eng = make_engine(args.url, args.concurrency + args.producers + 4)
+            try:
+                run = dict(drain_plan(eng, sy, args, exact))[label]
+                r = run("clean", args.account_jobs, WireTrace())
+                r["wal_by_relation"] = r["server"].pop("wal_by_relation", None)
+            finally:
+                eng.dispose()
+            n = max(r["drain"]["jobs"], 1)
+            wire = r.get("wire", {})
+            r["round_trips_per_job"] = WireTrace.round_trips(wire) / n
+            r["messages_per_job"] = {k: v / n for k, v in sorted(wire.items())}
+            out.append(r)
+    finally:
+        sy.drop(engine)
+    return out
+
+
+def summarise_drain(results: list[dict[str, Any]], jobs: int, classics: list[str]) -> dict[str, Any]:
     med: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         med.setdefault(f"{r['system']}/{r['phase']}", []).append(r)
     out: dict[str, Any] = {}
+    keys = ("wal_bytes_per_job", "wal_db_bytes_per_job", "server_active_us_per_job",
+            "server_cpu_us_per_job", "server_xacts_per_job", "client_cpu_us_per_job")
     for key, rs in med.items():
         out[key] = {
             "rounds": len(rs),
             "jobs_per_s": median([x["drain"]["jobs_per_s"] for x in rs]),
             "jobs_per_s_all": [round(x["drain"]["jobs_per_s"]) for x in rs],
             "dead_total": median([x["dead_total"] for x in rs]),
+            **{k: median([x["drain"][k] for x in rs if x["drain"].get(k) is not None]) for k in keys},
         }
-        if rs[0]["system"] == "worker":
-            out[key]["cpu_us_per_job"] = median([x["drain"]["cpu_us_per_job"] for x in rs])
-            out[key]["server_xacts_per_job"] = median([x["drain"]["server_xacts_per_job"] for x in rs])
 
-    def rate(system: str, phase: str) -> float | None:
+    def get(system: str, phase: str, key: str = "jobs_per_s") -> float | None:
         m = out.get(f"{system}/{phase}")
-        return None if m is None else m["jobs_per_s"]
+        return None if m is None else m[key]
 
-    ratios = {phase: {"vs_classic": bs.ratio(rate("worker", phase), rate("classic", phase)),
-                      "vs_storage": bs.ratio(rate("worker", phase), rate("storage", phase))}
-              for phase in PHASES}
+    def better(phase: str) -> str | None:
+        rated = [(get(c, phase) or 0.0, c) for c in classics if get(c, phase) is not None]
+        return max(rated)[1] if rated else None
+
+    # the database's own WAL when pg_walinspect can tell it apart from other databases'
+    wal_key = ("wal_db_bytes_per_job" if all(m["wal_db_bytes_per_job"] is not None for m in out.values())
+               else "wal_bytes_per_job")
+    ratios: dict[str, dict[str, Any]] = {}
+    for phase in PHASES:
+        best = better(phase)
+        ratios[phase] = {
+            "better_classic": best,
+            "vs_classic": bs.ratio(get("worker", phase), get(best, phase) if best else None),
+            "vs_each": {c: bs.ratio(get("worker", phase), get(c, phase)) for c in classics},
+            "vs_storage": bs.ratio(get("worker", phase), get("storage", phase)),
+            "wal_vs_classic": bs.ratio(get("worker", phase, wal_key),
+                                       get(best, phase, wal_key) if best else None),
+        }
     t = TARGETS
+    long_drain = jobs >= LONG_DRAIN
+    scale = None if jobs in (20_000, LONG_DRAIN) else f"measured over {jobs:,} jobs"
+    cpu = median([v for p in PHASES if (v := get("worker", p, "client_cpu_us_per_job")) is not None])
     targets = {
-        "clean_vs_classic": verdict(ratios["clean"]["vs_classic"], ">=", t["clean_vs_classic"]),
-        "pinned_vs_classic": verdict(ratios["pinned"]["vs_classic"], ">=", t["pinned_vs_classic"]),
-        "clean_jobs_per_s": verdict(rate("worker", "clean"), ">=", t["jobs_per_s"]),
-        "pinned_jobs_per_s": verdict(rate("worker", "pinned"), ">=", t["jobs_per_s"]),
+        "clean_vs_classic": verdict(None if long_drain else ratios["clean"]["vs_classic"], ">=",
+                                    t["clean_vs_classic"], scale),
+        "pinned_vs_classic": verdict(None if long_drain else ratios["pinned"]["vs_classic"], ">=",
+                                     t["pinned_vs_classic"], scale),
+        "pinned_vs_classic_100k": verdict(ratios["pinned"]["vs_classic"] if long_drain else None, ">=",
+                                          t["pinned_vs_classic_100k"], scale),
+        "clean_wal_vs_classic": verdict(ratios["clean"]["wal_vs_classic"], "<=", t["wal_vs_classic"]),
+        "worker_cpu_us_per_job": verdict(cpu, "<=", t["worker_cpu_us_per_job"]),
+        "clean_jobs_per_s": verdict(get("worker", "clean"), ">=", t["jobs_per_s"]),
+        "pinned_jobs_per_s": verdict(get("worker", "pinned"), ">=", t["jobs_per_s"]),
         "clean_vs_storage": verdict(ratios["clean"]["vs_storage"], ">=", t["vs_storage"]),
         "pinned_vs_storage": verdict(ratios["pinned"]["vs_storage"], ">=", t["vs_storage"]),
     }
@@ -272,20 +473,57 @@ def summarise_drain(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_drain(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     rows = [[r["system"], r["phase"], r["round"], bs.fmt(r["drain"]["jobs_per_s"]),
-             f"{r['drain']['seconds']:.2f}",
-             bs.fmt(r["drain"].get("cpu_us_per_job"), ".0f"),
+             f"{r['drain']['seconds']:.2f}", bs.fmt(r["drain"].get("wal_bytes_per_job")),
+             bs.fmt(r["drain"].get("wal_db_bytes_per_job")),
+             bs.fmt(r["drain"].get("server_active_us_per_job"), ".0f"),
+             bs.fmt(r["drain"].get("server_cpu_us_per_job"), ".0f"),
+             bs.fmt(r["drain"].get("client_cpu_us_per_job"), ".0f"),
              bs.fmt(r["drain"].get("server_xacts_per_job"), ".2f"),
              bs.fmt(r["dead_total"]), "; ".join(r["problems"]) or "ok"] for r in results]
     print()
-    print(format_table(["system", "phase", "round", "drain j/s", "seconds", "client CPU µs/job",
+    print(format_table(["system", "phase", "round", "drain j/s", "seconds", "WAL B/job",
+                        "its DB's WAL B/job", "server active µs/job", "server CPU µs/job", "client CPU µs/job",
                         "server xacts/job", "dead tuples", "check"], rows))
-    print("\nRatios (worker / classic loop, worker / storage loop):")
+    print("\nMedians over the rounds:")
+    print(format_table(
+        ["system/phase", "rounds", "drain j/s", "WAL B/job", "its DB's WAL B/job", "active µs/job",
+         "server CPU µs/job", "client CPU µs/job", "per round"],
+        [[k, m["rounds"], bs.fmt(m["jobs_per_s"]), bs.fmt(m["wal_bytes_per_job"]),
+          bs.fmt(m["wal_db_bytes_per_job"]),
+          bs.fmt(m["server_active_us_per_job"]), bs.fmt(m["server_cpu_us_per_job"]),
+          bs.fmt(m["client_cpu_us_per_job"]), " ".join(f"{x:,}" for x in m["jobs_per_s_all"])]
+         for k, m in summary["medians"].items()]))
+    print("\nRatios (worker / the better classic queue of the phase; each classic; storage loop):")
     for phase, rr in summary["ratios"].items():
-        print(f"  {phase:<6}  vs classic {bs.times(rr['vs_classic'])}   "
-              f"vs storage {bs.times(rr['vs_storage'])}")
+        each = "   ".join(f"vs {k} {bs.times(v)}" for k, v in rr["vs_each"].items())
+        print(f"  {phase:<6}  vs classic ({rr['better_classic']}) {bs.times(rr['vs_classic'])}   "
+              f"{each}   vs storage {bs.times(rr['vs_storage'])}   WAL {bs.times(rr['wal_vs_classic'])}")
     bs.print_targets(summary["targets"], "worker drain")
 
 
+def print_accounting(results: list[dict[str, Any]]) -> None:
+    print("\nAccounting run (clean, every connection traced; not timed):")
+    rows = []
+    for r in results:
+        m = r["messages_per_job"]
+        rows.append([r["system"], r["drain"]["jobs"], f"{r['round_trips_per_job']:.3f}",
+                     f"{m.get('Bind', 0.0):.3f}", f"{m.get('Query', 0.0):.3f}",
+                     bs.fmt(r["drain"].get("wal_db_bytes_per_job")),
+                     bs.fmt(r["drain"].get("server_cpu_us_per_job"), ".0f")])
+    print(format_table(["system", "jobs", "round trips/job", "Bind/job", "Query/job",
+                        "its DB's WAL B/job", "server CPU µs/job"], rows))
+    for r in results:
+        wal = r.get("wal_by_relation")
+        if not wal:
+            continue
+        n = max(r["drain"]["jobs"], 1)
+        print(f"\n  WAL of {r['system']} per job, by relation and record type (bytes / records):")
+        for rel, e in sorted(wal["by_record"].items(), key=lambda kv: -kv[1]["bytes"])[:18]:
+            print(f"    {rel:<76} {e['bytes'] / n:8.1f} B  {e['records'] / n:6.2f} rec"
+                  + (f"  (FPI {e['fpi_bytes'] / n:.1f} B)" if e["fpi_bytes"] else ""))
+
+
+# -- pickup -----------------------------------------------------------------------------------
 class TaskRuns:
     """Every run of the worker's maintenance tasks during a pickup phase, collected from
     :meth:`Maintainer.reports` (which keeps only the latest runs per task) every 0.2 s."""
@@ -354,94 +592,320 @@ def schedule_setting(text: str) -> tuple[str, float | int]:
     return name, int(value) if isinstance(default, int) else float(value)
 
 
+class Errors:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def note(self, exc: Exception) -> None:
+        key = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+
+def pickup_figures(system: str, phase: str, rate: float, schedule: PacedSchedule,
+                   recorder: Recorder, errors: dict[str, int], dead: dict[str, Any]) -> dict[str, Any]:
+    m = schedule.measured(recorder.started)
+    achieved = len(m.jobs) / m.producer_seconds if m.producer_seconds else 0.0
+    problems = []
+    if m.missing:
+        problems.append(f"{m.missing} enqueued jobs never picked up")
+    if recorder.duplicates:
+        problems.append(f"{recorder.duplicates} jobs picked up twice")
+    return {
+        "system": system, "phase": phase, "offered_rate": rate, "achieved_rate": achieved,
+        "holds_rate": achieved >= HOLDS_RATE * rate, "enqueued": len(m.jobs),
+        "pickup_ms": latency_summary(m.latencies), "enqueue_call_ms": latency_summary(m.enqueue_seconds),
+        "producer_lag_ms": latency_summary(m.lag_seconds), "errors": errors,
+        "dead_total": sum(f["dead"] for f in dead.values()), "problems": problems,
+    }
+
+
+def worker_pickup(engine: Engine, qsys: bs.QstoreSystem, phase: str, rate: float,
+                  args: argparse.Namespace, exact: bool) -> dict[str, Any]:
+    recorder = Recorder()
+    app, task = make_app(qsys, recorder)
+    qsys.fresh(engine)
+    checkpoint(engine)
+    worker = new_worker(app, engine, args)
+    errors = Errors()
+
+    def defer_one(i: int) -> int:
+        return int(task.defer(engine, n=i, payload="x" * 16))
+
+    schedule = PacedSchedule(rate=rate, seconds=args.duration, warmup=args.warmup,
+                             enqueue_one=defer_one, producers=args.producers, on_error=errors.note)
+    runs = TaskRuns(worker)
+    with pinned(engine, phase == "pinned"):
+        worker.start()
+        runs.start()
+        try:
+            schedule.run()
+            schedule.settle(recorder.started, recorder.lock, 30.0)
+        finally:
+            worker.stop(timeout=30.0)
+            runs.stop()
+        dead = dead_tuples(engine, qsys.schema, exact)
+    res = pickup_figures("worker", phase, rate, schedule, recorder, errors.counts, dead)
+    m = schedule.measured(recorder.started)
+    pickups = [(schedule.commit_at[i], recorder.started[i]) for i in m.jobs if i in recorder.started]
+    res["stats"] = stats_of(worker)
+    res["tail_overlap"] = tail_overlap(runs, pickups)
+    return res
+
+
+def classic_pickup(engine: Engine, csys: bs.ClassicSystem, phase: str, rate: float,
+                   args: argparse.Namespace, exact: bool) -> dict[str, Any]:
+    """The SQLAlchemy classic queue: ``--concurrency`` threads woken by LISTEN/NOTIFY
+    (``_benchlib.paced_pickup``), claim 10, complete the batch."""
+    csys.fresh(engine, notify=True)
+    checkpoint(engine)
+    with Waker(engine, csys.notify_channel, args.concurrency) as waker, \
+            pinned(engine, phase == "pinned"):
+        p = paced_pickup(rate=rate, seconds=args.duration, warmup=args.warmup,
+                         workers=args.concurrency, batch=CLASSIC_BATCH,
+                         enqueue_one=lambda i: csys.enqueue_one(engine, i),
+                         claim=lambda: csys.claim(engine, CLASSIC_BATCH),
+                         complete=lambda got: csys.complete(engine, got), seq_of=csys.seq_of,
+                         waker=waker, poll_interval=args.poll_interval, producers=args.producers)
+        dead = dead_tuples(engine, csys.schema, exact)
+    figures = bs.steady_figures(p)
+    problems = []
+    if p.missing:
+        problems.append(f"{p.missing} enqueued jobs never picked up")
+    if p.duplicates:
+        problems.append(f"{p.duplicates} jobs picked up twice")
+    return {"system": "classic", "phase": phase, **figures,
+            "dead_total": sum(f["dead"] for f in dead.values()), "problems": problems}
+
+
+def pg_pickup(engine: Engine, cpg: ClassicPsycopg, phase: str, rate: float,
+              args: argparse.Namespace, exact: bool) -> dict[str, Any]:
+    """The psycopg classic queue: producers on connections of their own (prepared INSERT
+    with ``pg_notify``), its LISTEN-woken workers (``--concurrency``), claim 10."""
+    cpg.create()
+    checkpoint(engine)
+    recorder = Recorder()
+    errors = Errors()
+    local = threading.local()
+    producers: list[Any] = []
+    lock = threading.Lock()
+
+    def enqueue_one(i: int) -> int:
+        prod = getattr(local, "producer", None)
+        if prod is None:
+            prod = local.producer = cpg.producer()
+            with lock:
+                producers.append(prod)
+        return prod.enqueue(bs.QUEUE, bs.KIND, bs.PRIORITY, {"n": i, "payload": "x" * 16})
+
+    schedule = PacedSchedule(rate=rate, seconds=args.duration, warmup=args.warmup,
+                             enqueue_one=enqueue_one, producers=args.producers, on_error=errors.note)
+    with pinned(engine, phase == "pinned"):
+        workers = cpg.pickup_workers(bs.QUEUE, lambda row: recorder.note(int(row[3]["n"])),
+                                     workers=args.concurrency, batch=CLASSIC_BATCH,
+                                     poll_interval=args.poll_interval)
+        try:
+            schedule.run()
+            schedule.settle(recorder.started, recorder.lock, 30.0)
+        finally:
+            workers.stop()
+            for prod in producers:
+                prod.close()
+        dead = dead_tuples(engine, cpg.schema, exact)
+    res = pickup_figures("classic_pg", phase, rate, schedule, recorder, errors.counts, dead)
+    res["errors"] = {**errors.counts, **workers.errors}
+    res["claim_calls"], res["empty_claims"] = workers.claim_calls, workers.empty_claims
+    res["wakes_notify"], res["wakes_poll"] = workers.wakes_notify, workers.wakes_poll
+    return res
+
+
 def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[dict[str, Any]]:
-    qsys = bs.QstoreSystem(args.qstore_schema, None, deadline=None)
+    sy = Systems(args)
+    plan: list[tuple[str, Callable[[str, float], dict[str, Any]]]] = []
+    if "classic" in sy.classics:
+        plan.append(("classic", lambda p, r: classic_pickup(engine, sy.csys, p, r, args, exact)))
+    if "classic_pg" in sy.classics:
+        plan.append(("classic_pg", lambda p, r: pg_pickup(engine, sy.cpg, p, r, args, exact)))
+    plan.append(("worker", lambda p, r: worker_pickup(engine, sy.qsys, p, r, args, exact)))
     results = []
     try:
-        for phase in args.phases:
-            print(f"... pickup: worker / {phase}", flush=True)
-            recorder = Recorder()
-            app, task = make_app(qsys, recorder)
-            qsys.fresh(engine)
-            checkpoint(engine)
-            worker = Worker(app, engine, WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency,
-                                                        schedule=args.schedule))
-            errors: dict[str, int] = {}
-
-            def note(exc: Exception, errors: dict[str, int] = errors) -> None:
-                key = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-                errors[key] = errors.get(key, 0) + 1
-
-            def defer_one(i: int, task: Any = task) -> int:
-                return int(task.defer(engine, n=i, payload="x" * 16))
-
-            schedule = PacedSchedule(
-                rate=args.rate, seconds=args.duration, warmup=args.warmup,
-                enqueue_one=defer_one, producers=args.producers, on_error=note)
-            runs = TaskRuns(worker)
-            with pinned(engine, phase == "pinned"):
-                worker.start()
-                runs.start()
-                try:
-                    schedule.run()
-                    schedule.settle(recorder.started, recorder.lock, 30.0)
-                finally:
-                    worker.stop(timeout=30.0)
-                    runs.stop()
-                dead = dead_tuples(engine, qsys.schema, exact)
-            m = schedule.measured(recorder.started)
-            pickups = [(schedule.commit_at[i], recorder.started[i]) for i in m.jobs if i in recorder.started]
-            achieved = len(m.jobs) / m.producer_seconds if m.producer_seconds else 0.0
-            problems = []
-            if m.missing:
-                problems.append(f"{m.missing} enqueued jobs never picked up")
-            if recorder.duplicates:
-                problems.append(f"{recorder.duplicates} jobs picked up twice")
-            results.append({
-                "system": "worker", "phase": phase, "offered_rate": args.rate,
-                "achieved_rate": achieved, "holds_rate": achieved >= HOLDS_RATE * args.rate,
-                "enqueued": len(m.jobs), "pickup_ms": latency_summary(m.latencies),
-                "defer_call_ms": latency_summary(m.enqueue_seconds),
-                "producer_lag_ms": latency_summary(m.lag_seconds),
-                "errors": errors, "stats": stats_of(worker),
-                "dead_total": sum(f["dead"] for f in dead.values()), "problems": problems,
-                "tail_overlap": tail_overlap(runs, pickups),
-            })
+        for rnd in range(1, args.rounds + 1):
+            for rate in args.rates:
+                for phase in args.phases:
+                    for label, fn in plan:
+                        print(f"... pickup round {rnd}/{args.rounds}: {label} / {rate:g}/s / {phase}",
+                              flush=True)
+                        r = fn(phase, rate)
+                        r["round"] = rnd
+                        results.append(r)
+                        pk = r["pickup_ms"]
+                        print(f"    p50 {bs.fmt(pk['p50_ms'], '.2f')} p95 {bs.fmt(pk['p95_ms'], '.2f')} "
+                              f"p99 {bs.fmt(pk['p99_ms'], '.2f')} ms, producer "
+                              f"{r['achieved_rate']:,.0f}/{rate:,.0f}", flush=True)
     finally:
-        qsys.drop(engine)
+        sy.drop(engine)
     return results
 
 
-def summarise_pickup(results: list[dict[str, Any]]) -> dict[str, Any]:
-    targets = {}
+def summarise_pickup(results: list[dict[str, Any]], classics: list[str]) -> dict[str, Any]:
+    groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
     for r in results:
-        key = f"{r['phase']}_pickup_p95_ms"
-        v = verdict(r["pickup_ms"]["p95_ms"], "<=", TARGETS[key],
-                    None if r["holds_rate"] else f"producer reached {r['achieved_rate']:,.0f}/s")
-        if not r["holds_rate"]:
-            v["result"] = "FAIL"
-        targets[key] = v
-    return {"targets": targets}
+        groups.setdefault((r["system"], r["offered_rate"], r["phase"]), []).append(r)
+    med = {}
+    for (system, rate, phase), rs in groups.items():
+        med[f"{system}/{rate:g}/{phase}"] = {
+            "rounds": len(rs),
+            **{f"{q}_ms": median([r["pickup_ms"][f"{q}_ms"] for r in rs if r["pickup_ms"][f"{q}_ms"] is not None])
+               for q in ("p50", "p95", "p99")},
+            "holds_rate": all(r["holds_rate"] for r in rs),
+            "achieved_rate": median([r["achieved_rate"] for r in rs]),
+        }
+    targets: dict[str, dict[str, Any]] = {}
+    ratios: dict[str, dict[str, Any]] = {}
+    for rate in sorted({r["offered_rate"] for r in results}):
+        for phase in PHASES:
+            w = med.get(f"worker/{rate:g}/{phase}")
+            if w is None:
+                continue
+            cl = [(med[k]["p95_ms"], c) for c in classics
+                  if (k := f"{c}/{rate:g}/{phase}") in med and med[k]["p95_ms"] is not None]
+            best = min(cl) if cl else None
+            rr = bs.ratio(w["p95_ms"], best[0]) if best else None
+            ratios[f"{rate:g}/{phase}"] = {"better_classic": best[1] if best else None,
+                                           "worker_p95_ms": w["p95_ms"],
+                                           "classic_p95_ms": best[0] if best else None,
+                                           "p95_vs_classic": rr}
+            v = verdict(rr, "<=", TARGETS["pickup_p95_vs_classic"],
+                        None if w["holds_rate"] else f"producer reached {w['achieved_rate']:,.0f}/s")
+            if not w["holds_rate"]:
+                v["result"] = "FAIL"
+            targets[f"pickup_p95_vs_classic_{rate:g}_{phase}"] = v
+            if rate == 500:
+                key = f"{phase}_pickup_p95_ms"
+                v = verdict(w["p95_ms"], "<=", TARGETS[key])
+                if not w["holds_rate"]:
+                    v["result"] = "FAIL"
+                targets[key] = v
+    return {"medians": med, "ratios": ratios, "targets": targets}
 
 
 def print_pickup(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    rows = [[r["phase"], f"{r['achieved_rate']:,.0f}/{r['offered_rate']:,.0f}",
-             "yes" if r["holds_rate"] else "NO", r["enqueued"],
+    rows = [[r["system"], f"{r['offered_rate']:g}", r["phase"], r["round"],
+             f"{r['achieved_rate']:,.0f}", "yes" if r["holds_rate"] else "NO", r["enqueued"],
              bs.fmt(r["pickup_ms"]["p50_ms"], ".2f"), bs.fmt(r["pickup_ms"]["p95_ms"], ".2f"),
-             bs.fmt(r["pickup_ms"]["p99_ms"], ".2f"), bs.fmt(r["defer_call_ms"]["p50_ms"], ".2f"),
+             bs.fmt(r["pickup_ms"]["p99_ms"], ".2f"), bs.fmt(r["enqueue_call_ms"]["p50_ms"], ".2f"),
              sum(r["errors"].values()), bs.fmt(r["dead_total"]), "; ".join(r["problems"]) or "ok"]
             for r in results]
     print()
-    print(format_table(["phase", "rate j/s", "holds", "jobs", "pickup p50 ms", "p95", "p99",
-                        "defer p50 ms", "errors", "dead", "check"], rows))
+    print(format_table(["system", "rate", "phase", "round", "achieved j/s", "holds", "jobs",
+                        "pickup p50 ms", "p95", "p99", "enqueue p50 ms", "errors", "dead", "check"], rows))
+    print("\nPickup p95, worker / the lower classic p95 (medians over the rounds):")
+    for key, rr in summary["ratios"].items():
+        print(f"  {key:<14} worker {bs.fmt(rr['worker_p95_ms'], '.2f')} ms, {rr['better_classic']} "
+              f"{bs.fmt(rr['classic_p95_ms'], '.2f')} ms: {bs.times(rr['p95_vs_classic'])}")
     bs.print_targets(summary["targets"], "worker pickup")
-    print("\nMaintenance runs the pickups overlapped (all pickups vs the slowest 5%):")
-    rows = [[r["phase"], task, o["runs"], f"{o['run_p50_ms']:.1f}", f"{o['all_share']:.1%}",
-             f"{o['tail_share']:.1%}"]
-            for r in results for task, o in r["tail_overlap"].items()]
-    print(format_table(["phase", "task", "runs", "run p50 ms", "of all pickups", "of slowest 5%"], rows))
+    rows = [[r["phase"], f"{r['offered_rate']:g}", task, o["runs"], f"{o['run_p50_ms']:.1f}",
+             f"{o['all_share']:.1%}", f"{o['tail_share']:.1%}"]
+            for r in results if "tail_overlap" in r for task, o in r["tail_overlap"].items()]
+    if rows:
+        print("\nMaintenance runs the worker's pickups overlapped (all pickups vs the slowest 5%):")
+        print(format_table(["phase", "rate", "task", "runs", "run p50 ms", "of all pickups",
+                            "of slowest 5%"], rows))
 
 
+# -- single enqueue ---------------------------------------------------------------------------
+def job_args(i: int) -> dict[str, Any]:
+    return {"n": i, "payload": "x" * 16}
+
+
+def pg_enqueue(prod: Any, i: int) -> int:
+    return int(prod.enqueue(bs.QUEUE, bs.KIND, bs.PRIORITY, job_args(i)))
+
+
+def defer_one(task: Any, engine: Engine, i: int) -> int:
+    return int(task.defer(engine, **job_args(i)))
+
+
+def run_enqueue(engine: Engine, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One thread enqueues single jobs back to back, each system in turn (see the module
+    docstring); the jobs are never claimed."""
+    sy = Systems(args)
+    results = []
+
+    def timed(system: str, phase: str, fn: Callable[[int], object]) -> dict[str, Any]:
+        cpu0 = time.process_time()
+        with pinned(engine, phase == "pinned"):
+            one = timed_single_enqueue(fn, args.enqueue_seconds)
+        cpu = time.process_time() - cpu0
+        one["client_cpu_us_per_job"] = cpu * 1e6 / max(one["jobs"] + 50, 1)
+        return {"system": system, "phase": phase, "single_enqueue": one}
+
+    try:
+        for rnd in range(1, args.rounds + 1):
+            for phase in args.phases:
+                batch: list[dict[str, Any]] = []
+                if "classic" in sy.classics:
+                    sy.csys.fresh(engine, notify=True)
+                    batch.append(timed("classic", phase, lambda i: sy.csys.enqueue_one(engine, i)))
+                if "classic_pg" in sy.classics:
+                    sy.cpg.create()
+                    with sy.cpg.producer() as prod:
+                        batch.append(timed("classic_pg", phase, functools.partial(pg_enqueue, prod)))
+                _, task = make_app(sy.qsys, Recorder())
+                sy.qsys.fresh(engine)
+                batch.append(timed("defer", phase, functools.partial(defer_one, task, engine)))
+                for r in batch:
+                    r["round"] = rnd
+                    one = r["single_enqueue"]
+                    print(f"... enqueue round {rnd}: {r['system']:<10} / {phase:<6} {one['jobs_per_s']:,.0f} "
+                          f"jobs/s, call p50 {one['call_ms']['p50_ms']:.2f} ms, client CPU "
+                          f"{one['client_cpu_us_per_job']:.0f} us/job", flush=True)
+                results += batch
+    finally:
+        sy.drop(engine)
+    return results
+
+
+def summarise_enqueue(results: list[dict[str, Any]], classics: list[str]) -> dict[str, Any]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault((r["system"], r["phase"]), []).append(r)
+    med = {f"{s}/{p}": {"rounds": len(rs),
+                        "jobs_per_s": median([r["single_enqueue"]["jobs_per_s"] for r in rs]),
+                        "call_p50_ms": median([r["single_enqueue"]["call_ms"]["p50_ms"] for r in rs]),
+                        "client_cpu_us_per_job": median([r["single_enqueue"]["client_cpu_us_per_job"]
+                                                         for r in rs])}
+           for (s, p), rs in groups.items()}
+    ratios: dict[str, Any] = {}
+    targets: dict[str, Any] = {}
+    for phase in PHASES:
+        d = med.get(f"defer/{phase}")
+        cl = [(med[k]["jobs_per_s"], c) for c in classics if (k := f"{c}/{phase}") in med]
+        if d is None or not cl:
+            continue
+        best = max(cl)
+        rr = bs.ratio(d["jobs_per_s"], best[0])
+        # the median call is steadier than the rate on a shared host (a rate is its mean)
+        by_p50 = bs.ratio(med[f"{best[1]}/{phase}"]["call_p50_ms"], d["call_p50_ms"])
+        ratios[phase] = {"better_classic": best[1], "defer_vs_classic": rr,
+                         "defer_vs_classic_by_call_p50": by_p50}
+        targets[f"{phase}_defer_vs_classic"] = verdict(rr, ">=", TARGETS["defer_vs_classic"])
+    return {"medians": med, "ratios": ratios, "targets": targets}
+
+
+def print_enqueue(summary: dict[str, Any]) -> None:
+    print("\nSingle enqueue, one thread (medians over the rounds):")
+    print(format_table(["system/phase", "rounds", "jobs/s", "call p50 ms", "client CPU µs/job"],
+                       [[k, m["rounds"], bs.fmt(m["jobs_per_s"]), bs.fmt(m["call_p50_ms"], ".2f"),
+                         bs.fmt(m["client_cpu_us_per_job"], ".0f")] for k, m in summary["medians"].items()]))
+    for phase, rr in summary["ratios"].items():
+        print(f"  {phase:<6} defer / {rr['better_classic']}: {bs.times(rr['defer_vs_classic'])} "
+              f"(by the median call: {bs.times(rr['defer_vs_classic_by_call_p50'])})")
+    bs.print_targets(summary["targets"], "single defer")
+
+
+# -- main -------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=(*MODES, "all"), default="all")
@@ -450,19 +914,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--phases", default=",".join(PHASES), type=lambda s: s.split(","))
-    p.add_argument("--rate", type=float, default=500.0)
+    p.add_argument("--classics", default=",".join(CLASSICS), type=lambda s: s.split(","),
+                   help="the classic queues to run beside qstore: sqlalchemy, psycopg or both")
+    p.add_argument("--classic-pg-driver", choices=("threads", "asyncio"), default="threads",
+                   help="how the psycopg classic queue runs its workers")
+    p.add_argument("--skip-storage", action="store_true", help="drain: no storage-level loop")
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[500.0, 2000.0],
+                   help="pickup: offered rates, jobs/s (comma-separated)")
+    p.add_argument("--rate", dest="rates", type=lambda s: [float(s)],
+                   help="pickup: one offered rate (same as --rates with one value)")
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--warmup", type=float, default=2.0)
-    p.add_argument("--producers", type=int, default=2)
+    p.add_argument("--producers", type=int, default=4)
+    p.add_argument("--poll-interval", type=float, default=1.0,
+                   help="pickup: the classic workers' polling fallback (seconds)")
+    p.add_argument("--enqueue-seconds", type=float, default=5.0)
+    p.add_argument("--account-jobs", type=int, default=5_000,
+                   help="drain: jobs of the traced accounting run per system (0: none)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a drain may take")
     p.add_argument("--qstore-schema", default="bench_worker_qstore")
     p.add_argument("--classic-schema", default="bench_worker_classic")
+    p.add_argument("--classic-pg-schema", default="bench_worker_classic_pg")
     p.add_argument("--json", type=Path)
     p.add_argument("--schedule", type=schedule_setting, action="append", default=[], metavar="FIELD=VALUE",
                    help="a MaintenanceSchedule field of the worker's maintainer (repeatable), e.g. "
                         "claim_ring_turn_bytes=0")
     args = p.parse_args(argv)
     args.schedule = MaintenanceSchedule(**dict(args.schedule)) if args.schedule else None
+    if any(c not in CLASSICS for c in args.classics):
+        p.error(f"--classics must name some of {', '.join(CLASSICS)}")
+    if any(x not in PHASES for x in args.phases):
+        p.error(f"--phases must be a subset of {','.join(PHASES)}")
     return args
 
 
@@ -473,8 +955,10 @@ def main(argv: list[str] | None = None) -> int:
     exact = ensure_pgstattuple(engine)
     info = server_info(engine)
     pg = info["postgres"]
-    print(f"bench_worker: {args.jobs:,} jobs, concurrency {args.concurrency}, PostgreSQL "
-          f"{pg['server_version']}, autovacuum {pg['autovacuum']}, {info['cpus']} CPUs")
+    classics = [CLASSICS[c] for c in args.classics]
+    print(f"bench_worker: {args.jobs:,} jobs, concurrency {args.concurrency}, classics "
+          f"{', '.join(classics)}, PostgreSQL {pg['server_version']}, autovacuum {pg['autovacuum']}, "
+          f"{info['cpus']} CPUs")
     payload: dict[str, Any] = {
         "command": " ".join(["python", "scripts/bench_worker.py", *(argv or sys.argv[1:])]),
         "machine": info, "config": {k: str(v) for k, v in vars(args).items() if k != "url"},
@@ -483,16 +967,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.mode in ("drain", "all"):
             drained = run_drain(engine, args, exact)
-            summary = summarise_drain(drained)
+            summary = summarise_drain(drained, args.jobs, classics)
             print_drain(drained, summary)
             payload["drain"] = {"results": drained, "summary": summary}
             problems += [f"drain {r['system']}/{r['phase']}: {p}" for r in drained for p in r["problems"]]
+            if args.account_jobs > 0:
+                accounted = run_accounting(engine, args, exact)
+                print_accounting(accounted)
+                payload["drain"]["accounting"] = accounted
+                problems += [f"accounting {r['system']}: {p}" for r in accounted for p in r["problems"]]
         if args.mode in ("pickup", "all"):
             picked = run_pickup(engine, args, exact)
-            summary = summarise_pickup(picked)
+            summary = summarise_pickup(picked, classics)
             print_pickup(picked, summary)
             payload["pickup"] = {"results": picked, "summary": summary}
-            problems += [f"pickup {r['phase']}: {p}" for r in picked for p in r["problems"]]
+            problems += [f"pickup {r['system']}/{r['offered_rate']:g}/{r['phase']}: {p}"
+                         for r in picked for p in r["problems"]]
+        if args.mode in ("enqueue", "all"):
+            enq = run_enqueue(engine, args)
+            summary = summarise_enqueue(enq, classics)
+            print_enqueue(summary)
+            payload["enqueue"] = {"results": enq, "summary": summary}
     finally:
         engine.dispose()
     payload["problems"] = problems

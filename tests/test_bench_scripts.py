@@ -171,21 +171,61 @@ def test_worker_bench_drains_every_job_with_each_variant(fresh_db_url, tmp_path)
     assert data["pickup"]["n"] == 5
 
 
-def test_worker_bench_drains_through_the_worker_beside_both_loops_and_times_pickup_via_defer(
+def test_worker_bench_drains_through_the_worker_beside_both_classic_queues_and_the_storage_loop(
         fresh_db_url, tmp_path):
     out = tmp_path / "worker_vs.json"
     proc = run_script("bench_worker.py", "--url", fresh_db_url, "--jobs", "300", "--concurrency", "4",
-                      "--rate", "50", "--duration", "1", "--warmup", "0.2", "--json", str(out))
+                      "--rates", "50", "--duration", "1", "--warmup", "0.2", "--enqueue-seconds", "0.3",
+                      "--account-jobs", "200", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     drained = data["drain"]["results"]
+    systems = ("classic", "classic_pg", "storage", "worker")
     assert {(r["system"], r["phase"]) for r in drained} == {
-        (s, p) for s in ("classic", "storage", "worker") for p in ("clean", "pinned")}
+        (s, p) for s in systems for p in ("clean", "pinned")}
     assert all(r["drain"]["jobs"] == 300 and not r["problems"] for r in drained)
+    for r in drained:  # the server's and the client's cost, per job
+        d = r["drain"]
+        assert d["wal_bytes_per_job"] > 0 and d["server_xacts_per_job"] > 0, (r["system"], d)
+        assert d["client_cpu_us_per_job"] > 0 and d["server_active_us_per_job"] >= 0, (r["system"], d)
+    # the classic queues leave their claim's update and their delete of every job behind the pin
+    pinned = {r["system"]: r for r in drained if r["phase"] == "pinned"}
+    assert pinned["classic_pg"]["dead_total"] == pinned["classic"]["dead_total"] == 2 * 300
+    ratios = data["drain"]["summary"]["ratios"]
+    for phase in ("clean", "pinned"):  # against the faster classic queue of the phase
+        rr = ratios[phase]
+        assert rr["vs_classic"] == min(rr["vs_each"].values()), rr
+    accounted = {r["system"]: r for r in data["drain"]["accounting"]}
+    assert set(accounted) == set(systems)
+    # a classic loop is one claim and one DELETE per 10 jobs (plus its few empty claims)
+    assert 0.2 <= accounted["classic_pg"]["round_trips_per_job"] < 0.3
+    assert all(r["round_trips_per_job"] > 0 for r in accounted.values())
     picked = data["pickup"]["results"]
-    assert [r["phase"] for r in picked] == ["clean", "pinned"]
+    assert {(r["system"], r["phase"]) for r in picked} == {
+        (s, p) for s in ("classic", "classic_pg", "worker") for p in ("clean", "pinned")}
     assert all(r["enqueued"] > 0 and not r["problems"] for r in picked)
-    for r in picked:  # the maintainer's runs during the phase, lined up with the pickups
-        overlap = r["tail_overlap"]
+    for r in picked:
+        if r["system"] != "worker":
+            continue
+        overlap = r["tail_overlap"]  # the maintainer's runs during the phase, lined up with the pickups
         assert overlap["promote"]["runs"] >= 2  # every 0.25 s by default
         assert all(0.0 <= o["all_share"] <= 1.0 and 0.0 <= o["tail_share"] <= 1.0 for o in overlap.values())
+    assert set(data["pickup"]["summary"]["targets"]) == {
+        "pickup_p95_vs_classic_50_clean", "pickup_p95_vs_classic_50_pinned"}
+    enqueued = data["enqueue"]["results"]
+    assert {(r["system"], r["phase"]) for r in enqueued} == {
+        (s, p) for s in ("classic", "classic_pg", "defer") for p in ("clean", "pinned")}
+    assert all(r["single_enqueue"]["jobs"] > 0 for r in enqueued)
+    assert {t["result"] for t in data["enqueue"]["summary"]["targets"].values()} <= {"PASS", "FAIL"}
+
+
+def test_psycopg_classic_queue_drains_every_job_exactly_once_with_each_driver_and_claim(
+        fresh_db_url, tmp_path):
+    out = tmp_path / "classic_pg.json"
+    proc = run_script("classic_psycopg.py", "--url", fresh_db_url, "--jobs", "300", "--workers", "4",
+                      "--compare", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert {(r["driver"], r["claim"]) for r in results} == {
+        (d, c) for d in ("asyncio", "threads") for c in ("update", "select")}
+    assert all(r["problems"] == [] and r["jobs_per_s"] > 0 for r in results)

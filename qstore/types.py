@@ -16,9 +16,9 @@ from __future__ import annotations
 import enum
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 __all__ = [
     "BusyCounts",
@@ -158,28 +158,6 @@ class ClaimedRuntimeJob:
     claim: ClaimedEntry
     job: JobRow
     unique_states: str | None = None
-
-
-_T = TypeVar("_T")
-
-
-def assemble(cls: type[_T], values: dict[str, Any]) -> _T:
-    """An instance of the frozen dataclass ``cls`` holding ``values``, built without running
-    its ``__init__``.
-
-    A frozen ``__init__`` pays one ``object.__setattr__`` per field, and the claim path builds
-    a ``JobRow`` (27 fields) and a ``ClaimedEntry`` per claimed job; filling ``__dict__`` at
-    once costs a fraction of that. ``values`` must name every field exactly once (no
-    defaults are applied); the result compares, hashes and prints like one built normally.
-    """
-    obj = object.__new__(cls)
-    obj.__dict__.update(values)
-    return obj
-
-
-def field_names(cls: type) -> frozenset[str]:
-    """The field names of a dataclass (what :func:`assemble` needs)."""
-    return frozenset(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True)

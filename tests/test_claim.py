@@ -15,7 +15,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from qstore import ClaimedEntry, InsertOpts, InsertParams, JobRow, JobState, ValidationError
-from qstore.types import ClaimedRuntimeJob, field_names
+from qstore.storage.columns import field_names
+from qstore.types import ClaimedRuntimeJob
 
 UTC = timezone.utc
 ORIGINAL_PRIORITY = "_qstore_original_priority"

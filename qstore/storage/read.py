@@ -19,6 +19,7 @@ from sqlalchemy import Connection, Select, Table, and_, bindparam, case, column,
 from sqlalchemy.types import BigInteger, Text
 
 from qstore.schema import StorageSchema
+from qstore.storage.columns import ORIGINAL_PRIORITY_KEY, payload_fields
 from qstore.storage.context import StorageContext
 from qstore.storage.jobs import stripes_for
 from qstore.storage.statements import attempt_leased, receipt_closed
@@ -112,19 +113,13 @@ def _statements(sch: StorageSchema) -> ReadStatements:
     )
 
 
-def _payload_fields(payload: dict[str, Any] | None) -> dict[str, Any]:
-    p = payload or {}
-    return {"errors": p.get("errors") or None, "metadata": dict(p.get("metadata") or {}),
-            "tags": list(p.get("tags") or []), "progress": p.get("progress")}
-
-
 def snapshot_row(d: Any) -> JobRow:
     """JobRow of a wide snapshot row (deferred, terminal view or DLQ) in its stored state."""
     return JobRow(id=d.job_id, kind=d.kind, queue=d.queue, args=d.args, state=JobState(d.state),
                   priority=d.priority, attempt=d.attempt, run_lease=d.run_lease,
                   max_attempts=d.max_attempts, run_at=d.run_at, created_at=d.created_at,
                   attempted_at=d.attempted_at, finalized_at=d.finalized_at,
-                  unique_key=d.unique_key, unique_states=d.unique_states, **_payload_fields(d.payload))
+                  unique_key=d.unique_key, unique_states=d.unique_states, **payload_fields(d.payload))
 
 
 def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | None:
@@ -145,7 +140,7 @@ def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | Non
                      priority=r.priority, attempt=r.attempt, run_lease=r.run_lease,
                      max_attempts=r.max_attempts, run_at=r.run_at, created_at=r.created_at,
                      attempted_at=r.attempted_at, unique_key=r.unique_key,
-                     unique_states=r.unique_states, **_payload_fields(r.payload))
+                     unique_states=r.unique_states, **payload_fields(r.payload))
         cands.append(((r.run_lease, r.run_at, 2), row))
     for d in conn.execute(s.deferred, arg):
         cands.append(((d.run_lease, d.finalized_at or d.run_at, 3), snapshot_row(d)))
@@ -158,9 +153,9 @@ def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | Non
             state = JobState(x.state) if is_lease else JobState.RUNNING
             attempted = x.attempted_at if is_lease else x.claimed_at
             hb = x.state_heartbeat_at or (x.heartbeat_at if is_lease else None)
-            fields = _payload_fields(body.payload)
+            fields = payload_fields(body.payload)
             if x.effective_priority != x.priority:
-                fields["metadata"].setdefault("_qstore_original_priority", x.priority)
+                fields["metadata"].setdefault(ORIGINAL_PRIORITY_KEY, x.priority)
             if x.progress is not None:
                 fields["progress"] = x.progress
             row = JobRow(id=x.job_id, kind=body.kind, queue=x.queue, args=body.args, state=state,

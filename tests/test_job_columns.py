@@ -1,6 +1,7 @@
 """The declaration of a job's columns (qstore.storage.columns) matches the database: the claim
 statement's columns are ``claim_ready``'s result columns as the installed function reports
-them (names, order and types), and its decoder fills every field of what it builds."""
+them (names, order and types), a job's body columns are those of every table and view that
+holds whole jobs, and the decoders fill every field of what they build."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ from sqlalchemy import text
 from sqlalchemy.dialects import postgresql
 
 from qstore import ClaimedEntry, JobRow, JobState
-from qstore.storage.columns import CLAIMED, ORIGINAL_PRIORITY_KEY, claimed, field_names
+from qstore.storage import columns
+from qstore.storage.columns import (
+    BODY,
+    CLAIMED,
+    ORIGINAL_PRIORITY_KEY,
+    body_job,
+    body_values,
+    claimed,
+    field_names,
+)
 
 PG = postgresql.dialect()
 
@@ -32,8 +42,19 @@ def function_result(engine, schema: str, function: str) -> list[tuple[str, str]]
     return [(r[0], r[1]) for r in rows]
 
 
-def declared(columns) -> list[tuple[str, str]]:
-    return [(c.name, c.type.compile(dialect=PG).lower()) for c in columns]
+def relation_columns(engine, schema: str, relation: str) -> dict[str, str]:
+    """``{name: type}`` of the columns of ``schema.relation`` (a table or a view) in the catalog."""
+    with engine.connect() as conn:
+        rows = conn.execute(text("""
+            SELECT a.attname, format_type(a.atttypid, a.atttypmod)
+            FROM pg_attribute a
+            WHERE a.attrelid = to_regclass(quote_ident(:schema) || '.' || quote_ident(:relation))
+              AND a.attnum > 0 AND NOT a.attisdropped"""), {"schema": schema, "relation": relation}).all()
+    return {r[0]: r[1] for r in rows}
+
+
+def declared(cols) -> list[tuple[str, str]]:
+    return [(c.name, c.type.compile(dialect=PG).lower()) for c in cols]
 
 
 def test_the_claim_declaration_is_claim_ready_s_result(engine, storage):
@@ -50,6 +71,45 @@ def test_a_drifted_declaration_is_told_apart(engine, storage):
     assert declared(swapped) != result
     retyped = [dataclasses.replace(c, type=postgresql.INTEGER()) if c.name == "priority" else c for c in CLAIMED]
     assert declared(retyped) != result
+
+
+@pytest.mark.parametrize("relation", ["ready_entries", "deferred_jobs", "dlq_entries", "done_entries",
+                                      "terminal_jobs"])
+def test_the_body_declaration_is_every_job_table_s(engine, storage, relation):
+    found = relation_columns(engine, storage.schema(), relation)
+    assert found, relation
+    assert [(c.name, found.get(c.name)) for c in BODY] == declared(BODY)
+
+
+def test_a_declaration_missing_a_field_is_refused():
+    """The decoder is generated at import only from a declaration that fills every field."""
+    no_kind = tuple(c for c in CLAIMED if c.name != "kind")
+    with pytest.raises(TypeError, match=r"JobRow\.kind"):
+        columns._fixed_fields(no_kind, state=JobState.RUNNING)
+    typo = tuple(dataclasses.replace(c, job=("progres",)) if c.name == "deadline_at" else c for c in CLAIMED)
+    with pytest.raises(TypeError, match="progres"):
+        columns._check_fills(typo, columns._fixed_fields(typo, state=JobState.RUNNING), "lease_claim_receipt")
+    with pytest.raises(TypeError, match="ClaimedEntry"):
+        columns._check_fills(CLAIMED, columns._fixed_fields(CLAIMED, state=JobState.RUNNING), "no_such_field")
+
+
+def test_a_body_reads_back_as_it_was_written():
+    now = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    job = JobRow(id=7, kind="k", queue="q#1", args={"a": [1]}, state=JobState.RETRYABLE, priority=3, attempt=2,
+                 run_lease=4, max_attempts=5, run_at=now, created_at=now, attempted_at=now,
+                 errors=[{"error": "x"}], metadata={"m": 1}, tags=["t"], unique_key=b"k", unique_states="11111000",
+                 progress={"p": 1})
+    values = body_values(job)
+    assert list(values) == [c.name for c in BODY]
+    assert values["payload"] == {"metadata": {"m": 1}, "tags": ["t"], "errors": [{"error": "x"}], "progress": {"p": 1}}
+
+    class Row:
+        pass
+
+    stored = Row()
+    vars(stored).update(values)
+    assert body_job(stored, JobState.RETRYABLE) == job
+    assert body_values(dataclasses.replace(job, errors=None, metadata={}, tags=[], progress=None))["payload"] is None
 
 
 def row(**values: object) -> tuple[object, ...]:

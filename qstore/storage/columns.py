@@ -1,11 +1,16 @@
-"""A job's columns, declared once: what SQL hands back for a job and which field of the
-public types each column fills.
+"""A job's columns, declared once: what SQL stores and hands back for a job and which field of
+the public types each column fills.
 
-:data:`CLAIMED` is the result of the server function ``claim_ready``, in order. The claim
-statement selects these columns (:func:`qstore.storage.claim.claim_physical`) and
-:func:`claimed` decodes one row of them into a :class:`~qstore.types.ClaimedRuntimeJob`;
-``tests/test_job_columns.py`` compares the declaration with the function's result columns as
-the database reports them, so the two cannot drift apart.
+* :data:`BODY` — a job's durable body, as every table holding a whole job stores it (ready
+  rows, deferred and DLQ rows, wide done rows, the ``terminal_jobs`` view):
+  :func:`body_job` reads one into a :class:`~qstore.types.JobRow`, :func:`body_values`
+  writes a JobRow's back.
+* :data:`CLAIMED` — the result of the server function ``claim_ready``, in order: the claim
+  statement selects these columns (:func:`qstore.storage.claim.claim_physical`) and
+  :func:`claimed` decodes one row of them into a :class:`~qstore.types.ClaimedRuntimeJob`.
+
+``tests/test_job_columns.py`` compares both with the tables and the function as the database
+reports them, so the declaration and the schema cannot drift apart.
 
 A job's payload (the ``payload`` column) holds its metadata, tags, errors and progress, each
 omitted when empty (:func:`~qstore.storage.jobs.build_payload` writes it, :func:`payload_fields`
@@ -17,15 +22,17 @@ from __future__ import annotations
 import keyword
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, fields
+from operator import attrgetter
 from typing import Any
 
 from sqlalchemy.types import TypeEngine
 
 from qstore.schema.types import BIGINT, BYTES, INT, JSON, SMALLINT, TEXT, TS
+from qstore.storage.jobs import build_payload
 from qstore.types import ClaimedEntry, ClaimedRuntimeJob, JobRow, JobState
 
-__all__ = ["CLAIMED", "ORIGINAL_PRIORITY_KEY", "PAYLOAD_FIELDS", "JobColumn", "claimed", "field_names",
-           "payload_fields"]
+__all__ = ["BODY", "CLAIMED", "ORIGINAL_PRIORITY_KEY", "PAYLOAD_FIELDS", "JobColumn", "body_job",
+           "body_values", "claimed", "evolve", "field_names", "payload_fields"]
 
 #: The metadata key a job claimed at an aged (raised) priority keeps its own priority under.
 ORIGINAL_PRIORITY_KEY = "_qstore_original_priority"
@@ -44,6 +51,25 @@ class JobColumn:
     job: tuple[str, ...] = ()
     claim: str | None = None
 
+
+#: A job's body: what it was enqueued with and where its attempts stand. ``priority`` is the
+#: lane's (the one it was enqueued or moved at); ``payload`` holds :data:`PAYLOAD_FIELDS`.
+BODY: tuple[JobColumn, ...] = (
+    JobColumn("job_id", BIGINT, job=("id",)),
+    JobColumn("kind", TEXT, job=("kind",)),
+    JobColumn("queue", TEXT, job=("queue",)),
+    JobColumn("args", JSON, job=("args",)),
+    JobColumn("priority", SMALLINT, job=("priority",)),
+    JobColumn("attempt", SMALLINT, job=("attempt",)),
+    JobColumn("run_lease", BIGINT, job=("run_lease",)),
+    JobColumn("max_attempts", SMALLINT, job=("max_attempts",)),
+    JobColumn("run_at", TS, job=("run_at",)),
+    JobColumn("created_at", TS, job=("created_at",)),
+    JobColumn("attempted_at", TS, job=("attempted_at",)),
+    JobColumn("unique_key", BYTES, job=("unique_key",)),
+    JobColumn("unique_states", TEXT, job=("unique_states",)),
+    JobColumn("payload", JSON),
+)
 
 #: ``claim_ready``'s result: where the claimed attempt lives (ring slots and generations, the
 #: lane) and the claimed job. ``priority`` is the lane's, ``effective_priority`` the (aged)
@@ -117,6 +143,57 @@ def _check_fills(columns: Sequence[JobColumn], fixed: dict[str, Any], receipt_fi
     if sorted(entry) != sorted(field_names(ClaimedEntry)):
         raise TypeError(f"the columns fill ClaimedEntry fields {sorted(entry)}, "
                         f"ClaimedEntry has {sorted(field_names(ClaimedEntry))}")
+
+
+# -- a job's body as a JobRow ----------------------------------------------------------------
+# A body is read into a JobRow and copied a few times on its way to its next state (new
+# errors and attempt, a cleared progress, the public row of its new state). Each copy gets its
+# __dict__ filled at once instead of running dataclasses.replace (a Python loop over the
+# fields) and the frozen __init__ (one object.__setattr__ per field); the copies compare,
+# hash and print like instances built normally.
+_JOB_FIELDS = field_names(JobRow)
+_BODY_FIELDS = tuple(f for c in BODY for f in c.job)
+_BODY_READ = attrgetter(*(c.name for c in BODY for _ in c.job))
+_BODY_REST = _fixed_fields(BODY, state=None)
+if sorted([*_BODY_FIELDS, *PAYLOAD_FIELDS, *_BODY_REST]) != sorted(_JOB_FIELDS):
+    raise TypeError(f"BODY fills {sorted(_BODY_FIELDS)}: not JobRow fields, or one twice")
+if any(hasattr(cls, "__post_init__") for cls in (JobRow, ClaimedEntry, ClaimedRuntimeJob)):
+    raise TypeError("JobRow, ClaimedEntry and ClaimedRuntimeJob are built here without their __init__")
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _job(values: dict[str, Any]) -> JobRow:
+    """A JobRow holding ``values``, which name every field (and nothing else)."""
+    if len(values) != len(_JOB_FIELDS):
+        raise TypeError(f"JobRow has no field {sorted(values.keys() - _JOB_FIELDS)}")
+    job = _new(JobRow)
+    _set(job, "__dict__", values)
+    return job
+
+
+def evolve(job: JobRow, **changes: Any) -> JobRow:
+    """``job`` with ``changes`` to its fields (``dataclasses.replace``, faster)."""
+    return _job({**vars(job), **changes})
+
+
+def body_job(row: Any, state: JobState, **fields: Any) -> JobRow:
+    """The :class:`~qstore.types.JobRow` of ``row`` (anything with the :data:`BODY` columns as
+    attributes) in ``state``, with ``fields`` set over it; every other field is empty."""
+    values = dict(_BODY_REST)
+    values.update(zip(_BODY_FIELDS, _BODY_READ(row)))  # noqa: B905 - equal lengths by construction
+    values.update(payload_fields(row.payload))
+    values["state"] = state
+    values.update(fields)
+    return _job(values)
+
+
+def body_values(job: JobRow) -> dict[str, Any]:
+    """The :data:`BODY` columns of ``job`` as a row stores them (its payload built from its
+    metadata, tags, errors and progress: empty members omitted, an empty payload NULL)."""
+    values = {c.name: getattr(job, c.job[0]) for c in BODY if c.job}
+    values["payload"] = build_payload(job.metadata, job.tags, job.errors, job.progress)
+    return values
 
 
 # -- decoding a claimed row -------------------------------------------------------------------

@@ -15,14 +15,18 @@ from qstore.errors import (
 )
 from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule, TaskReport
 from qstore.schema import build_metadata
-from qstore.status import schema_health, status_report
+from qstore.status import SchemaHealth, StatusReport, schema_health, status_report
 from qstore.storage import QueueStorage
+from qstore.storage.listen import Listener
 from qstore.types import (
     BusyCounts,
     CallbackConfig,
     CallbackPollResult,
     ClaimedEntry,
     ClaimedRuntimeJob,
+    DlqEntry,
+    InsertOpts,
+    InsertParams,
     JobRow,
     JobState,
     ListDlqFilter,
@@ -33,6 +37,8 @@ from qstore.types import (
     RotateOutcome,
     SkipReason,
     TerminalDeltaRollupOutcome,
+    UniqueOpts,
+    Wakeup,
 )
 
 __all__ = [
@@ -46,9 +52,13 @@ __all__ = [
     "ClaimedEntry",
     "ClaimedRuntimeJob",
     "DatabaseError",
+    "DlqEntry",
+    "InsertOpts",
+    "InsertParams",
     "JobRow",
     "JobState",
     "ListDlqFilter",
+    "Listener",
     "Maintainer",
     "MaintenanceSchedule",
     "PartialCommitError",
@@ -60,13 +70,17 @@ __all__ = [
     "QueueStorageError",
     "RetryFromDlqOpts",
     "RotateOutcome",
+    "SchemaHealth",
     "SchemaNotInstalledError",
     "ShapeMismatchError",
     "SkipReason",
+    "StatusReport",
     "TaskReport",
     "TerminalDeltaRollupOutcome",
     "UniqueConflictError",
+    "UniqueOpts",
     "ValidationError",
+    "Wakeup",
     "build_metadata",
     "schema_health",
     "status_report",

@@ -1,14 +1,24 @@
-"""Immutable row and value types returned by the storage API."""
+"""The public types: what a caller passes to the storage API and what it gets back.
+
+Inputs: :class:`InsertParams` (with :class:`InsertOpts` and :class:`UniqueOpts`),
+:class:`CallbackConfig`, :class:`ListDlqFilter`, :class:`RetryFromDlqOpts`. Results:
+:class:`JobRow` (in a :class:`JobState`), :class:`ClaimedRuntimeJob` (a :class:`ClaimedEntry`
+and its job), :class:`QueueCounts`, :class:`QueueClaimerLease`, :class:`CallbackPollResult`,
+:class:`DlqEntry`, :class:`Wakeup` and the maintenance outcomes (:class:`RotateOutcome`,
+:class:`PruneOutcome` with its :class:`SkipReason`, :class:`BusyCounts`,
+:class:`TerminalDeltaRollupOutcome`). Every one is exported from :mod:`qstore`; the input
+types are checked by the operation that receives them, which raises
+:class:`~qstore.errors.ValidationError` naming the bad value.
+"""
 
 from __future__ import annotations
 
 import enum
 import uuid
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
-
-from qstore.schema.types import JOB_STATES
+from typing import Any
 
 __all__ = [
     "BusyCounts",
@@ -17,6 +27,8 @@ __all__ = [
     "ClaimedEntry",
     "ClaimedRuntimeJob",
     "DlqEntry",
+    "InsertOpts",
+    "InsertParams",
     "JobRow",
     "JobState",
     "ListDlqFilter",
@@ -27,10 +39,15 @@ __all__ = [
     "RotateOutcome",
     "SkipReason",
     "TerminalDeltaRollupOutcome",
+    "UniqueOpts",
+    "Wakeup",
 ]
 
 
 class JobState(str, enum.Enum):
+    """A job's state. The declaration order is the order of the database's ``job_state``
+    enum and of the bits of a ``unique_states`` mask."""
+
     SCHEDULED = "scheduled"
     AVAILABLE = "available"
     RUNNING = "running"
@@ -43,12 +60,51 @@ class JobState(str, enum.Enum):
     @property
     def bit(self) -> int:
         """Bit index in a ``unique_states`` mask (enum declaration order)."""
-        return JOB_STATES.index(self.value)
+        return _STATE_BITS[self]
+
+
+_STATE_BITS = {state: i for i, state in enumerate(JobState)}
+
+
+@dataclass(frozen=True)
+class UniqueOpts:
+    """Uniqueness: which parts form the key and in which states a job holds it."""
+
+    by_queue: bool = False
+    by_args: bool = True
+    by_period: int | None = None
+    states: int = 0b0001_1111  # scheduled, available, running, completed, retryable
+
+
+@dataclass(frozen=True)
+class InsertOpts:
+    """Where and how a new job runs: queue, priority (1 = most urgent .. 4), attempts, a
+    future ``run_at`` (the job is scheduled until then), metadata, tags, uniqueness and an
+    ordering key (jobs with one key share a lane)."""
+
+    queue: str = "default"
+    priority: int = 2
+    max_attempts: int = 25
+    run_at: datetime | None = None
+    deadline_duration: Any = None  # accepted for seed parity; deadlines are per claim call
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    tags: Sequence[str] = ()
+    unique: UniqueOpts | None = None
+    ordering_key: bytes | None = None
+
+
+@dataclass(frozen=True)
+class InsertParams:
+    """One job to enqueue: its kind, its JSON args and its options."""
+
+    kind: str
+    args: Any = field(default_factory=dict)
+    opts: InsertOpts = field(default_factory=InsertOpts)
 
 
 @dataclass(frozen=True)
 class JobRow:
-    """The public view of one job (STORAGE.md §6.1)."""
+    """The public view of one job."""
 
     id: int
     kind: str
@@ -102,28 +158,6 @@ class ClaimedRuntimeJob:
     claim: ClaimedEntry
     job: JobRow
     unique_states: str | None = None
-
-
-_T = TypeVar("_T")
-
-
-def assemble(cls: type[_T], values: dict[str, Any]) -> _T:
-    """An instance of the frozen dataclass ``cls`` holding ``values``, built without running
-    its ``__init__``.
-
-    A frozen ``__init__`` pays one ``object.__setattr__`` per field, and the claim path builds
-    a ``JobRow`` (27 fields) and a ``ClaimedEntry`` per claimed job; filling ``__dict__`` at
-    once costs a fraction of that. ``values`` must name every field exactly once (no
-    defaults are applied); the result compares, hashes and prints like one built normally.
-    """
-    obj = object.__new__(cls)
-    obj.__dict__.update(values)
-    return obj
-
-
-def field_names(cls: type) -> frozenset[str]:
-    """The field names of a dataclass (what :func:`assemble` needs)."""
-    return frozenset(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True)
@@ -275,3 +309,21 @@ class DlqEntry:
     dlq_reason: str
     dlq_at: datetime
     original_run_lease: int
+
+
+@dataclass(frozen=True)
+class Wakeup:
+    """What :meth:`Listener.wait <qstore.Listener.wait>` saw.
+
+    ``queues``: logical queues that were notified (new ready work). ``cancels``: attempts
+    ``(job_id, run_lease)`` an operator cancelled. ``missed``: notifications may have been
+    lost (the connection was re-established): treat every queue as notified. An empty
+    wake-up means the timeout passed (or :meth:`Listener.interrupt` was called).
+    """
+
+    queues: frozenset[str] = frozenset()
+    cancels: tuple[tuple[int, int], ...] = ()
+    missed: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.queues or self.cancels or self.missed)

@@ -30,8 +30,7 @@ from sqlalchemy import Engine, text
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchlib import ensure_database, format_table, make_engine
 
-from qstore import QueueStorage, QueueStorageConfig
-from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
 
 
 class CacheMisses:

@@ -70,9 +70,8 @@ from _benchlib import (
 )
 from classic_queue import ClassicQueue
 
-from qstore import QueueStorage, QueueStorageConfig
+from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
 from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
-from qstore.storage.jobs import InsertOpts, InsertParams
 
 QUEUE = "steady"
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/bench_steady"

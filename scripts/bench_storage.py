@@ -219,9 +219,9 @@ class QstoreSystem:
                  deadline: timedelta | None = timedelta(minutes=5)) -> None:
         """``deadline``: the attempt deadline every claim sets (None: the claim's default,
         no deadline)."""
+        from qstore import InsertOpts, InsertParams
         from qstore.config import QueueStorageConfig
         from qstore.storage import QueueStorage
-        from qstore.storage.jobs import InsertOpts, InsertParams
 
         self.storage = QueueStorage(QueueStorageConfig(schema=schema))
         self.schema = schema

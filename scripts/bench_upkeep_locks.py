@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _benchlib import ensure_database, make_engine, server_info
 
-from qstore import QueueStorage, QueueStorageConfig
-from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/bench_upkeep"
 QUEUE = "locks"

@@ -39,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _benchlib import ensure_database, latency_summary, make_engine, server_info
 
-from qstore import QueueStorage, QueueStorageConfig
-from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
 from qstore.tasks import App, JobContext
 from qstore.worker import Worker, WorkerSettings
 

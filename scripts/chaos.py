@@ -80,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _benchlib import server_info
 
-from qstore import QueueStorage, QueueStorageConfig
+from qstore import InsertOpts, InsertParams, Listener, QueueStorage, QueueStorageConfig, UniqueOpts
 from qstore.embedded import server_url
 from qstore.errors import DatabaseError, UniqueConflictError
 from qstore.runtime.maintainer import (
@@ -91,8 +91,7 @@ from qstore.runtime.maintainer import (
     TaskReport,
 )
 from qstore.status import hold_rings
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts, logical_queue
-from qstore.storage.listen import Listener
+from qstore.storage.jobs import logical_queue
 from qstore.types import ClaimedRuntimeJob, JobRow, JobState, TerminalDeltaRollupOutcome
 
 SCHEMA = "chaos"

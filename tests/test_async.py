@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
+from qstore import InsertParams
 from qstore.aio import AsyncQueueStorage
-from qstore.storage.jobs import InsertParams
 
 
 def _run(coro):  # type: ignore[no-untyped-def]

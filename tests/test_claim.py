@@ -14,9 +14,9 @@ from jobtools import attempt_table, both_receipt_modes, install_in_mode, relatio
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from qstore import ClaimedEntry, JobRow, JobState, ValidationError
-from qstore.storage.jobs import InsertOpts, InsertParams
-from qstore.types import ClaimedRuntimeJob, field_names
+from qstore import ClaimedEntry, InsertOpts, InsertParams, JobRow, JobState, ValidationError
+from qstore.storage.columns import field_names
+from qstore.types import ClaimedRuntimeJob
 
 UTC = timezone.utc
 ORIGINAL_PRIORITY = "_qstore_original_priority"

@@ -12,9 +12,8 @@ import pytest
 from jobtools import add, count, params, running
 from sqlalchemy import text
 
-from qstore import QueueStorage
+from qstore import QueueStorage, UniqueOpts
 from qstore.cli import main
-from qstore.storage.jobs import UniqueOpts
 from qstore.types import JobState
 
 

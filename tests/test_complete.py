@@ -8,8 +8,7 @@ from jobtools import relation_locks, requeue
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from qstore import JobState, ValidationError
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
+from qstore import InsertOpts, InsertParams, JobState, UniqueOpts, ValidationError
 
 
 def job(args: object = None, **opts: object) -> InsertParams:

@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 from sqlalchemy import create_engine, text
 
-from qstore import DatabaseError, QueueStorage, QueueStorageConfig
-from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore import DatabaseError, InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
 
 JOBS = 400
 EMPTY_ROUNDS = 3  # consecutive empty claims before a consumer believes the queue is drained

@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, func, select, text, update
 
-from qstore import QueueStorage
+from qstore import InsertOpts, InsertParams, QueueStorage
 from qstore.errors import ValidationError
-from qstore.storage.jobs import InsertOpts, InsertParams
 from qstore.types import PruneOutcome, TerminalDeltaRollupOutcome
 
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}

@@ -7,8 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from sqlalchemy import text
 
-from qstore import JobState, QueueCounts, ValidationError
-from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore import InsertOpts, InsertParams, JobState, QueueCounts, ValidationError
 
 UTC = timezone.utc
 

@@ -9,8 +9,8 @@ import pytest
 from jobtools import census, claim, count, params, running, state
 from sqlalchemy import text
 
-from qstore import UniqueConflictError, ValidationError
-from qstore.storage.jobs import UniqueOpts, logical_queue
+from qstore import UniqueConflictError, UniqueOpts, ValidationError
+from qstore.storage.jobs import logical_queue
 from qstore.types import ClaimedRuntimeJob, JobState, ListDlqFilter, RetryFromDlqOpts
 
 UTC = timezone.utc

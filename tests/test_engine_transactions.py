@@ -12,8 +12,7 @@ import pytest
 from jobtools import add, params
 from sqlalchemy import create_engine, event, text
 
-from qstore import DatabaseError, PartialCommitError
-from qstore.storage.jobs import UniqueOpts
+from qstore import DatabaseError, PartialCommitError, UniqueOpts
 from qstore.types import JobState
 
 

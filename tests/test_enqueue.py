@@ -14,8 +14,15 @@ import psycopg
 import pytest
 from sqlalchemy import event, make_url, text
 
-from qstore import QueueStorage, UniqueConflictError, ValidationError
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts, shard_for_ordering_key
+from qstore import (
+    InsertOpts,
+    InsertParams,
+    QueueStorage,
+    UniqueConflictError,
+    UniqueOpts,
+    ValidationError,
+)
+from qstore.storage.jobs import shard_for_ordering_key
 
 UTC = timezone.utc
 READY_COLS = ("ready_slot", "ready_generation", "job_id", "kind", "queue", "args", "priority",

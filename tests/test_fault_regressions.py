@@ -26,8 +26,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, create_engine, event, text
 
-from qstore import QueueStorage, UniqueConflictError
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
+from qstore import InsertOpts, InsertParams, QueueStorage, UniqueConflictError, UniqueOpts
 from qstore.storage.planes import rings as upkeep
 from qstore.types import ClaimedRuntimeJob, JobState, PruneOutcome, SkipReason
 

@@ -25,11 +25,10 @@ from docblocks import host_recipe
 from sqlalchemy import Engine, create_engine, func, inspect, pool, select, text
 from sqlalchemy.orm import Session
 
-from qstore import QueueStorage, QueueStorageConfig, ValidationError
+from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig, ValidationError
 from qstore.cli import main as qstore_cli
 from qstore.migrate import REVISIONS, VersionRecord, install_state, version_location
 from qstore.runtime.maintainer import Maintainer
-from qstore.storage.jobs import InsertOpts, InsertParams
 
 HEAD = REVISIONS[-1]
 RECIPE = host_recipe()

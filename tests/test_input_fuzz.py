@@ -58,6 +58,8 @@ from qstore import (
     CallbackNotFoundError,
     ClaimedRuntimeJob,
     DatabaseError,
+    InsertOpts,
+    InsertParams,
     JobState,
     ListDlqFilter,
     QueueClaimerLease,
@@ -67,6 +69,7 @@ from qstore import (
     RetryFromDlqOpts,
     SchemaNotInstalledError,
     UniqueConflictError,
+    UniqueOpts,
     ValidationError,
 )
 from qstore.aio import AsyncQueueStorage
@@ -74,7 +77,7 @@ from qstore.config import MAX_CHANNEL_BYTES
 from qstore.errors import describe
 from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
 from qstore.storage.callbacks import RESULT_KEY
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts, unique_states_mask
+from qstore.storage.jobs import unique_states_mask
 
 SCALE = float(os.environ.get("QSTORE_FUZZ_EXAMPLES", "1"))
 SHRINK = os.environ.get("QSTORE_FUZZ_SHRINK", "1") != "0"

@@ -20,16 +20,18 @@ from sqlalchemy import Engine, make_url, text
 
 from qstore import (
     DatabaseError,
+    InsertOpts,
+    InsertParams,
     JobState,
     ListDlqFilter,
     QueueClaimerLease,
     QueueStorage,
     RetryFromDlqOpts,
+    UniqueOpts,
     ValidationError,
 )
 from qstore.config import MAX_CHANNEL_BYTES, channel_name
 from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
 
 NOTHING = dict.fromkeys(("ready_entries", "ready_tombstones", "deferred_jobs", "done_entries", "dlq_entries",
                          "leases", "lease_claims", "lease_claim_closures", "attempt_state"), 0)

@@ -26,8 +26,7 @@ from installs import (
 )
 from sqlalchemy import Engine, text
 
-from qstore import QueueStorage, QueueStorageConfig
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
+from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig, UniqueOpts
 
 UTC = timezone.utc
 SHAPES = {

@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from qstore import JobState, QueueStorage
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
+from qstore import InsertOpts, InsertParams, JobState, QueueStorage, UniqueOpts
 from qstore.types import ClaimedRuntimeJob, RetryFromDlqOpts
 
 Q = "body"

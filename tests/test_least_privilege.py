@@ -13,11 +13,10 @@ import pytest
 from sqlalchemy import Engine, create_engine, pool, text
 from sqlalchemy.engine import make_url
 
-from qstore import QueueStorage
+from qstore import InsertOpts, InsertParams, QueueStorage
 from qstore.cli import main as qstore_cli
 from qstore.runtime.maintainer import Maintainer
 from qstore.schema.grants import runtime_grants, truncated_tables
-from qstore.storage.jobs import InsertOpts, InsertParams
 from qstore.types import PruneOutcome
 
 SCHEMA = "jobs"

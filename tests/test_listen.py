@@ -12,9 +12,8 @@ import pytest
 from outage import OutageProxy
 from sqlalchemy import create_engine, text
 
+from qstore import InsertOpts, InsertParams, Wakeup
 from qstore.errors import ValidationError
-from qstore.storage.jobs import InsertOpts, InsertParams
-from qstore.storage.listen import Wakeup
 
 
 def job(queue: str = "mail", **opts: object) -> InsertParams:

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, event, text
 
-from qstore import QueueStorage, ValidationError
+from qstore import InsertOpts, InsertParams, QueueStorage, ValidationError
 from qstore.cli import main as cli_main
 from qstore.runtime.maintainer import LEADER_KEY_PREFIX, Maintainer, MaintenanceSchedule, RingTick
-from qstore.storage.jobs import InsertOpts, InsertParams
 from qstore.types import JobState
 
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}

@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine
 
-from qstore import QueueStorage
-from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore import InsertOpts, InsertParams, QueueStorage
 
 Q = "race"
 MAX_SECONDS = 40.0  # a bound, not a target: a run stops once it has met every case

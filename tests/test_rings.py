@@ -19,9 +19,8 @@ from operation_cases import (
 )
 from sqlalchemy import Engine, create_engine, event, func, select, text
 
-from qstore import QueueStorage
+from qstore import InsertOpts, InsertParams, QueueStorage, UniqueOpts
 from qstore.errors import UniqueConflictError, ValidationError
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
 from qstore.storage.planes.rings import pristine, pristine_slots, slot_generation
 from qstore.storage.upkeep.rings import TAIL_PROBE
 from qstore.types import BusyCounts, PruneOutcome, RotateOutcome, SkipReason

@@ -13,7 +13,7 @@ import pytest
 from psycopg import pq
 from sqlalchemy import Engine, create_engine
 
-from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore import InsertOpts, InsertParams
 
 
 @pytest.fixture

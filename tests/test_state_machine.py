@@ -29,8 +29,7 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import text
 
-from qstore import QueueStorage
-from qstore.storage.jobs import InsertOpts, InsertParams
+from qstore import InsertOpts, InsertParams, QueueStorage
 from qstore.types import JobState
 
 # -- helpers ----------------------------------------------------------------------------------

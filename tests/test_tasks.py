@@ -13,8 +13,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 from test_round_trips import pooled_pgconn, wire
 
+from qstore import UniqueOpts
 from qstore.errors import ValidationError
-from qstore.storage.jobs import UniqueOpts
 from qstore.tasks import App, Cancel, Fail, JobContext, RetryAfter, Snooze, Task, WaitForCallback
 from qstore.types import JobState
 

@@ -15,8 +15,7 @@ import pytest
 from jobtools import claim
 from sqlalchemy import text
 
-from qstore import UniqueConflictError
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
+from qstore import InsertOpts, InsertParams, UniqueConflictError, UniqueOpts
 from qstore.types import JobState
 
 BIT = {s: 1 << i for i, s in enumerate(

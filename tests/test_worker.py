@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, event, text
 
+from qstore import InsertOpts, InsertParams, UniqueOpts
 from qstore.errors import CallbackWaitEndedError, PartialCommitError, ValidationError
 from qstore.runtime.batcher import CompletionBatcher
 from qstore.runtime.maintainer import MaintenanceSchedule
-from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
 from qstore.tasks import App, Cancel, Fail, JobContext, RetryAfter, Snooze, WaitForCallback
 from qstore.types import JobState
 from qstore.worker import Worker, WorkerSettings

@@ -19,9 +19,9 @@ import pytest
 from sqlalchemy import make_url, text
 from test_worker import eventually
 
+from qstore import InsertOpts, InsertParams
 from qstore.cli import main
 from qstore.runtime.maintainer import LEADER_KEY_PREFIX
-from qstore.storage.jobs import InsertOpts, InsertParams
 from qstore.types import JobState
 
 APP = '''

@@ -286,7 +286,7 @@ def _plot(ctx: DemoContext, samples: Sequence[Sample]) -> None:
 
 def step_job_lifecycle(ctx: DemoContext) -> None:
     """Enqueue (batch and COPY), claim, complete, retry a failure, and show the counts."""
-    from qstore.storage.jobs import InsertOpts, InsertParams
+    from qstore.types import InsertOpts, InsertParams
 
     s, e = ctx.storage, ctx.engine
     opts = InsertOpts(queue=DEMO_QUEUE)

@@ -47,8 +47,7 @@ from qstore.errors import (
 )
 from qstore.outage import OutageLog
 from qstore.storage import QueueStorage
-from qstore.storage.jobs import InsertParams
-from qstore.types import ClaimedRuntimeJob
+from qstore.types import ClaimedRuntimeJob, InsertParams
 
 __all__ = ["BatcherStats", "Completion", "CompletionBatcher"]
 

@@ -53,16 +53,13 @@ from sqlalchemy import Engine
 from qstore.errors import CallbackWaitEndedError, ValidationError
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import (
-    InsertOpts,
-    InsertParams,
-    UniqueOpts,
     validate_aware_datetime,
     validate_kind,
     validate_priority,
     validate_queue,
 )
 from qstore.storage.targets import AsyncTarget, Target
-from qstore.types import ClaimedRuntimeJob, JobRow
+from qstore.types import ClaimedRuntimeJob, InsertOpts, InsertParams, JobRow, UniqueOpts
 
 if TYPE_CHECKING:
     from qstore.aio import AsyncQueueStorage

@@ -7,6 +7,8 @@ from typing import Any
 from sqlalchemy import BigInteger, Enum, Integer, SmallInteger, Text, text
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, REGCLASS, TIMESTAMP, UUID
 
+from qstore.types import JobState
+
 __all__ = [
     "BIGINT",
     "BYTES",
@@ -36,16 +38,8 @@ TS = TIMESTAMP(timezone=True)
 UUIDT = UUID(as_uuid=True)
 NOW = text("clock_timestamp()")
 
-JOB_STATES = (
-    "scheduled",
-    "available",
-    "running",
-    "completed",
-    "retryable",
-    "failed",
-    "cancelled",
-    "waiting_external",
-)
+#: The ``job_state`` enum's labels, in :class:`~qstore.types.JobState`'s declaration order.
+JOB_STATES = tuple(state.value for state in JobState)
 
 
 def job_state_enum(schema: str) -> Enum:

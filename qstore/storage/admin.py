@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -120,7 +120,7 @@ def retry_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | No
     if not rows:
         return None
     queue.delete_done(conn, sch, rows)
-    body = replace(Body.from_snapshot(rows[0]), attempted_at=None)
+    body = Body.from_snapshot(rows[0]).replace(attempted_at=None)
     return destinations.apply(conn, ctx, [(body, Decision(Destination.READY, attempt=0), JobState(rows[0].state))])[0]
 
 
@@ -185,12 +185,12 @@ def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | N
         if new_q == row.queue and new_p == row.priority:
             return False
         snapshot = Body.from_snapshot(row)
-        meta = snapshot.metadata
+        meta = snapshot.job.metadata
         if new_p != row.priority:
             meta = _stamp(meta, ORIGINAL_PRIORITY, row.priority)
         if new_q != row.queue:
             meta = _stamp(meta, ORIGINAL_QUEUE, logical_queue(row.queue))
-        queue.move_scheduled(conn, sch, job_id, new_q, new_p, replace(snapshot, metadata=meta).payload)
+        queue.move_scheduled(conn, sch, job_id, new_q, new_p, snapshot.replace(metadata=meta).payload)
         return True
     for r in conn.execute(s.ready_candidates, {"b_job": job_id}).all():
         new_q = _target_queue(sch, r.queue, new_queue, job_id)
@@ -200,12 +200,12 @@ def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | N
         body = _take_available(conn, sch, r)
         if body is None:
             continue
-        meta = body.metadata
+        meta = body.job.metadata
         if new_p != r.priority:
             meta = _stamp(meta, ORIGINAL_PRIORITY, r.priority)
         if new_q != r.queue:
             meta = _stamp(meta, ORIGINAL_QUEUE, logical_queue(r.queue))
-        moved = replace(body, queue=new_q, priority=new_p, metadata=meta)
+        moved = body.replace(queue=new_q, priority=new_p, metadata=meta)
         destinations.apply(conn, ctx, [(moved, Decision(Destination.READY), JobState.AVAILABLE)])
         return True
     return False
@@ -233,7 +233,7 @@ def age_waiting_priorities(ctx: StorageContext, conn: Connection, aging_interval
         body = _take_available(conn, sch, r)
         if body is None:
             continue
-        lifted = replace(body, priority=r.priority - 1, metadata=_stamp(body.metadata, ORIGINAL_PRIORITY, r.priority))
+        lifted = body.replace(priority=r.priority - 1, metadata=_stamp(body.job.metadata, ORIGINAL_PRIORITY, r.priority))
         destinations.apply(conn, ctx, [(lifted, Decision(Destination.READY), JobState.AVAILABLE)])
         moved.append(r.job_id)
     return moved

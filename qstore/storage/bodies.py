@@ -1,9 +1,10 @@
 """The job body as operations carry it between reading and writing.
 
-* :class:`Taken` — a just-finished attempt with its hydrated body (what the execution plane
-  hands over when it takes an attempt out of running);
-* :class:`Body` — a job's durable body plus where its attempt stood, the input of every
+* :class:`Body` — a job's durable body (a :class:`~qstore.types.JobRow`) plus, for a job
+  taken from the ready ring, where its ready row sits (:class:`ReadyKey`): the input of every
   write of a job's next state (ready, deferred, terminal, DLQ);
+* :class:`Taken` — a just-ended attempt: its body and its ready row's payload as stored
+  (what the execution plane hands over when it takes an attempt out of running);
 * :func:`job_row` — the public :class:`~qstore.types.JobRow` of a body in a given state.
 
 Payload rules: metadata, tags, errors and progress, empty members omitted (an empty payload
@@ -12,127 +13,92 @@ is SQL NULL).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from qstore.storage.columns import body_job, evolve
 from qstore.storage.jobs import build_payload
 from qstore.types import JobRow, JobState
 
-__all__ = ["Body", "Taken", "error_entry", "job_row"]
+__all__ = ["Body", "ReadyKey", "Taken", "error_entry", "job_row"]
 
 
 @dataclass(frozen=True)
-class Taken:
-    """A just-finished attempt with its hydrated body."""
+class ReadyKey:
+    """Where a job's ready row sits in the queue ring: the ring slot and generation it was
+    written in, its lane's shard and its position in the lane (the lane's queue and priority
+    are the job's)."""
 
-    job_id: int
-    run_lease: int
-    attempt: int
-    max_attempts: int
-    queue: str
-    priority: int  # lane priority
-    effective_priority: int
-    enqueue_shard: int
-    lane_seq: int
     ready_slot: int
     ready_generation: int
-    kind: str
-    args: Any
-    payload: dict[str, Any] | None
-    run_at: datetime
-    created_at: datetime
-    attempted_at: datetime | None
-    heartbeat_at: datetime | None
-    deadline_at: datetime | None
-    unique_key: bytes | None
-    unique_states: str | None
-    progress: Any
-    old_state: JobState
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return dict((self.payload or {}).get("metadata") or {})
-
-    @property
-    def tags(self) -> list[str]:
-        return list((self.payload or {}).get("tags") or [])
-
-    @property
-    def errors(self) -> list[Any]:
-        return list((self.payload or {}).get("errors") or [])
+    enqueue_shard: int
+    lane_seq: int
 
 
 @dataclass(frozen=True)
 class Body:
-    """A job's durable body plus where its attempt stood (ring keys only for claimed ones)."""
+    """A job's durable body on its way to its next state.
 
-    job_id: int
-    kind: str
-    queue: str
-    args: Any
-    priority: int
-    attempt: int
-    run_lease: int
-    max_attempts: int
-    run_at: datetime
-    created_at: datetime
-    unique_key: bytes | None
-    unique_states: str | None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    tags: list[str] = field(default_factory=list)
-    errors: list[Any] = field(default_factory=list)
-    progress: Any = None
-    attempted_at: datetime | None = None
-    # ring keys of the ready row this body came from (narrow done rows need them)
-    ready_slot: int | None = None
-    ready_generation: int | None = None
-    enqueue_shard: int = 0
-    lane_seq: int | None = None
-    effective_priority: int | None = None
+    ``job`` holds the body: what the job was enqueued with (``priority`` is its lane's),
+    where its attempts stand, and its metadata, tags, errors and progress; its ``state`` is
+    the one it was read in, and the fields of an attempt or a state (heartbeat, deadline,
+    finalization, callback) are empty. ``ready`` is where its ready row sits when the body
+    was taken from the ready ring (a done row of it then carries the ready row's keys and
+    only what changed); None for a body read from a wide snapshot (deferred, DLQ, terminal).
+    """
+
+    job: JobRow
+    ready: ReadyKey | None = None
 
     @property
     def payload(self) -> dict[str, Any] | None:
-        return build_payload(self.metadata, self.tags, self.errors, self.progress)
+        """The payload a row of this body stores."""
+        j = self.job
+        return build_payload(j.metadata, j.tags, j.errors, j.progress)
+
+    def replace(self, **changes: Any) -> Body:
+        """This body with ``changes`` to its job's fields (the ready key kept)."""
+        return Body(evolve(self.job, **changes), self.ready)
 
     @classmethod
     def from_taken(cls, t: Taken, progress: Any = None) -> Body:
-        return cls(
-            job_id=t.job_id, kind=t.kind, queue=t.queue, args=t.args, priority=t.priority,
-            attempt=t.attempt, run_lease=t.run_lease, max_attempts=t.max_attempts, run_at=t.run_at,
-            created_at=t.created_at, unique_key=t.unique_key, unique_states=t.unique_states,
-            metadata=t.metadata, tags=t.tags, errors=t.errors,
-            progress=progress if progress is not None else t.progress,
-            attempted_at=t.attempted_at, ready_slot=t.ready_slot,
-            ready_generation=t.ready_generation, enqueue_shard=t.enqueue_shard,
-            lane_seq=t.lane_seq, effective_priority=t.effective_priority,
-        )
+        """The body of a taken attempt; ``progress``, when not None, replaces the attempt's."""
+        return t.body if progress is None else t.body.replace(progress=progress)
 
     @classmethod
     def from_ready(cls, row: Any) -> Body:
         """From a ready row (its ring keys kept: a cancelled one gets a done row of its own)."""
-        p = row.payload or {}
-        return cls(job_id=row.job_id, kind=row.kind, queue=row.queue, args=row.args, priority=row.priority,
-                   attempt=row.attempt, run_lease=row.run_lease, max_attempts=row.max_attempts,
-                   run_at=row.run_at, created_at=row.created_at, unique_key=row.unique_key,
-                   unique_states=row.unique_states, metadata=dict(p.get("metadata") or {}),
-                   tags=list(p.get("tags") or []), errors=list(p.get("errors") or []),
-                   progress=p.get("progress"), attempted_at=row.attempted_at,
-                   ready_slot=row.ready_slot, ready_generation=row.ready_generation,
-                   enqueue_shard=row.enqueue_shard, lane_seq=row.lane_seq)
+        return cls(body_job(row, JobState.AVAILABLE),
+                   ReadyKey(row.ready_slot, row.ready_generation, row.enqueue_shard, row.lane_seq))
 
     @classmethod
     def from_snapshot(cls, row: Any) -> Body:
         """From a deferred / DLQ / terminal_jobs row (wide job snapshot)."""
-        p = row.payload or {}
-        return cls(
-            job_id=row.job_id, kind=row.kind, queue=row.queue, args=row.args, priority=row.priority,
-            attempt=row.attempt, run_lease=row.run_lease, max_attempts=row.max_attempts,
-            run_at=row.run_at, created_at=row.created_at, unique_key=row.unique_key,
-            unique_states=row.unique_states, metadata=dict(p.get("metadata") or {}),
-            tags=list(p.get("tags") or []), errors=list(p.get("errors") or []),
-            progress=p.get("progress"), attempted_at=row.attempted_at,
-        )
+        return cls(body_job(row, JobState(row.state)))
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A just-ended attempt: the job's body (its ``state`` the one the attempt was taken out
+    of, its progress the attempt's) and the payload its ready row stores (a done row need not
+    repeat an equal one)."""
+
+    body: Body
+    payload: dict[str, Any] | None
+
+    @property
+    def job_id(self) -> int:
+        return self.body.job.id
+
+    @property
+    def run_lease(self) -> int:
+        return self.body.job.run_lease
+
+    @property
+    def old_state(self) -> JobState:
+        """The state the attempt was taken out of (running or waiting_external)."""
+        return self.body.job.state
 
 
 def error_entry(message: str, attempt: int, at: datetime, *, terminal: bool) -> dict[str, Any]:
@@ -143,12 +109,8 @@ def error_entry(message: str, attempt: int, at: datetime, *, terminal: bool) -> 
 
 
 def job_row(b: Body, state: JobState, **overrides: Any) -> JobRow:
-    fields: dict[str, Any] = dict(
-        id=b.job_id, kind=b.kind, queue=b.queue, args=b.args, state=state, priority=b.priority,
-        attempt=b.attempt, run_lease=b.run_lease, max_attempts=b.max_attempts, run_at=b.run_at,
-        created_at=b.created_at, attempted_at=b.attempted_at, errors=list(b.errors) or None,
-        metadata=dict(b.metadata), tags=list(b.tags), unique_key=b.unique_key,
-        unique_states=b.unique_states, progress=b.progress,
-    )
-    fields.update(overrides)
-    return JobRow(**fields)
+    """The public row of ``b`` in ``state``, with ``overrides`` set over it; its metadata,
+    tags and errors are its own (a caller changing them changes no body)."""
+    j = b.job
+    return evolve(j, **{"state": state, "metadata": dict(j.metadata), "tags": list(j.tags),
+                        "errors": list(j.errors) if j.errors else None, **overrides})

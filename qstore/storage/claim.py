@@ -19,7 +19,6 @@ import functools
 import logging
 import uuid
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -31,28 +30,19 @@ from sqlalchemy import (
     column,
     select,
 )
-from sqlalchemy.dialects.postgresql import BYTEA, JSONB, TIMESTAMP
-from sqlalchemy.types import TypeEngine
 
 from qstore.errors import failure_line
 from qstore.schema import StorageSchema
 from qstore.storage.checks import ms, seconds
+from qstore.storage.columns import CLAIMED, claimed
 from qstore.storage.context import StorageContext
 from qstore.storage.jobs import stripes_for
 from qstore.storage.planes import control
 from qstore.storage.statements import HotStatement, schema_func
 from qstore.storage.targets import Runner, Transactions
-from qstore.types import (
-    ClaimedEntry,
-    ClaimedRuntimeJob,
-    JobRow,
-    JobState,
-    QueueClaimerLease,
-    assemble,
-)
+from qstore.types import ClaimedEntry, ClaimedRuntimeJob, JobRow, QueueClaimerLease
 
 __all__ = [
-    "ORIGINAL_PRIORITY_KEY",
     "acquire_queue_claimer",
     "claim_batch",
     "claim_job_batch",
@@ -65,18 +55,6 @@ __all__ = [
 
 log = logging.getLogger("qstore.storage")
 
-TS = TIMESTAMP(timezone=True)
-_CLAIM_COLUMNS: list[tuple[str, TypeEngine[Any]]] = [
-    ("claim_slot", Integer()), ("lease_slot", Integer()), ("lease_generation", BigInteger()),
-    ("ready_slot", Integer()), ("ready_generation", BigInteger()), ("queue", Text()),
-    ("priority", Integer()), ("effective_priority", Integer()), ("enqueue_shard", Integer()),
-    ("lane_seq", BigInteger()), ("job_id", BigInteger()), ("run_lease", BigInteger()),
-    ("attempt", Integer()), ("max_attempts", Integer()), ("kind", Text()), ("args", JSONB()),
-    ("run_at", TS), ("created_at", TS), ("claimed_at", TS), ("deadline_at", TS),
-    ("unique_key", BYTEA()), ("unique_states", Text()), ("payload", JSONB()),
-]
-ORIGINAL_PRIORITY_KEY = "_qstore_original_priority"
-
 
 @functools.lru_cache(maxsize=64)
 def _claim_stmt(sch: StorageSchema) -> HotStatement:
@@ -86,45 +64,7 @@ def _claim_stmt(sch: StorageSchema) -> HotStatement:
         bindparam("deadline_ms", type_=BigInteger()), bindparam("aging_ms", type_=BigInteger()),
         bindparam("receipts", type_=Boolean()),
     )
-    return HotStatement(select(fn.table_valued(*(column(n, t) for n, t in _CLAIM_COLUMNS))))
-
-
-def _to_runtime(row: Any, receipts: bool) -> ClaimedRuntimeJob:
-    # positional unpacking (the order of _CLAIM_COLUMNS): named access on a Row costs a key
-    # lookup per column, and this runs once per claimed job
-    (claim_slot, lease_slot, lease_generation, ready_slot, ready_generation, queue, priority,
-     effective_priority, enqueue_shard, lane_seq, job_id, run_lease, attempt, max_attempts,
-     kind, args, run_at, created_at, claimed_at, deadline_at, unique_key, unique_states,
-     payload) = row
-    if payload:
-        metadata = dict(payload.get("metadata") or {})
-        errors = payload.get("errors") or None
-        tags = list(payload.get("tags") or [])
-        progress = payload.get("progress")
-    else:
-        metadata, errors, tags, progress = {}, None, [], None
-    if effective_priority != priority:
-        metadata.setdefault(ORIGINAL_PRIORITY_KEY, priority)
-    # assemble(): one __dict__ fill per object instead of a frozen __init__ (see model.py);
-    # every field is named here; tests/test_claim.py checks these match the dataclasses
-    entry = assemble(ClaimedEntry, {
-        "queue": queue, "priority": priority, "lane_seq": lane_seq, "ready_slot": ready_slot,
-        "ready_generation": ready_generation, "lease_slot": lease_slot,
-        "lease_generation": lease_generation, "claim_slot": claim_slot,
-        "lease_claim_receipt": receipts, "enqueue_shard": enqueue_shard, "job_id": job_id,
-        "run_lease": run_lease,
-    })
-    job = assemble(JobRow, {
-        "id": job_id, "kind": kind, "queue": queue, "args": args, "state": JobState.RUNNING,
-        "priority": effective_priority, "attempt": attempt, "run_lease": run_lease,
-        "max_attempts": max_attempts, "run_at": run_at, "created_at": created_at,
-        "heartbeat_at": claimed_at, "deadline_at": deadline_at, "attempted_at": claimed_at,
-        "finalized_at": None, "errors": errors, "metadata": metadata, "tags": tags,
-        "unique_key": unique_key, "unique_states": unique_states, "callback_id": None,
-        "callback_timeout_at": None, "callback_filter": None, "callback_on_complete": None,
-        "callback_on_fail": None, "callback_transform": None, "progress": progress,
-    })
-    return assemble(ClaimedRuntimeJob, {"claim": entry, "job": job, "unique_states": unique_states})
+    return HotStatement(select(fn.table_valued(*(column(c.name, c.type) for c in CLAIMED))))
 
 
 def claim_physical(run: Runner, sch: StorageSchema, queue: str, max_batch: int,
@@ -135,7 +75,7 @@ def claim_physical(run: Runner, sch: StorageSchema, queue: str, max_batch: int,
         "queue": queue, "max_batch": max_batch, "deadline_ms": deadline_ms,
         "aging_ms": aging_ms, "receipts": receipts,
     })
-    return [_to_runtime(r, receipts) for r in rows]
+    return [claimed(r, receipts) for r in rows]
 
 
 def _claim(ctx: StorageContext, tx: Transactions, queue: str, max_batch: int, deadline_ms: int,

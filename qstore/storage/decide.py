@@ -58,7 +58,7 @@ class Decision:
 
 def exhausted(body: Body) -> bool:
     """The attempt was the job's last (``attempt >= max_attempts``)."""
-    return body.attempt >= body.max_attempts
+    return body.job.attempt >= body.job.max_attempts
 
 
 class Outcome(enum.Enum):

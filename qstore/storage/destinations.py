@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -46,29 +45,34 @@ def backoff(conn: Connection, sch: StorageSchema, attempt: int, max_attempts: in
     return conn.execute(select(schema_func(sch, "backoff_duration", attempt, max_attempts))).scalar_one()
 
 
+def _ready_row(b: Body) -> PreparedJob:
+    """The new ready row of an existing job (its id, body and physical queue kept)."""
+    j = b.job
+    return PreparedJob(kind=j.kind, args=j.args, queue=j.queue, logical=logical_queue(j.queue),
+                       priority=j.priority, max_attempts=j.max_attempts, run_at=None, payload=b.payload,
+                       unique_key=j.unique_key, unique_states=j.unique_states, ordering_key=None, job_id=j.id)
+
+
 def reenqueue(conn: Connection, ctx: StorageContext, bodies: Sequence[Body]) -> list[tuple[Body, datetime]]:
     """Fresh ready rows for existing jobs (lane reservation as enqueue; run_lease kept;
     ``run_at`` = now), NOTIFY on commit. Returns each body with its new ``run_at``."""
     if not bodies:
         return []
     sch = ctx.schema
-    rows = [PreparedJob(
-        kind=b.kind, args=b.args, queue=b.queue, logical=logical_queue(b.queue), priority=b.priority,
-        max_attempts=b.max_attempts, run_at=None, payload=b.payload, unique_key=b.unique_key,
-        unique_states=b.unique_states, ordering_key=None, job_id=b.job_id,
-    ) for b in bodies]
+    rows = [_ready_row(b) for b in bodies]
+    jobs = [b.job for b in bodies]
     assign_lanes(conn, ctx, rows)
-    queue.insert_ready(conn, sch, rows, attempts=[b.attempt for b in bodies],
-                       run_leases=[b.run_lease for b in bodies], created=[b.created_at for b in bodies])
+    queue.insert_ready(conn, sch, rows, attempts=[j.attempt for j in jobs],
+                       run_leases=[j.run_lease for j in jobs], created=[j.created_at for j in jobs])
     queue.notify_queues(conn, sch, {r.logical for r in rows})
     at = now(conn)
-    return [(replace(b, attempted_at=None), at) for b in bodies]
+    return [(b.replace(attempted_at=None), at) for b in bodies]
 
 
 def _transition(b: Body, d: Decision, old: JobState) -> control.Transition:
     # a job that lost its key to another job ends without it (new=None: holds nothing)
     new = None if d.unique_owner is not None else d.new_state
-    return control.Transition(b.job_id, b.unique_key, b.unique_states, old, new)
+    return control.Transition(b.job.id, b.job.unique_key, b.job.unique_states, old, new)
 
 
 def _fail_unique_losers(conn: Connection, sch: StorageSchema,
@@ -76,22 +80,22 @@ def _fail_unique_losers(conn: Connection, sch: StorageSchema,
     """A job whose next state would take its unique key while another job owns it must not
     hold back the others: it ends ``failed`` (terminal) instead, with an error entry naming
     the key and its owner; the first of two jobs of one batch that want a key wins it."""
-    wanted = [(b.unique_key, b.job_id) for b, d, old in items
-              if b.unique_key is not None and control.takes_key(_transition(b, d, old))]
+    wanted = [(b.job.unique_key, b.job.id) for b, d, old in items
+              if b.job.unique_key is not None and control.takes_key(_transition(b, d, old))]
     lost = control.try_acquire_keys(conn, sch, wanted) if wanted else {}
     if not lost:
         return list(items)
     out = []
     for b, d, old in items:
-        owner = lost.get(b.job_id)
+        owner = lost.get(b.job.id)
         if owner is None:
             out.append((b, d, old))
             continue
-        assert b.unique_key is not None and d.new_state is not None
+        assert b.job.unique_key is not None and d.new_state is not None
         who = f"job {owner}" if owner >= 0 else "another job"
-        entry = {"error": f"unique key {b.unique_key.hex()} is owned by {who}; "
+        entry = {"error": f"unique key {b.job.unique_key.hex()} is owned by {who}; "
                           f"the job cannot become {d.new_state.value}",
-                 "attempt": b.attempt, "terminal": True, "unique_owner": owner}
+                 "attempt": b.job.attempt, "terminal": True, "unique_owner": owner}
         out.append((b, Decision(Destination.TERMINAL, JobState.FAILED, error_obj=entry, unique_owner=owner), old))
     return out
 
@@ -110,20 +114,21 @@ def apply(conn: Connection, ctx: StorageContext, items: Sequence[tuple[Body, Dec
         items = _fail_unique_losers(conn, sch, items)
     prepared: list[tuple[Body, Decision, JobState]] = []
     for body, d, old in items:
-        errors = list(body.errors)
+        job = body.job
+        errors = list(job.errors or ())
         if d.error_obj is not None:
             errors.append({**d.error_obj, "at": d.error_obj.get("at", at.isoformat())})
         elif d.error is not None:
-            errors.append(error_entry(d.error, body.attempt, at, terminal=d.terminal_error))
-        attempt = d.attempt if d.attempt is not None else max(0, body.attempt + d.attempt_delta)
-        progress = None if d.clear_progress else body.progress
-        prepared.append((replace(body, errors=errors, attempt=attempt, progress=progress), d, old))
+            errors.append(error_entry(d.error, job.attempt, at, terminal=d.terminal_error))
+        attempt = d.attempt if d.attempt is not None else max(0, job.attempt + d.attempt_delta)
+        progress = None if d.clear_progress else job.progress
+        prepared.append((body.replace(errors=errors or None, attempt=attempt, progress=progress), d, old))
 
     out: list[JobRow | None] = [None] * len(prepared)
     deferred, terminal, dlq, ready = [], [], [], []
     for i, (b, d, _old) in enumerate(prepared):
         if d.destination is Destination.DEFERRED:
-            delay = d.delay if d.delay is not None else backoff(conn, sch, b.attempt, b.max_attempts)
+            delay = d.delay if d.delay is not None else backoff(conn, sch, b.job.attempt, b.job.max_attempts)
             st = d.state or JobState.RETRYABLE
             fin = at if st == JobState.RETRYABLE else None
             deferred.append((b, st, at + delay, fin))
@@ -133,7 +138,7 @@ def apply(conn: Connection, ctx: StorageContext, items: Sequence[tuple[Body, Dec
             terminal.append((b, d.state))
             out[i] = job_row(b, d.state, finalized_at=at)
         elif d.destination is Destination.DLQ:
-            dlq.append((b, d.reason or "dlq", b.run_lease))
+            dlq.append((b, d.reason or "dlq", b.job.run_lease))
             out[i] = job_row(b, JobState.FAILED, finalized_at=at)
         else:
             ready.append((i, b))
@@ -150,9 +155,9 @@ def apply(conn: Connection, ctx: StorageContext, items: Sequence[tuple[Body, Dec
 
 def logical(body: Body) -> str:
     """The logical queue of ``body``'s (physical) queue."""
-    return logical_queue(body.queue)
+    return logical_queue(body.job.queue)
 
 
 def dlq_queues(conn: Connection, sch: StorageSchema, bodies: Sequence[Body]) -> set[str]:
     """Logical queues of ``bodies`` whose DLQ policy is on."""
-    return control.dlq_enabled(conn, sch, {logical_queue(b.queue) for b in bodies})
+    return control.dlq_enabled(conn, sch, {logical_queue(b.job.queue) for b in bodies})

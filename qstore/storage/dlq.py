@@ -11,7 +11,6 @@ row is never shown as available).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import Connection, select, tuple_
@@ -38,7 +37,7 @@ def _move(ctx: StorageContext, conn: Connection, rows: Sequence[Any], reason: st
     queue_plane.delete_done(conn, sch, rows)
     bodies = [Body.from_snapshot(r) for r in rows]
     at = destinations.now(conn)
-    queue_plane.write_dlq(conn, sch, [(b, reason, b.run_lease) for b in bodies], at)
+    queue_plane.write_dlq(conn, sch, [(b, reason, b.job.run_lease) for b in bodies], at)
     return [job_row(b, JobState.FAILED, finalized_at=at) for b in bodies]
 
 
@@ -75,11 +74,11 @@ def _retry_rows(ctx: StorageContext, conn: Connection, rows: Sequence[Any], opts
     at = destinations.now(conn)
     items = []
     for r in rows:
-        body = replace(Body.from_snapshot(r), attempt=0, progress=None, attempted_at=None)
+        body = Body.from_snapshot(r).replace(attempt=0, progress=None, attempted_at=None)
         if opts.queue is not None:
-            body = replace(body, queue=opts.queue)
+            body = body.replace(queue=opts.queue)
         if opts.priority is not None:
-            body = replace(body, priority=opts.priority)
+            body = body.replace(priority=opts.priority)
         if opts.run_at is not None and opts.run_at > at:
             d = Decision(Destination.DEFERRED, JobState.SCHEDULED, delay=opts.run_at - at, clear_progress=True)
         else:

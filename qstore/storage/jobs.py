@@ -1,5 +1,5 @@
-"""Job preparation shared by every path that writes a job body: insert options, validation,
-unique keys, stripe and shard routing, and JobRow hydration helpers."""
+"""Job preparation shared by every path that writes a job body: validation of
+:class:`~qstore.types.InsertParams`, unique keys, payloads, stripe and shard routing."""
 
 from __future__ import annotations
 
@@ -11,20 +11,17 @@ import re
 import struct
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, SupportsIndex
 
 from qstore.errors import ValidationError
-from qstore.types import JobState
+from qstore.types import InsertOpts, InsertParams, JobState, UniqueOpts
 
 __all__ = [
     "DEFAULT_UNIQUE_STATES",
     "MAX_QUEUE_LEN",
-    "InsertOpts",
-    "InsertParams",
     "PreparedJob",
-    "UniqueOpts",
     "logical_queue",
     "ordering_hash",
     "prepare_jobs",
@@ -53,36 +50,6 @@ MAX_JSON_DEPTH = 256
 MAX_JSON_INT_DIGITS = 4000
 _JSON_INT_LIMIT = 10**MAX_JSON_INT_DIGITS
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-@dataclass(frozen=True)
-class UniqueOpts:
-    """Uniqueness: which parts form the key and in which states a job holds it."""
-
-    by_queue: bool = False
-    by_args: bool = True
-    by_period: int | None = None
-    states: int = 0b0001_1111  # scheduled, available, running, completed, retryable
-
-
-@dataclass(frozen=True)
-class InsertOpts:
-    queue: str = "default"
-    priority: int = 2
-    max_attempts: int = 25
-    run_at: datetime | None = None
-    deadline_duration: Any = None  # accepted for seed parity; deadlines are per claim call
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-    tags: Sequence[str] = ()
-    unique: UniqueOpts | None = None
-    ordering_key: bytes | None = None
-
-
-@dataclass(frozen=True)
-class InsertParams:
-    kind: str
-    args: Any = field(default_factory=dict)
-    opts: InsertOpts = field(default_factory=InsertOpts)
 
 
 def unique_states_mask(states: int) -> str:

@@ -43,8 +43,9 @@ from qstore.config import QueueStorageConfig
 from qstore.errors import ValidationError
 from qstore.outage import OutageLog
 from qstore.storage.jobs import validate_queue
+from qstore.types import Wakeup
 
-__all__ = ["Listener", "Wakeup"]
+__all__ = ["Listener"]
 
 log = logging.getLogger("qstore.listen")
 
@@ -53,24 +54,6 @@ log = logging.getLogger("qstore.listen")
 KEEPALIVE_EVERY = 30.0
 #: Reconnect delays (seconds): the first retry is immediate-ish, then they grow to the cap.
 RECONNECT_FIRST, RECONNECT_CAP = 0.1, 5.0
-
-
-@dataclass(frozen=True)
-class Wakeup:
-    """What :meth:`Listener.wait` saw.
-
-    ``queues``: logical queues that were notified (new ready work). ``cancels``: attempts
-    ``(job_id, run_lease)`` an operator cancelled. ``missed``: notifications may have been
-    lost (the connection was re-established): treat every queue as notified. An empty
-    wake-up means the timeout passed (or :meth:`Listener.interrupt` was called).
-    """
-
-    queues: frozenset[str] = frozenset()
-    cancels: tuple[tuple[int, int], ...] = ()
-    missed: bool = False
-
-    def __bool__(self) -> bool:
-        return bool(self.queues or self.cancels or self.missed)
 
 
 @dataclass

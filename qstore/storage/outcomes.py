@@ -47,7 +47,7 @@ def _finish(ctx: StorageContext, conn: Connection, outcome: Outcome, job_id: int
     t = taken[0]
     body = Body.from_taken(t, progress)
     dlq_on = (outcome is Outcome.FAIL_RETRYABLE
-              and bool(control.dlq_enabled(conn, sch, {logical_queue(body.queue)})))
+              and bool(control.dlq_enabled(conn, sch, {logical_queue(body.job.queue)})))
     d = decide(outcome, body, dlq_on=dlq_on, delay=delay, reason=reason, error=error)
     return destinations.apply(conn, ctx, [(body, d, t.old_state)], ready_payloads={t.job_id: t.payload})[0]
 

@@ -19,6 +19,7 @@ from sqlalchemy import Connection, Select, Table, and_, bindparam, case, column,
 from sqlalchemy.types import BigInteger, Text
 
 from qstore.schema import StorageSchema
+from qstore.storage.columns import BODY, ORIGINAL_PRIORITY_KEY, body_job, payload_fields
 from qstore.storage.context import StorageContext
 from qstore.storage.jobs import stripes_for
 from qstore.storage.statements import attempt_leased, receipt_closed
@@ -54,10 +55,8 @@ def _statements(sch: StorageSchema) -> ReadStatements:
     r, t, cr = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent
     c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
     job = bindparam("job_id", type_=BigInteger())
-    tj = table("terminal_jobs", *(column(n) for n in (
-        "job_id", "kind", "queue", "state", "priority", "attempt", "run_lease", "args",
-        "max_attempts", "run_at", "created_at", "attempted_at", "finalized_at", "unique_key",
-        "unique_states", "payload")), schema=sch.config.schema)
+    tj = table("terminal_jobs", *(column(col.name) for col in BODY), column("state"), column("finalized_at"),
+               schema=sch.config.schema)
     queues = bindparam("queues", type_=Text(), expanding=True)
     tombstoned = select(t.c.job_id).where(
         t.c.ready_slot == r.c.ready_slot, t.c.queue == r.c.queue, t.c.priority == r.c.priority,
@@ -112,19 +111,9 @@ def _statements(sch: StorageSchema) -> ReadStatements:
     )
 
 
-def _payload_fields(payload: dict[str, Any] | None) -> dict[str, Any]:
-    p = payload or {}
-    return {"errors": p.get("errors") or None, "metadata": dict(p.get("metadata") or {}),
-            "tags": list(p.get("tags") or []), "progress": p.get("progress")}
-
-
 def snapshot_row(d: Any) -> JobRow:
     """JobRow of a wide snapshot row (deferred, terminal view or DLQ) in its stored state."""
-    return JobRow(id=d.job_id, kind=d.kind, queue=d.queue, args=d.args, state=JobState(d.state),
-                  priority=d.priority, attempt=d.attempt, run_lease=d.run_lease,
-                  max_attempts=d.max_attempts, run_at=d.run_at, created_at=d.created_at,
-                  attempted_at=d.attempted_at, finalized_at=d.finalized_at,
-                  unique_key=d.unique_key, unique_states=d.unique_states, **_payload_fields(d.payload))
+    return body_job(d, JobState(d.state), finalized_at=d.finalized_at)
 
 
 def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | None:
@@ -141,12 +130,7 @@ def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | Non
         ready_by_key[(r.ready_slot, r.queue, r.priority, r.enqueue_shard, r.lane_seq)] = r
         if r.claimed or (r.ready_slot, r.queue, r.priority, r.enqueue_shard, r.lane_seq) in tomb:
             continue  # claimed: its attempt is elsewhere (or purged); tombstoned: moved or void
-        row = JobRow(id=r.job_id, kind=r.kind, queue=r.queue, args=r.args, state=JobState.AVAILABLE,
-                     priority=r.priority, attempt=r.attempt, run_lease=r.run_lease,
-                     max_attempts=r.max_attempts, run_at=r.run_at, created_at=r.created_at,
-                     attempted_at=r.attempted_at, unique_key=r.unique_key,
-                     unique_states=r.unique_states, **_payload_fields(r.payload))
-        cands.append(((r.run_lease, r.run_at, 2), row))
+        cands.append(((r.run_lease, r.run_at, 2), body_job(r, JobState.AVAILABLE)))
     for d in conn.execute(s.deferred, arg):
         cands.append(((d.run_lease, d.finalized_at or d.run_at, 3), snapshot_row(d)))
     for kind in ("leases", "open_claims"):
@@ -158,9 +142,9 @@ def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | Non
             state = JobState(x.state) if is_lease else JobState.RUNNING
             attempted = x.attempted_at if is_lease else x.claimed_at
             hb = x.state_heartbeat_at or (x.heartbeat_at if is_lease else None)
-            fields = _payload_fields(body.payload)
+            fields = payload_fields(body.payload)
             if x.effective_priority != x.priority:
-                fields["metadata"].setdefault("_qstore_original_priority", x.priority)
+                fields["metadata"].setdefault(ORIGINAL_PRIORITY_KEY, x.priority)
             if x.progress is not None:
                 fields["progress"] = x.progress
             row = JobRow(id=x.job_id, kind=body.kind, queue=x.queue, args=body.args, state=state,

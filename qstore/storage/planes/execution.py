@@ -48,9 +48,10 @@ from sqlalchemy.sql.dml import ReturningDelete, Update
 
 from qstore.errors import InvariantError
 from qstore.schema import StorageSchema
-from qstore.storage.bodies import Taken
+from qstore.storage.bodies import Body, ReadyKey, Taken
+from qstore.storage.columns import payload_fields
 from qstore.storage.statements import attempt_leased, receipt_closed, unnest_rows
-from qstore.types import JobState
+from qstore.types import JobRow, JobState
 
 __all__ = ["Closure", "ExecutionStatements", "statements", "take_attempts"]
 
@@ -232,20 +233,18 @@ def take_attempts(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[in
             raise InvariantError(f"the ready body of job {pr[0]} is missing while its attempt is live")
         lease = leases.get(pr)
         st = state.get(pr)
-        out.append(Taken(
-            job_id=pr[0], run_lease=pr[1], attempt=ref.attempt, max_attempts=ref.max_attempts,
-            queue=ref.queue, priority=ref.priority, effective_priority=ref.effective_priority,
-            enqueue_shard=ref.enqueue_shard, lane_seq=ref.lane_seq, ready_slot=ref.ready_slot,
-            ready_generation=ref.ready_generation, kind=body.kind, args=body.args,
-            payload=body.payload, run_at=body.run_at, created_at=body.created_at,
+        job = JobRow(
+            id=pr[0], kind=body.kind, queue=ref.queue, args=body.args,
+            state=JobState(lease.state) if lease is not None else JobState.RUNNING,
+            priority=ref.priority, attempt=ref.attempt, run_lease=pr[1], max_attempts=ref.max_attempts,
+            run_at=body.run_at, created_at=body.created_at,
             attempted_at=lease.attempted_at if lease is not None else ref.claimed_at,
-            heartbeat_at=(st.heartbeat_at if st is not None else None)
-            or (lease.heartbeat_at if lease is not None else None),
-            deadline_at=ref.deadline_at, unique_key=body.unique_key,
-            unique_states=body.unique_states,
-            progress=st.progress if st is not None else None,
-            old_state=JobState(lease.state) if lease is not None else JobState.RUNNING,
-        ))
+            unique_key=body.unique_key, unique_states=body.unique_states,
+            # the attempt's progress, not the one the ready row was written with
+            **{**payload_fields(body.payload), "progress": st.progress if st is not None else None},
+        )
+        ready = ReadyKey(ref.ready_slot, ref.ready_generation, ref.enqueue_shard, ref.lane_seq)
+        out.append(Taken(Body(job, ready), body.payload))
     return out
 
 

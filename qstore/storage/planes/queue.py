@@ -48,6 +48,7 @@ from qstore.config import COUNTER_BUCKETS
 from qstore.schema import StorageSchema
 from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage.bodies import Body
+from qstore.storage.columns import body_values
 from qstore.storage.jobs import PreparedJob
 from qstore.storage.statements import unnest_rows
 from qstore.types import JobState
@@ -268,11 +269,7 @@ def write_deferred(conn: Connection, sch: StorageSchema,
     if not items:
         return
     conn.execute(insert(sch.deferred), [{
-        "job_id": b.job_id, "kind": b.kind, "queue": b.queue, "args": b.args, "state": st.value,
-        "priority": b.priority, "attempt": b.attempt, "run_lease": b.run_lease,
-        "max_attempts": b.max_attempts, "run_at": run_at, "attempted_at": b.attempted_at,
-        "finalized_at": fin, "created_at": b.created_at, "unique_key": b.unique_key,
-        "unique_states": b.unique_states, "payload": b.payload,
+        **body_values(b.job), "state": st.value, "run_at": run_at, "finalized_at": fin,
     } for b, st, run_at, fin in items])
 
 
@@ -285,30 +282,27 @@ def write_terminal(conn: Connection, sch: StorageSchema, items: Sequence[tuple[B
         return
     narrow_rows: list[dict[str, Any]] = []  # body columns absent (NULL)
     wide_rows: list[dict[str, Any]] = []  # the whole body
-    wide = [(b, st) for b, st in items if b.ready_slot is None]
+    wide = [(b, st) for b, st in items if b.ready is None]
     slot = gen = 0
     if wide:
         slot, gen = conn.execute(statements(sch).ring).one()
     for b, st in items:
-        if b.ready_slot is not None:
-            base = (ready_payloads or {}).get(b.job_id, "__unknown__")
+        j, ready = b.job, b.ready
+        if ready is not None:
+            base = (ready_payloads or {}).get(j.id, "__unknown__")
             payload = b.payload
             narrow_rows.append({
-                "ready_slot": b.ready_slot, "ready_generation": b.ready_generation,
-                "job_id": b.job_id, "kind": b.kind, "queue": b.queue, "state": st.value,
-                "priority": b.priority, "attempt": b.attempt, "run_lease": b.run_lease,
-                "lane_seq": b.lane_seq, "enqueue_shard": b.enqueue_shard,
-                "attempted_at": b.attempted_at, "finalized_at": finalized_at,
+                "ready_slot": ready.ready_slot, "ready_generation": ready.ready_generation,
+                "job_id": j.id, "kind": j.kind, "queue": j.queue, "state": st.value,
+                "priority": j.priority, "attempt": j.attempt, "run_lease": j.run_lease,
+                "lane_seq": ready.lane_seq, "enqueue_shard": ready.enqueue_shard,
+                "attempted_at": j.attempted_at, "finalized_at": finalized_at,
                 "payload": None if payload == base else payload,
             })
         else:
             wide_rows.append({
-                "ready_slot": slot, "ready_generation": gen, "job_id": b.job_id, "kind": b.kind,
-                "queue": b.queue, "state": st.value, "priority": b.priority, "attempt": b.attempt,
-                "run_lease": b.run_lease, "lane_seq": -b.job_id, "enqueue_shard": 0,
-                "attempted_at": b.attempted_at, "finalized_at": finalized_at, "args": b.args,
-                "max_attempts": b.max_attempts, "run_at": b.run_at, "created_at": b.created_at,
-                "unique_key": b.unique_key, "unique_states": b.unique_states, "payload": b.payload,
+                **body_values(j), "ready_slot": slot, "ready_generation": gen, "state": st.value,
+                "lane_seq": -j.id, "enqueue_shard": 0, "finalized_at": finalized_at,
             })
     # the two kinds carry different columns: one executemany each (an executemany takes its
     # column list from its first row)
@@ -324,12 +318,8 @@ def write_dlq(conn: Connection, sch: StorageSchema, items: Sequence[tuple[Body, 
     if not items:
         return
     conn.execute(insert(sch.dlq), [{
-        "job_id": b.job_id, "kind": b.kind, "queue": b.queue, "args": b.args, "state": "failed",
-        "priority": b.priority, "attempt": b.attempt, "run_lease": b.run_lease,
-        "max_attempts": b.max_attempts, "run_at": b.run_at, "attempted_at": b.attempted_at,
-        "finalized_at": at, "created_at": b.created_at, "unique_key": b.unique_key,
-        "unique_states": b.unique_states, "payload": b.payload, "dlq_reason": reason,
-        "dlq_at": at, "original_run_lease": orig,
+        **body_values(b.job), "state": "failed", "finalized_at": at, "dlq_reason": reason, "dlq_at": at,
+        "original_run_lease": orig,
     } for b, reason, orig in items])
 
 

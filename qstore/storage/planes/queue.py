@@ -103,6 +103,7 @@ class QueueStatements:
     tombstone: Insert
     done_base: Select[Any]
     take_deferred: ReturningDelete[Any]
+    take_due: ReturningDelete[Any]
     update_scheduled: Update
     take_dlq: ReturningDelete[Any]
 
@@ -139,8 +140,13 @@ def statements(sch: StorageSchema) -> QueueStatements:
     hyd = [func.coalesce(*((func.nullif(d.c[c], _JSON_NULL), func.nullif(r.c[c], _JSON_NULL))
                            if c == "payload" else (d.c[c], r.c[c]))).label(c)
            for c in _HYDRATED]
-    df, q = sch.deferred, sch.dlq
+    df, q, m = sch.deferred, sch.dlq, sch.queue_meta
     job = bindparam("b_job", type_=BigInteger())
+    paused = select(m.c.queue).where(m.c.queue == func.regexp_replace(df.c.queue, "#[0-9]+$", ""),
+                                     m.c.paused).exists()
+    due = (select(df.c.job_id).where(df.c.state == bindparam("state"), df.c.run_at <= now, ~paused)
+           .order_by(df.c.run_at, df.c.priority, df.c.job_id).limit(bindparam("limit", type_=Integer()))
+           .with_for_update(skip_locked=True))
     return QueueStatements(
         # A bound regclass, not Sequence.next_value(): SQLAlchemy's cache key of
         # next_value() omits the sequence's schema, so two installs on one Engine would
@@ -158,6 +164,7 @@ def statements(sch: StorageSchema) -> QueueStatements:
         done_base=select(*cols, *hyd).select_from(d.outerjoin(r, join)),
         take_deferred=df.delete().where(df.c.job_id == job, df.c.state.in_(bindparam("states", expanding=True)))
         .returning(*df.c),
+        take_due=df.delete().where(df.c.job_id.in_(due.scalar_subquery())).returning(*df.c),
         update_scheduled=update(df).where(df.c.job_id == job).values(
             queue=bindparam("n_queue"), priority=bindparam("n_priority"), payload=bindparam("n_payload")),
         take_dlq=q.delete().where(q.c.job_id == job).returning(*q.c),
@@ -377,9 +384,11 @@ def take_deferred(conn: Connection, sch: StorageSchema, job_id: int, states: Seq
     return list(conn.execute(statements(sch).take_deferred, {"b_job": job_id, "states": list(states)}).all())
 
 
-def take_due(conn: Connection, sch: StorageSchema, stmt: ReturningDelete[Any], params: dict[str, Any]) -> list[Any]:
-    """Delete and return the deferred rows ``stmt`` picks (a ``DELETE … RETURNING``)."""
-    return list(conn.execute(stmt, params).all())
+def take_due(conn: Connection, sch: StorageSchema, state: JobState, limit: int) -> list[Any]:
+    """Delete and return up to ``limit`` due deferred rows in ``state`` of unpaused queues
+    (oldest ``run_at`` first; rows locked by others are skipped). ``RETURNING`` keeps no
+    order."""
+    return list(conn.execute(statements(sch).take_due, {"state": state.value, "limit": limit}).all())
 
 
 def move_scheduled(conn: Connection, sch: StorageSchema, job_id: int, queue: str, priority: int,

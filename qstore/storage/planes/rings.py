@@ -32,7 +32,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import REGCLASS
 
-from qstore.schema import Ring, StorageSchema
+from qstore.schema import Ring, RingFamily, StorageSchema
 from qstore.types import BusyCounts
 
 __all__ = [
@@ -51,7 +51,9 @@ __all__ = [
     "pristine",
     "pristine_slots",
     "slot_generation",
-    "truncate_tables",
+    "truncate_child",
+    "truncate_family",
+    "truncate_written",
 ]
 
 #: ``lock_timeout`` for every ``ACCESS EXCLUSIVE`` request of prune and delta rollup.
@@ -127,10 +129,20 @@ def lock_exclusive(conn: Connection, tables: Sequence[Table]) -> None:
     conn.execute(text(f"LOCK TABLE {_qualified(conn, tables)} IN ACCESS EXCLUSIVE MODE"))
 
 
-def truncate_tables(conn: Connection, tables: Sequence[Table]) -> None:
+def _truncate(conn: Connection, tables: Sequence[Table]) -> None:
     """One ``TRUNCATE`` statement for all ``tables`` (none: nothing is sent)."""
     if tables:
         conn.execute(text(f"TRUNCATE {_qualified(conn, tables)}"))
+
+
+def truncate_family(conn: Connection, family: RingFamily) -> None:
+    """``TRUNCATE`` every slot child of ``family`` (its partitioned parent)."""
+    _truncate(conn, [family.parent])
+
+
+def truncate_child(conn: Connection, family: RingFamily, slot: int) -> None:
+    """``TRUNCATE`` ``family``'s child of ``slot``."""
+    _truncate(conn, [family.children[slot]])
 
 
 def vacuum(conn: Connection, tables: Sequence[Table]) -> None:
@@ -251,13 +263,15 @@ def current_bytes(conn: Connection, ring: Ring) -> int:
     return int(conn.execute(_current_bytes(ring)).scalar_one())
 
 
-def written(conn: Connection, ring: Ring, slot: int) -> list[Table]:
-    """``slot``'s children whose heap is not zero bytes: the ones a ``TRUNCATE`` has anything
-    to reclaim from. Truncating an unwritten child changes nothing but costs as much (new
-    files, an index build and a file sync per index), so a prune leaves those alone. Call
-    it under the children's exclusive lock, or a write may land after it."""
+def truncate_written(conn: Connection, ring: Ring, slot: int) -> None:
+    """``TRUNCATE``, in one statement, ``slot``'s children whose heap is not zero bytes: the
+    ones it has anything to reclaim from. Truncating an unwritten child changes nothing but
+    costs as much (new files, an index build and a file sync per index), so those are left
+    alone. Call it under the children's exclusive lock, or a write may land after the sizes
+    are read."""
+    kids = ring.children(slot)
     sizes = conn.execute(_slot_probes(ring, slot).sizes).one()
-    return [t for t, size in zip(ring.children(slot), sizes, strict=True) if size]
+    _truncate(conn, [t for t, size in zip(kids, sizes, strict=True) if size])
 
 
 def busy(conn: Connection, ring: Ring, slot: int) -> BusyCounts:

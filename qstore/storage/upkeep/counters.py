@@ -37,11 +37,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Insert, Select, bindparam, func, literal, or_, select
+from sqlalchemy import Connection, Select, bindparam, func, literal, or_, select
 from sqlalchemy import column as sa_column
 from sqlalchemy import table as sa_table
 from sqlalchemy.dialects.postgresql import INTERVAL
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from qstore.errors import ValidationError, failure_line
 from qstore.schema import StorageSchema
@@ -103,43 +102,18 @@ class SlotRollup:
 
     has_deltas: Select[Any]
     active: Select[Any]
-    stats: Select[Any]
-    upsert: Insert
 
 
 @functools.lru_cache(maxsize=4096)
 def _slot_rollup(sch: StorageSchema, k: int) -> SlotRollup:
-    dl, live = sch.deltas.children[k], sch.live_counts
+    dl = sch.deltas.children[k]
     le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
-    total = func.sum(dl.c.terminal_delta)
-    grouped = (
-        select(*(dl.c[n] for n in _KEY), total.label("delta"))
-        .group_by(*(dl.c[n] for n in _KEY))
-        .having(total != 0)
-        .cte("grouped")
-    )
-    existing = select(live.c.ready_slot).where(*(live.c[n] == grouped.c[n] for n in _KEY)).exists()
-    upsert = pg_insert(live).from_select(
-        [*_KEY, "live_terminal_count"],
-        select(*(grouped.c[n] for n in _KEY), grouped.c.delta)
-        .where(or_(grouped.c.delta > 0, existing))
-        .order_by(*(grouped.c[n] for n in _KEY)),
-    )
-    upsert = upsert.on_conflict_do_update(
-        index_elements=[live.c[n] for n in _KEY],
-        set_={"live_terminal_count": func.greatest(0, live.c.live_terminal_count + upsert.excluded.live_terminal_count)},
-    )
     return SlotRollup(
         has_deltas=select(select(literal(1)).select_from(dl).exists()),
         active=select(or_(
             select(literal(1)).select_from(le).where(le.c.ready_slot == k).exists(),
             select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~receipt_closed(cl, c)).exists(),
         )),
-        stats=select(
-            select(func.count()).select_from(dl).scalar_subquery(),
-            select(func.count()).select_from(grouped).scalar_subquery(),
-        ),
-        upsert=upsert,
     )
 
 
@@ -168,11 +142,10 @@ def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int, pinned_
             return _SlotResult("pinned")
         if conn.execute(st.active).scalar():
             return _SlotResult("active")  # deltas may still arrive for this slot
-        delta_rows, keys = conn.execute(st.stats).one()
+        delta_rows, keys = control.fold_slot_deltas(conn, sch, k)
         if delta_rows:
-            control.fold_slot_deltas(conn, st.upsert)
-            ring_plane.truncate_tables(conn, [sch.deltas.children[k]])
-        return _SlotResult("rolled", int(delta_rows), int(keys))
+            ring_plane.truncate_child(conn, sch.deltas, k)
+        return _SlotResult("rolled", delta_rows, keys)
 
     result = ring_plane.guarded(conn, body)
     return _SlotResult("blocked") if result is BLOCKED else result  # type: ignore[return-value]
@@ -263,8 +236,7 @@ def rebuild_terminal_counters(ctx: StorageContext, conn: Connection) -> int:
     conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
     ring_plane.lock_ring(conn, sch, sch.queue_ring)
     ring_plane.lock_exclusive(conn, [sch.done.parent, sch.deltas.parent, sch.live_counts])
-    ring_plane.truncate_tables(conn, [sch.live_counts, sch.deltas.parent])
-    # the table was truncated above, so its size is exactly what was written
+    ring_plane.truncate_family(conn, sch.deltas)
     return control.rebuild_live_counts(conn, sch)
 
 

@@ -74,14 +74,10 @@ from typing import Any
 
 from sqlalchemy import (
     Connection,
-    Delete,
-    Insert,
     Select,
     and_,
-    delete,
     false,
     func,
-    insert,
     literal,
     select,
     true,
@@ -114,17 +110,13 @@ class QueueGates:
     pending_ready: Select[Any]
     open_claims: Select[Any]
     ready_rows: Select[Any]
-    fold: Insert
-    owners: Any
-    drop_live: Delete
 
 
 @functools.lru_cache(maxsize=4096)
 def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
-    r, t, crk, d, _dl = sch.queue_ring.children(k)
+    r, t, crk, _d, _dl = sch.queue_ring.children(k)
     crp = sch.claim_ranges.parent
     le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
-    ledger, live = sch.rollup_ledger, sch.live_counts
 
     def same_lane(x: Any, row: Any = r) -> Any:
         return and_(x.c.queue == row.c.queue, x.c.priority == row.c.priority,
@@ -161,22 +153,6 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
             .lateral("last_row"))
     cursor = func.coalesce(func.pg_sequence_last_value(h.c.claim_seq), 0)
     lanes_past_cursor = select(func.count()).select_from(h.join(last, true())).where(last.c.lane_seq > cursor)
-    # ground truth of the slot's terminal history, appended to the ledger (no row updated)
-    n = func.count()
-    fold = insert(ledger).from_select(
-        ["queue", "priority", "pruned_count"],
-        select(d.c.queue, d.c.priority, n).group_by(d.c.queue, d.c.priority).having(n > 0)
-        .order_by(d.c.queue, d.c.priority),
-    )
-    key = func.coalesce(d.c.unique_key, r.c.unique_key)
-    owners = (
-        select(key.label("unique_key"), d.c.job_id)
-        .select_from(d.outerjoin(r, and_(
-            r.c.ready_slot == d.c.ready_slot, r.c.queue == d.c.queue, r.c.priority == d.c.priority,
-            r.c.enqueue_shard == d.c.enqueue_shard, r.c.lane_seq == d.c.lane_seq)))
-        .where(key.isnot(None))
-        .subquery("owners")
-    )
     return QueueGates(
         active_leases=bounded_count(select(literal(1)).select_from(le).where(le.c.ready_slot == k)),
         lanes_past_cursor=lanes_past_cursor,
@@ -184,9 +160,6 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
         pending_ready=bounded_count(pending),
         open_claims=bounded_count(select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed)),
         ready_rows=select(func.count()).select_from(r),
-        fold=fold,
-        owners=owners,
-        drop_live=delete(live).where(live.c.ready_slot == k),
     )
 
 
@@ -283,9 +256,8 @@ def _prune_queue_slot(conn: Connection, sch: StorageSchema, k: int) -> PruneOutc
         late = _queue_gate_failure(conn, gates, k)
         if late is not None:
             return late
-    control.append_prune_fold(conn, sch, gates.fold, gates.drop_live)
-    control.release_keys_where(conn, sch, gates.owners)
-    ring_plane.truncate_tables(conn, ring_plane.written(conn, sch.queue_ring, k))
+    control.settle_pruned_slot(conn, sch, k)
+    ring_plane.truncate_written(conn, sch.queue_ring, k)
     return PruneOutcome.pruned(k)
 
 
@@ -336,7 +308,7 @@ def _prune_derived_slot(conn: Connection, sch: StorageSchema, ring: Ring, k: int
     n = int(conn.execute(gate).scalar_one())
     if n:
         return PruneOutcome.skipped_active(k, _ACTIVE[ring.name], n)
-    ring_plane.truncate_tables(conn, ring_plane.written(conn, ring, k))
+    ring_plane.truncate_written(conn, ring, k)
     return PruneOutcome.pruned(k)
 
 

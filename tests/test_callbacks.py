@@ -204,6 +204,18 @@ def test_check_callback_state_of_an_unknown_job_is_not_found(engine, st):
     assert st.check_callback_state(engine, 424242, uuid.uuid4()).kind == "not_found"
 
 
+def test_a_callback_poll_kind_is_a_member_that_reads_as_its_string(engine, st):
+    from qstore.types import CallbackPollKind, CallbackPollResult
+
+    c, token = waiting(engine, st)
+    kind = st.check_callback_state(engine, c.job.id, token).kind
+    assert kind is CallbackPollKind.PENDING
+    assert (kind, str(kind), f"{kind}", {"pending": 1}[kind]) == ("pending", "pending", "pending", 1)
+    assert CallbackPollResult("resolved", payload=1).kind is CallbackPollKind.RESOLVED
+    with pytest.raises(ValueError):
+        CallbackPollResult("resolvd")
+
+
 def test_fail_external_moves_waiting_external_to_failed_with_a_terminal_error(engine, st):
     c, token = waiting(engine, st)
     row = st.fail_external(engine, token, "upstream said no")

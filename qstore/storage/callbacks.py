@@ -27,7 +27,7 @@ from qstore.storage.context import StorageContext
 from qstore.storage.decide import Decision, Destination
 from qstore.storage.planes import execution
 from qstore.storage.planes.execution import LIVE, Closure
-from qstore.types import CallbackConfig, CallbackPollResult, JobRow, JobState
+from qstore.types import CallbackConfig, CallbackPollKind, CallbackPollResult, JobRow, JobState
 
 __all__ = [
     "RESULT_KEY",
@@ -156,7 +156,7 @@ def callback_job(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID, 
 
 
 def _resolve(ctx: StorageContext, conn: Connection, token: uuid.UUID, run_lease: int | None, decision: Decision,
-             closure: Closure, states: Sequence[str] = LIVE, progress_kept: bool = True) -> JobRow:
+             closure: Closure, states: Sequence[JobState] = LIVE, progress_kept: bool = True) -> JobRow:
     """End the attempt holding ``token`` with ``decision``; ``CallbackNotFoundError`` if none."""
     sch = ctx.schema
     pair = execution.lock_by_token(conn, sch, token, run_lease, states)
@@ -209,7 +209,7 @@ def retry_external(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID
                    run_lease: int | None = None) -> JobRow:
     """waiting_external only: re-enqueue with attempt 0 (progress kept)."""
     return _resolve(ctx, conn, callback_id, run_lease, Decision(Destination.READY, attempt=0), Closure.RETRIED,
-                    ("waiting_external",))
+                    (JobState.WAITING_EXTERNAL,))
 
 
 def heartbeat_callback(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID,
@@ -233,14 +233,14 @@ def check_callback_state(ctx: StorageContext, conn: Connection, job_id: int,
     if x is None:
         row = read.load_job(ctx, conn, job_id)
         if row is None:
-            return CallbackPollResult("not_found")
-        return CallbackPollResult("unexpected_state", token=callback_id, state=row.state)
+            return CallbackPollResult(CallbackPollKind.NOT_FOUND)
+        return CallbackPollResult(CallbackPollKind.UNEXPECTED_STATE, token=callback_id, state=row.state)
     state = JobState(x.state)
     if state == JobState.RUNNING and x.callback_id is None and x.has_result:
         execution.consume_result(conn, sch, x.job_id, x.run_lease)
-        return CallbackPollResult("resolved", payload=x.callback_result)
+        return CallbackPollResult(CallbackPollKind.RESOLVED, payload=x.callback_result)
     if x.callback_id != callback_id:
-        return CallbackPollResult("stale", token=callback_id, current=x.callback_id, state=state)
+        return CallbackPollResult(CallbackPollKind.STALE, token=callback_id, current=x.callback_id, state=state)
     if state == JobState.WAITING_EXTERNAL:
-        return CallbackPollResult("pending", token=callback_id, state=state)
-    return CallbackPollResult("unexpected_state", token=callback_id, state=state)
+        return CallbackPollResult(CallbackPollKind.PENDING, token=callback_id, state=state)
+    return CallbackPollResult(CallbackPollKind.UNEXPECTED_STATE, token=callback_id, state=state)

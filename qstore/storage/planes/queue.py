@@ -237,7 +237,7 @@ def insert_deferred(conn: Connection, sch: StorageSchema, rows: Sequence[Prepare
     conn.execute(statements(sch).deferred, {
         "job_id": [r.job_id for r in rows], "kind": [r.kind for r in rows],
         "queue": [r.queue for r in rows], "args": [r.args for r in rows],
-        "state": ["scheduled"] * len(rows), "priority": [r.priority for r in rows],
+        "state": [JobState.SCHEDULED.value] * len(rows), "priority": [r.priority for r in rows],
         "attempt": [0] * len(rows), "run_lease": [0] * len(rows),
         "max_attempts": [r.max_attempts for r in rows],
         "run_at": [r.run_at for r in rows], "created_at": [None] * len(rows),
@@ -331,7 +331,7 @@ def write_dlq(conn: Connection, sch: StorageSchema, items: Sequence[tuple[Body, 
     if not items:
         return
     conn.execute(insert(sch.dlq), [{
-        "job_id": b.job_id, "kind": b.kind, "queue": b.queue, "args": b.args, "state": "failed",
+        "job_id": b.job_id, "kind": b.kind, "queue": b.queue, "args": b.args, "state": JobState.FAILED,
         "priority": b.priority, "attempt": b.attempt, "run_lease": b.run_lease,
         "max_attempts": b.max_attempts, "run_at": b.run_at, "attempted_at": b.attempted_at,
         "finalized_at": at, "created_at": b.created_at, "unique_key": b.unique_key,
@@ -379,7 +379,7 @@ def delete_done(conn: Connection, sch: StorageSchema, rows: Sequence[Any]) -> No
 
 
 # -- the backlogs -------------------------------------------------------------------------------
-def take_deferred(conn: Connection, sch: StorageSchema, job_id: int, states: Sequence[str]) -> list[Any]:
+def take_deferred(conn: Connection, sch: StorageSchema, job_id: int, states: Sequence[JobState]) -> list[Any]:
     """Delete and return the job's deferred row if it is in one of ``states``."""
     return list(conn.execute(statements(sch).take_deferred, {"b_job": job_id, "states": list(states)}).all())
 

@@ -31,6 +31,7 @@ set), a ``done_entries`` scan otherwise.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 from dataclasses import dataclass
@@ -117,9 +118,19 @@ def _slot_rollup(sch: StorageSchema, k: int) -> SlotRollup:
     )
 
 
+class _Slot(enum.Enum):
+    """What a rollup found at one slot."""
+
+    ROLLED = "rolled"
+    ACTIVE = "active"  # still referenced by an attempt: deltas may arrive
+    BLOCKED = "blocked"  # its delta child's lock was not granted in time
+    PINNED = "pinned"  # the MVCC horizon is pinned: the whole rollup stands down
+    GONE = "gone"  # re-initialised since it was listed
+
+
 @dataclass(frozen=True)
 class _SlotResult:
-    kind: str  # "rolled" | "active" | "blocked" | "pinned" | "gone"
+    kind: _Slot
     delta_rows: int = 0
     grouped_keys: int = 0
 
@@ -130,25 +141,25 @@ def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int, pinned_
     ring_plane.lock_ring(conn, sch, ring)
     now = ring_plane.generation(conn, ring)
     if now % ring.slot_count == k:
-        return _SlotResult("active")
+        return _SlotResult(_Slot.ACTIVE)
     if slot_generation(now, k, ring.slot_count) != gen:
-        return _SlotResult("gone")  # re-initialised since it was listed
+        return _SlotResult(_Slot.GONE)  # re-initialised since it was listed
     if mvcc_horizon_pinned(conn, pinned_after):
-        return _SlotResult("pinned")
+        return _SlotResult(_Slot.PINNED)
 
     def body() -> _SlotResult:
         ring_plane.lock_exclusive(conn, [sch.deltas.children[k]])
         if mvcc_horizon_pinned(conn, pinned_after):
-            return _SlotResult("pinned")
+            return _SlotResult(_Slot.PINNED)
         if conn.execute(st.active).scalar():
-            return _SlotResult("active")  # deltas may still arrive for this slot
+            return _SlotResult(_Slot.ACTIVE)  # deltas may still arrive for this slot
         delta_rows, keys = control.fold_slot_deltas(conn, sch, k)
         if delta_rows:
             ring_plane.truncate_child(conn, sch.deltas, k)
-        return _SlotResult("rolled", delta_rows, keys)
+        return _SlotResult(_Slot.ROLLED, delta_rows, keys)
 
     result = ring_plane.guarded(conn, body)
-    return _SlotResult("blocked") if result is BLOCKED else result  # type: ignore[return-value]
+    return _SlotResult(_Slot.BLOCKED) if result is BLOCKED else result  # type: ignore[return-value]
 
 
 def rollup_terminal_count_deltas(ctx: StorageContext, tx: Transactions, max_slots: int, *,
@@ -193,16 +204,16 @@ def rollup_terminal_count_deltas(ctx: StorageContext, tx: Transactions, max_slot
                 break
             with tx.unit() as conn:
                 res = _rollup_slot(conn, sch, slot, gen, pinned_after)
-            if res.kind == "pinned":
+            if res.kind is _Slot.PINNED:
                 pinned = True
                 break
-            if res.kind == "rolled":
+            if res.kind is _Slot.ROLLED:
                 rolled += 1
                 delta_rows += res.delta_rows
                 keys += res.grouped_keys
-            elif res.kind == "active":
+            elif res.kind is _Slot.ACTIVE:
                 active += 1
-            elif res.kind == "blocked":
+            elif res.kind is _Slot.BLOCKED:
                 blocked += 1
         if not pinned:
             with tx.unit() as conn:

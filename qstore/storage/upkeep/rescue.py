@@ -59,25 +59,25 @@ def _statements(sch: StorageSchema) -> RescueStatements:
     return RescueStatements(
         stale_leases=select(le.c.job_id, le.c.run_lease).select_from(
             le.outerjoin(st_l, and_(st_l.c.job_id == le.c.job_id, st_l.c.run_lease == le.c.run_lease)))
-        .where(le.c.state == "running",
+        .where(le.c.state == JobState.RUNNING,
                func.coalesce(st_l.c.heartbeat_at, le.c.heartbeat_at, le.c.attempted_at) < cutoff)
         .limit(limit).with_for_update(of=le, skip_locked=True),
         stale_claims=select(c.c.job_id, c.c.run_lease).select_from(
             c.outerjoin(st_c, and_(st_c.c.job_id == c.c.job_id, st_c.c.run_lease == c.c.run_lease)))
         .where(~closed, ~leased, func.coalesce(st_c.c.heartbeat_at, c.c.claimed_at) < cutoff)
         .limit(limit).with_for_update(of=c, skip_locked=True),
-        overdue_leases=select(le.c.job_id, le.c.run_lease).where(le.c.state == "running", le.c.deadline_at < now)
+        overdue_leases=select(le.c.job_id, le.c.run_lease).where(le.c.state == JobState.RUNNING, le.c.deadline_at < now)
         .limit(limit).with_for_update(skip_locked=True),
         overdue_claims=select(c.c.job_id, c.c.run_lease).where(~closed, ~leased, c.c.deadline_at < now)
         .limit(limit).with_for_update(of=c, skip_locked=True),
         timed_out=select(le.c.job_id, le.c.run_lease).where(
-            le.c.state == "waiting_external", le.c.callback_timeout_at < now)
+            le.c.state == JobState.WAITING_EXTERNAL, le.c.callback_timeout_at < now)
         .limit(limit).with_for_update(skip_locked=True),
     )
 
 
 def _rescue(ctx: StorageContext, conn: Connection, pairs: Sequence[tuple[int, int]], closure: Closure,
-            error: str, lease_states: Sequence[str] = ("running",)) -> list[JobRow]:
+            error: str, lease_states: Sequence[JobState] = (JobState.RUNNING,)) -> list[JobRow]:
     taken = execution.take_attempts(conn, ctx.schema, pairs, closure, lease_states)
     if not taken:
         return []
@@ -117,7 +117,7 @@ def rescue_expired_deadlines(ctx: StorageContext, conn: Connection) -> list[JobR
 def rescue_expired_callbacks(ctx: StorageContext, conn: Connection) -> list[JobRow]:
     """Attempts waiting past their ``callback_timeout_at`` end as in stale rescue."""
     pairs = _pairs(conn, _statements(ctx.schema).timed_out, {"limit": RESCUE_LIMIT})
-    return _rescue(ctx, conn, pairs, Closure.CALLBACK_TIMEOUT, "callback timed out", ("waiting_external",))
+    return _rescue(ctx, conn, pairs, Closure.CALLBACK_TIMEOUT, "callback timed out", (JobState.WAITING_EXTERNAL,))
 
 
 def promote_due(ctx: StorageContext, conn: Connection, state: JobState | str, batch_size: int) -> int:

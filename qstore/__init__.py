@@ -10,6 +10,7 @@ from qstore.errors import (
     QueueStorageError,
     SchemaNotInstalledError,
     ShapeMismatchError,
+    StaleAttemptError,
     UniqueConflictError,
     ValidationError,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "SchemaNotInstalledError",
     "ShapeMismatchError",
     "SkipReason",
+    "StaleAttemptError",
     "TaskReport",
     "TerminalDeltaRollupOutcome",
     "UniqueConflictError",

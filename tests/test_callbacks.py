@@ -75,6 +75,18 @@ def test_register_callback_on_a_finished_attempt_raises_validation_error(engine,
     assert count(engine, st, "leases") == 0
 
 
+def test_register_callback_on_a_finished_attempt_is_refused_as_a_stale_attempt(engine, st):
+    from qstore import StaleAttemptError
+
+    c = running(engine, st)
+    st.complete_runtime_batch(engine, [c])
+    with pytest.raises(StaleAttemptError) as err:
+        st.register_callback(engine, c.job.id, 1, 60)
+    assert isinstance(err.value, ValidationError)
+    assert (err.value.field, err.value.value) == ("job", (c.job.id, 1))
+    assert (err.value.job_id, err.value.run_lease) == (c.job.id, 1)
+
+
 def test_register_callback_with_a_wrong_run_lease_raises_validation_error(engine, st):
     c = running(engine, st)
     with pytest.raises(ValidationError):

@@ -62,6 +62,7 @@ from qstore.errors import (
     DatabaseError,
     QueueStorageError,
     SchemaNotInstalledError,
+    StaleAttemptError,
     ValidationError,
     translate_errors,
 )
@@ -935,10 +936,10 @@ class Worker:
             while True:
                 try:
                     result = call()
+                except StaleAttemptError:
+                    result = None  # the attempt was closed meanwhile (e.g. before its callback registered)
                 except ValidationError as err:
-                    if err.field != "job":
-                        return self._refused(a, name, err, fallback=fallback)
-                    result = None  # register_callback of an attempt closed meanwhile
+                    return self._refused(a, name, err, fallback=fallback)
                 except DatabaseError as err:
                     gone = self._schema_gone(err)
                     if gone is not None:

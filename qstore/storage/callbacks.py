@@ -18,7 +18,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, BindParameter, Connection, Select, and_, bindparam, select
 
-from qstore.errors import CallbackNotFoundError, ValidationError
+from qstore.errors import CallbackNotFoundError, StaleAttemptError, ValidationError
 from qstore.schema import StorageSchema
 from qstore.storage import destinations, read
 from qstore.storage.bodies import Body
@@ -108,14 +108,15 @@ def _check_config(config: CallbackConfig | None) -> None:
 def register_callback_with_config(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int,
                                   timeout: timedelta | float, config: CallbackConfig | None) -> uuid.UUID:
     """Materialise the attempt's lease and give it a fresh random token with a timeout (a
-    newer registration replaces the token). Raises ``ValidationError`` when the attempt is
-    not running (stale) or when the config carries CEL expressions (unsupported)."""
+    newer registration replaces the token). Raises :class:`~qstore.errors.StaleAttemptError`
+    (a ``ValidationError``) when the attempt is not running, and ``ValidationError`` when
+    the config carries CEL expressions (unsupported)."""
     _check_config(config)
     sch = ctx.schema
     execution.materialize(conn, sch, job_id, run_lease)
     token = uuid.uuid4()
     if not execution.set_token(conn, sch, job_id, run_lease, token, seconds(timeout)):
-        raise ValidationError("job", (job_id, run_lease), "job is not in running state")
+        raise StaleAttemptError(job_id, run_lease)
     return token
 
 

@@ -27,8 +27,8 @@ import pytest
 from sqlalchemy import Connection, Engine, create_engine, event, text
 
 from qstore import QueueStorage, UniqueConflictError
+from qstore.storage import targets as upkeep
 from qstore.storage.jobs import InsertOpts, InsertParams, UniqueOpts
-from qstore.storage.planes import rings as upkeep
 from qstore.types import ClaimedRuntimeJob, JobState, PruneOutcome, SkipReason
 
 MakeStorage = Callable[..., QueueStorage]

@@ -253,3 +253,41 @@ def test_only_an_engine_target_reads_committed_state(engine):
 def test_operation_on_unsupported_target_raises_validation_error(storage):
     with pytest.raises(ValidationError):
         storage.activate_backend(object())  # type: ignore[arg-type]
+
+
+def _lock_timeout(conn) -> str:
+    return conn.execute(text("SHOW lock_timeout")).scalar()
+
+
+def test_a_guarded_step_that_waits_for_a_lock_is_blocked_and_leaves_the_transaction_usable(storage, engine):
+    from qstore.storage.targets import BLOCKED, guarded
+
+    schema = storage.schema()
+    with engine.connect() as holder, engine.connect() as conn:
+        _insert(schema, "before")(conn)
+        holder.execute(text(f"LOCK TABLE {schema}.queue_claimer_state IN ACCESS EXCLUSIVE MODE"))
+
+        def step(inner):
+            _insert(schema, "in step")(inner)
+            inner.execute(text(f"LOCK TABLE {schema}.queue_claimer_state IN ACCESS EXCLUSIVE MODE"))
+            return "locked"
+
+        assert guarded(conn, step) is BLOCKED
+        assert _lock_timeout(conn) == "0"  # the step's timeout went with its savepoint
+        assert conn.execute(text(f"SELECT queue FROM {schema}.queue_meta")).scalars().all() == ["before"]
+        holder.rollback()
+        assert guarded(conn, step) == "locked"
+        assert _lock_timeout(conn) == "0"  # restored before the savepoint was released
+        conn.commit()
+    assert _count(engine, schema) == 2
+
+
+def test_a_guarded_step_passes_any_other_error_on_and_rolls_its_savepoint_back(storage, engine):
+    from qstore.storage.targets import guarded
+
+    schema = storage.schema()
+    with engine.connect() as conn:
+        with pytest.raises(RuntimeError):
+            guarded(conn, _insert_then_fail(schema))
+        assert conn.execute(text(f"SELECT count(*) FROM {schema}.queue_meta")).scalar() == 0
+        assert _lock_timeout(conn) == "0"

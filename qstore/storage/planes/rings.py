@@ -10,9 +10,9 @@ rollup of one ring serialise on a transaction-scoped advisory lock of that ring.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -28,7 +28,6 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy import Sequence as SaSequence
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import REGCLASS
 
@@ -36,16 +35,11 @@ from qstore.schema import Ring, RingFamily, StorageSchema
 from qstore.types import BusyCounts
 
 __all__ = [
-    "BLOCKED",
     "BUSY_COUNT_CAP",
-    "LOCK_TIMEOUT",
-    "Blocked",
     "advance",
     "bounded_count",
     "busy",
     "generation",
-    "guarded",
-    "is_lock_failure",
     "lock_exclusive",
     "lock_ring",
     "pristine",
@@ -56,12 +50,9 @@ __all__ = [
     "truncate_written",
 ]
 
-#: ``lock_timeout`` for every ``ACCESS EXCLUSIVE`` request of prune and delta rollup.
-LOCK_TIMEOUT = "50ms"
 #: Row counts reported in ``BusyCounts`` / ``SkippedActive.count`` saturate here, so a
 #: maintenance tick over a huge backlog stays cheap. Any non-zero count blocks all the same.
 BUSY_COUNT_CAP = 10_000
-_LOCK_FAILURES = frozenset({"55P03", "40P01"})  # lock_not_available, deadlock_detected
 _BUSY_FIELD = {
     "ready_entries": "queue_ready",
     "ready_tombstones": "queue_tombstones",
@@ -73,50 +64,6 @@ _BUSY_FIELD = {
     "lease_claim_closures": "closures",
 }
 _PG = postgresql.dialect()
-
-T = TypeVar("T")
-
-
-class Blocked:
-    """Sentinel type: a lock request of a guarded section timed out."""
-
-    def __repr__(self) -> str:
-        return "BLOCKED"
-
-
-BLOCKED = Blocked()
-
-
-def is_lock_failure(err: BaseException) -> bool:
-    """True for a driver error meaning "could not get the lock in time" (55P03 / 40P01)."""
-    if not isinstance(err, sa_exc.DBAPIError):
-        return False
-    orig = err.orig
-    return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) in _LOCK_FAILURES
-
-
-def guarded(conn: Connection, body: Callable[[], T]) -> T | Blocked:
-    """Run ``body`` in a SAVEPOINT with ``lock_timeout = 50ms``.
-
-    Returns ``body()``'s result, or :data:`BLOCKED` when a lock wait inside it timed out (the
-    savepoint is rolled back: nothing ``body`` wrote survives, the outer transaction stays
-    usable). Any other error rolls the savepoint back and propagates. On success the
-    previous ``lock_timeout`` is restored before the savepoint is released.
-    """
-    previous = conn.execute(select(func.current_setting("lock_timeout"))).scalar_one()
-    savepoint = conn.begin_nested()
-    try:
-        conn.execute(select(func.set_config("lock_timeout", LOCK_TIMEOUT, True)))
-        result = body()
-        conn.execute(select(func.set_config("lock_timeout", previous, True)))
-    except BaseException as err:
-        if savepoint.is_active:
-            savepoint.rollback()
-        if is_lock_failure(err):
-            return BLOCKED
-        raise
-    savepoint.commit()
-    return result
 
 
 def _qualified(conn: Connection, tables: Sequence[Table]) -> str:

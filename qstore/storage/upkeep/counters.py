@@ -48,9 +48,9 @@ from qstore.schema import StorageSchema
 from qstore.storage.context import StorageContext
 from qstore.storage.planes import control
 from qstore.storage.planes import rings as ring_plane
-from qstore.storage.planes.rings import BLOCKED, slot_generation
+from qstore.storage.planes.rings import slot_generation
 from qstore.storage.statements import receipt_closed
-from qstore.storage.targets import Transactions
+from qstore.storage.targets import Blocked, Transactions, guarded
 from qstore.types import TerminalDeltaRollupOutcome
 
 __all__ = [
@@ -147,19 +147,19 @@ def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int, pinned_
     if mvcc_horizon_pinned(conn, pinned_after):
         return _SlotResult(_Slot.PINNED)
 
-    def body() -> _SlotResult:
-        ring_plane.lock_exclusive(conn, [sch.deltas.children[k]])
-        if mvcc_horizon_pinned(conn, pinned_after):
+    def locked(step: Connection) -> _SlotResult:
+        ring_plane.lock_exclusive(step, [sch.deltas.children[k]])
+        if mvcc_horizon_pinned(step, pinned_after):
             return _SlotResult(_Slot.PINNED)
-        if conn.execute(st.active).scalar():
+        if step.execute(st.active).scalar():
             return _SlotResult(_Slot.ACTIVE)  # deltas may still arrive for this slot
-        delta_rows, keys = control.fold_slot_deltas(conn, sch, k)
+        delta_rows, keys = control.fold_slot_deltas(step, sch, k)
         if delta_rows:
-            ring_plane.truncate_child(conn, sch.deltas, k)
+            ring_plane.truncate_child(step, sch.deltas, k)
         return _SlotResult(_Slot.ROLLED, delta_rows, keys)
 
-    result = ring_plane.guarded(conn, body)
-    return _SlotResult(_Slot.BLOCKED) if result is BLOCKED else result  # type: ignore[return-value]
+    result = guarded(conn, locked)
+    return _SlotResult(_Slot.BLOCKED) if isinstance(result, Blocked) else result
 
 
 def rollup_terminal_count_deltas(ctx: StorageContext, tx: Transactions, max_slots: int, *,

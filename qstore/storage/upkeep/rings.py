@@ -23,11 +23,12 @@ Guarantees
   ``lock_timeout = 50ms`` + ``LOCK … IN ACCESS EXCLUSIVE MODE`` on every child of the slot,
   re-checks what could have changed while the lock was awaited, and truncates every child
   that was written (heap not zero bytes) in one ``TRUNCATE``: an unwritten child holds
-  nothing, and truncating it would still create its files anew and sync each index build. The locked section runs in a SAVEPOINT: a lock timeout (SQLSTATE
-  55P03, or a deadlock 40P01) rolls the savepoint back and is reported as
-  ``PruneOutcome(kind="blocked")`` — never raised — and the caller's transaction stays
-  usable. The 50 ms timeout is restored before the savepoint is released, so it never
-  leaks into a caller's transaction.
+  nothing, and truncating it would still create its files anew and sync each index build.
+  The locked section is a guarded step (:func:`qstore.storage.targets.guarded`): a
+  SAVEPOINT whose lock timeout (SQLSTATE 55P03, or a deadlock 40P01) rolls it back and is
+  reported as ``PruneOutcome(kind="blocked")`` — never raised — and the caller's
+  transaction stays usable. The 50 ms timeout is restored before the savepoint is
+  released, so it never leaks into a caller's transaction.
 * **Queue-ring gates** count every physical row of the slot regardless of its generation
   (a late writer's row is legal anywhere) and use the committed claim-range chain as the
   claim truth:
@@ -87,8 +88,9 @@ from qstore.schema import Ring, StorageSchema
 from qstore.storage.context import StorageContext
 from qstore.storage.planes import control
 from qstore.storage.planes import rings as ring_plane
-from qstore.storage.planes.rings import Blocked, bounded_count
+from qstore.storage.planes.rings import bounded_count
 from qstore.storage.statements import receipt_closed
+from qstore.storage.targets import Blocked, guarded
 from qstore.types import PruneOutcome, RotateOutcome, SkipReason
 
 __all__ = ["claim_slot_bytes", "oldest_initialised_slot", "prune_oldest", "prune_oldest_claims", "prune_oldest_leases", "rotate",
@@ -277,7 +279,7 @@ def prune_oldest(ctx: StorageContext, conn: Connection) -> PruneOutcome:
     k = next((slot for slot in ((cur + i) % n for i in range(1, n)) if not clean[slot]), None)
     if k is None:
         return PruneOutcome.noop()
-    result = ring_plane.guarded(conn, lambda: _prune_queue_slot(conn, sch, k))
+    result = guarded(conn, lambda step: _prune_queue_slot(step, sch, k))
     return PruneOutcome.blocked(k) if isinstance(result, Blocked) else result
 
 
@@ -324,7 +326,7 @@ def _prune_derived(conn: Connection, sch: StorageSchema, ring: Ring) -> PruneOut
         if ring_plane.pristine(conn, ring, cur):
             return PruneOutcome.noop()
         return PruneOutcome.skipped_active(cur, _CURRENT[ring.name], 0)
-    result = ring_plane.guarded(conn, lambda: _prune_derived_slot(conn, sch, ring, k))
+    result = guarded(conn, lambda step: _prune_derived_slot(step, sch, ring, k))
     return PruneOutcome.blocked(k) if isinstance(result, Blocked) else result
 
 

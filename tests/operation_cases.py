@@ -329,6 +329,8 @@ CASES: dict[str, Case] = {
                                 _equals(True)),
     "enter_callback_wait_in_tx": Case(
         leased, lambda s, t, g: s.enter_callback_wait_in_tx(t, *_pair(g), g["token"]), _equals(True)),
+    "wait_for_callback": Case(runnable, lambda s, t, g: s.wait_for_callback(t, *_pair(g), 60),
+                              lambda r, g: isinstance(r, uuid.UUID)),
     "check_callback_state": Case(resolved, lambda s, t, g: s.check_callback_state(t, g["job_id"], g["token"]),
                                  lambda r, g: (r.kind, r.payload) == ("resolved", {"answer": 42})),
     "callback_job": Case(waiting, lambda s, t, g: s.callback_job(t, g["token"], None, True),

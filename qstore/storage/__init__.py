@@ -146,6 +146,8 @@ class Operations:
     enter_callback_wait = op(JOIN, callbacks.enter_callback_wait, job_id=C.job_id, run_lease=C.job_id,
                              callback_id=C.uuid_value)
     enter_callback_wait_in_tx = enter_callback_wait.alias()
+    wait_for_callback = op(ATOMIC, callbacks.wait_for_callback, job_id=C.job_id, run_lease=C.job_id,
+                           timeout=C.positive_duration, config=C.callback_config, callback_id=C.optional_uuid)
     check_callback_state = op(JOIN, callbacks.check_callback_state, job_id=C.job_id, callback_id=C.uuid_value)
     callback_job = op(JOIN, callbacks.callback_job, callback_id=C.uuid_value, run_lease=C.optional_id)
     callback_job_in_tx = callback_job.alias()

@@ -43,6 +43,7 @@ __all__ = [
     "register_callback",
     "register_callback_with_config",
     "retry_external",
+    "wait_for_callback",
 ]
 
 RESULT_KEY = "_qstore_callback_result"
@@ -135,6 +136,26 @@ def enter_callback_wait(ctx: StorageContext, conn: Connection, job_id: int, run_
                         callback_id: uuid.UUID) -> bool:
     """running -> waiting_external when the token matches (heartbeat/deadline cleared)."""
     return execution.enter_wait(conn, ctx.schema, job_id, run_lease, callback_id)
+
+
+def wait_for_callback(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int,
+                      timeout: timedelta | float, config: CallbackConfig | None = None,
+                      callback_id: uuid.UUID | None = None) -> uuid.UUID | None:
+    """Park the running attempt on an external callback, in one transaction: without a
+    ``callback_id``, register one first (``register_callback_with_config`` with ``timeout``
+    and ``config``); then running -> waiting_external on that token (heartbeat and deadline
+    cleared, as ``enter_callback_wait``). Returns the token the attempt now waits on, or
+    None, with nothing written, when the attempt is not running (it ended) or holds another
+    token. A ``config`` with CEL expressions is a ``ValidationError``."""
+    sch = ctx.schema
+    token = callback_id
+    if token is None:
+        _check_config(config)
+        execution.materialize(conn, sch, job_id, run_lease)
+        token = uuid.uuid4()
+        if not execution.set_token(conn, sch, job_id, run_lease, token, seconds(timeout)):
+            return None
+    return token if execution.enter_wait(conn, sch, job_id, run_lease, token) else None
 
 
 def load_active_lease_in_tx(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int) -> JobRow | None:

@@ -58,6 +58,7 @@ __all__ = [
     "optional_priority",
     "optional_queue",
     "optional_text",
+    "optional_uuid",
     "positive_duration",
     "priority",
     "progress_triples",
@@ -103,6 +104,10 @@ def optional_priority(value: object, field: str) -> int | None:
 
 def optional_queue(value: object, field: str) -> str | None:
     return None if value is None else validate_queue(value, field)
+
+
+def optional_uuid(value: object, field: str) -> uuid.UUID | None:
+    return None if value is None else validate_uuid(value, field)
 
 
 def flag(value: object, field: str) -> bool | None:

@@ -279,6 +279,8 @@ CASES: dict[str, Case] = {
             t, "q", 5, 60, 1, uuid.uuid4(), 1, 60, 60), _length(1)),
     # complete
     "complete_runtime_batch": Case(runnable, lambda s, t, g: s.complete_runtime_batch(t, [g["claimed"]]), _length(1)),
+    "complete_runtime_batch_with_followups": Case(
+        runnable, lambda s, t, g: s.complete_runtime_batch_with_followups(t, [(g["claimed"], _ENQUEUE)]), _length(1)),
     "complete_runtime_batch_slow_in_tx": Case(
         runnable, lambda s, t, g: s.complete_runtime_batch_slow_in_tx(t, [g["claimed"]]), _length(1)),
     "complete_job_batch_by_id": Case(runnable, lambda s, t, g: s.complete_job_batch_by_id(t, [_pair(g)]), _length(1)),

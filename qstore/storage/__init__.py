@@ -99,6 +99,8 @@ class Operations:
 
     # -- complete ------------------------------------------------------------------------------
     complete_runtime_batch = op(UNITS, complete.complete_runtime_batch, claimed=C.claimed_jobs)
+    complete_runtime_batch_with_followups = op(ATOMIC, complete.complete_runtime_batch_with_followups,
+                                               completions=C.completions_with_followups)
     complete_runtime_batch_slow_in_tx = op(JOIN, complete.complete_runtime_batch_slow_in_tx,
                                            claimed=C.claimed_jobs)
     complete_job_batch_by_id = op(JOIN, complete.complete_job_batch_by_id, completions=C.id_tuples)

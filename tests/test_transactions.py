@@ -291,3 +291,47 @@ def test_a_guarded_step_passes_any_other_error_on_and_rolls_its_savepoint_back(s
             guarded(conn, _insert_then_fail(schema))
         assert conn.execute(text(f"SELECT count(*) FROM {schema}.queue_meta")).scalar() == 0
         assert _lock_timeout(conn) == "0"
+
+
+#: Where transactions are opened: the policy table, and the Alembic glue (Alembic runs its
+#: revisions in the transaction it is given).
+_OPENERS = ("qstore/storage/targets.py", "qstore/migrate.py", "qstore/migrations/")
+
+
+def _transactions_opened_outside_the_policy_table() -> list[str]:
+    import ast
+    from pathlib import Path
+
+    from qstore.storage import operations
+
+    root = Path(__file__).resolve().parent.parent
+    names = set(operations())
+    found = []
+    for path in sorted((root / "qstore").rglob("*.py")):
+        where = str(path.relative_to(root))
+        if where.startswith(_OPENERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("begin", "begin_nested"):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)} opens a transaction")
+            if not isinstance(node, ast.With):
+                continue
+            for item in node.items:
+                call, var = item.context_expr, item.optional_vars
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                        and call.func.attr == "connect" and isinstance(var, ast.Name)):
+                    continue
+                for inner in (n for stmt in node.body for n in ast.walk(stmt)):
+                    if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) \
+                            and inner.func.attr in names and inner.args \
+                            and isinstance(inner.args[0], ast.Name) and inner.args[0].id == var.id:
+                        found.append(f"{where}:{inner.lineno}: {ast.unparse(inner)} runs on a "
+                                     f"connection opened around it")
+    return found
+
+
+def test_no_code_outside_the_policy_table_opens_a_transaction_around_storage_calls():
+    found = _transactions_opened_outside_the_policy_table()
+    assert not found, ("make what must commit together one operation, or run it through "
+                       "targets.run with a policy:\n" + "\n".join(found))

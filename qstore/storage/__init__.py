@@ -10,16 +10,24 @@ read this one list: :class:`QueueStorage` (``Engine`` / ``Connection`` / ``Sessi
 counterpart, so an operation gets the same transaction on either face.
 
 Policies in one sentence each: ``JOIN`` — its own transaction on an Engine, the caller's
-otherwise; ``ATOMIC`` — the same, but a SAVEPOINT inside a caller's transaction, so an
-error leaves nothing half-written; ``STATEMENT`` — one autocommitted statement on an
+otherwise; ``SNAPSHOT`` — a read-only REPEATABLE READ transaction of its own on an Engine
+(one snapshot for every statement of a read: ``load_job``, the queue counts), the caller's
+otherwise; ``ATOMIC`` — the same as ``JOIN``, but a SAVEPOINT inside a caller's
+transaction, so an error leaves nothing half-written; ``STATEMENT`` — one autocommitted statement on an
 Engine; ``UNITS`` — a transaction per unit of work on an Engine (each stripe of a claim;
 the two parts of a completion; each slot of a counter rollup); ``OWN`` — its own
 transaction on an Engine, refused on a caller's ``Connection`` or ``Session`` before
 anything is sent (``CallerTransactionRefusedError``), because its effect would outlive a
 rollback (the ring rotations: a ring's cursor is a sequence); ``NO_TRANSACTION`` —
 autocommit on an Engine, refused likewise (``VACUUM`` cannot run inside a transaction).
-A rollback of a caller's transaction undoes every other operation; what it leaves behind
-is listed in :mod:`qstore.storage.targets`. The seed's ``*_in_tx`` / ``*_tx``
+Inside a body, the lock-guarded upkeep step of prune and counter rollup is a unit of the
+same table (:func:`qstore.storage.targets.guarded`: a SAVEPOINT with a 50 ms lock timeout,
+``Blocked`` instead of an error), and bodies never begin, commit or roll back anything
+themselves. What must commit together is one operation of this list
+(``wait_for_callback``, ``complete_runtime_batch_with_followups``), so no caller of the
+storage opens a transaction of its own around storage calls. A rollback of a caller's
+transaction undoes every other operation; what it leaves behind is listed in
+:mod:`qstore.storage.targets`. The seed's ``*_in_tx`` / ``*_tx``
 names are the same operations (pass the caller's ``Connection`` or ``Session``).
 """
 

@@ -53,7 +53,12 @@ unit                          what it is
 ============================  ========================================================================
 
 Reads that promise one snapshot take ``SNAPSHOT``: ``load_job``, ``queue_counts`` and
-``queue_counts_fast``, and the status reports (:mod:`qstore.status`).
+``queue_counts_fast``, and the status reports (:mod:`qstore.status`). Nothing outside this
+module opens a transaction around storage calls: what must commit together is one operation
+(``wait_for_callback`` parks an attempt, registering its callback first;
+``complete_runtime_batch_with_followups`` completes attempts with their follow-up jobs), and
+code that composes calls of its own (``qstore install``) runs them through :func:`run` under
+a policy (``tests/test_transactions.py`` checks the package for any other ``begin()``).
 
 A rollback of the caller's transaction undoes everything an operation did there, with
 three kinds of exception, none of which changes what a later call sees: sequences that

@@ -26,6 +26,7 @@ __all__ = [
     "QueueStorageError",
     "SchemaNotInstalledError",
     "ShapeMismatchError",
+    "StaleAttemptError",
     "UniqueConflictError",
     "ValidationError",
     "classify",
@@ -65,6 +66,17 @@ class ValidationError(QueueStorageError, ValueError):
         self.value = value
         self.reason = reason
         super().__init__(f"invalid {field}={describe(value)}: {reason}")
+
+
+class StaleAttemptError(ValidationError):
+    """An operation on a live attempt refused attempt ``(job_id, run_lease)``: it is not
+    running (it ended — completed, retried, rescued, cancelled — or that run lease was never
+    the job's). Nothing was written. ``field`` is ``"job"`` and ``value`` the pair."""
+
+    def __init__(self, job_id: int, run_lease: int, reason: str = "job is not in running state") -> None:
+        self.job_id = job_id
+        self.run_lease = run_lease
+        super().__init__("job", (job_id, run_lease), reason)
 
 
 class CallerTransactionRefusedError(ValidationError):

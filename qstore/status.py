@@ -59,6 +59,7 @@ from qstore.storage.jobs import logical_queue
 from qstore.storage.planes.rings import regclass, slot_generation
 from qstore.storage.read import truncated_by_upkeep
 from qstore.storage.targets import Policy, Target, hold, run
+from qstore.types import JobState
 
 __all__ = [
     "FAMILIES",
@@ -284,7 +285,7 @@ def _statements(sch: StorageSchema) -> _Statements:
         deferred=select(df.c.queue, df.c.state, n).group_by(df.c.queue, df.c.state),
         dlq=select(q.c.queue, n).group_by(q.c.queue),
         done=select(d.c.queue, d.c.state, n).group_by(d.c.queue, d.c.state),
-        waiting_external=select(le.c.queue, n).where(le.c.state == "waiting_external").group_by(le.c.queue),
+        waiting_external=select(le.c.queue, n).where(le.c.state == JobState.WAITING_EXTERNAL).group_by(le.c.queue),
         trusted=select(sch.counter_state.c.terminal_counter_trusted_at.isnot(None)),
     )
 
@@ -346,12 +347,12 @@ def _queue_status(conn: Connection, storage: QueueStorage, queues: Sequence[str]
     for name in g.names() if queues is None else sorted(set(queues)):
         c = counts(conn, name)
         kept = {st: g.done.get((name, st), 0) if exact else None
-                for st in ("completed", "cancelled", "failed")}
+                for st in (JobState.COMPLETED, JobState.CANCELLED, JobState.FAILED)}
         out.append(QueueStatus(
             queue=name, available=c.available, running=c.running,
-            waiting_external=g.parked.get(name, 0), scheduled=g.deferred.get((name, "scheduled"), 0),
-            retryable=g.deferred.get((name, "retryable"), 0), terminal=c.terminal,
-            completed=kept["completed"], cancelled=kept["cancelled"], failed=kept["failed"],
+            waiting_external=g.parked.get(name, 0), scheduled=g.deferred.get((name, JobState.SCHEDULED), 0),
+            retryable=g.deferred.get((name, JobState.RETRYABLE), 0), terminal=c.terminal,
+            completed=kept[JobState.COMPLETED], cancelled=kept[JobState.CANCELLED], failed=kept[JobState.FAILED],
             dlq=g.dlq.get(name, 0), paused=g.paused.get(name, False), lanes=g.lanes.get(name, 0)))
     return out
 

@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "BusyCounts",
     "CallbackConfig",
+    "CallbackPollKind",
     "CallbackPollResult",
     "ClaimedEntry",
     "ClaimedRuntimeJob",
@@ -32,10 +33,12 @@ __all__ = [
     "JobRow",
     "JobState",
     "ListDlqFilter",
+    "PruneKind",
     "PruneOutcome",
     "QueueClaimerLease",
     "QueueCounts",
     "RetryFromDlqOpts",
+    "RotateKind",
     "RotateOutcome",
     "SkipReason",
     "TerminalDeltaRollupOutcome",
@@ -204,54 +207,93 @@ class SkipReason(str, enum.Enum):
         return self.value
 
 
+class OutcomeKind(str, enum.Enum):
+    """Base of the kinds of an outcome: a member is its string (it compares and hashes equal
+    to it, and ``str()`` / f-strings give the string itself), so a decision can be made on
+    the member while code written against the strings keeps working."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class RotateKind(OutcomeKind):
+    ROTATED = "rotated"
+    SKIPPED_BUSY = "skipped_busy"
+    SKIPPED_IDLE = "skipped_idle"
+
+
+class PruneKind(OutcomeKind):
+    NOOP = "noop"
+    PRUNED = "pruned"
+    BLOCKED = "blocked"
+    SKIPPED_ACTIVE = "skipped_active"
+
+
+class CallbackPollKind(OutcomeKind):
+    RESOLVED = "resolved"
+    PENDING = "pending"
+    STALE = "stale"
+    UNEXPECTED_STATE = "unexpected_state"
+    NOT_FOUND = "not_found"
+
+
 @dataclass(frozen=True)
 class RotateOutcome:
     """``Rotated(slot, generation)``, ``SkippedBusy(slot, busy)`` or ``SkippedIdle(slot, generation)``."""
 
-    kind: str  # "rotated" | "skipped_busy" | "skipped_idle"
+    kind: RotateKind  # a kind's string is accepted and made the member
     slot: int
     generation: int | None = None
     busy: BusyCounts | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", RotateKind(self.kind))
+
     @classmethod
     def rotated(cls, slot: int, generation: int) -> RotateOutcome:
-        return cls("rotated", slot, generation)
+        return cls(RotateKind.ROTATED, slot, generation)
 
     @classmethod
     def skipped_busy(cls, slot: int, busy: BusyCounts) -> RotateOutcome:
-        return cls("skipped_busy", slot, None, busy)
+        return cls(RotateKind.SKIPPED_BUSY, slot, None, busy)
 
     @classmethod
     def skipped_idle(cls, slot: int, generation: int) -> RotateOutcome:
         """Nothing was written to the current ``slot`` since it was last (re)initialised:
         the ring stays where it is and nothing is written."""
-        return cls("skipped_idle", slot, generation)
+        return cls(RotateKind.SKIPPED_IDLE, slot, generation)
 
 
 @dataclass(frozen=True)
 class PruneOutcome:
     """``Noop`` | ``Pruned(slot)`` | ``Blocked(slot)`` | ``SkippedActive(slot, reason, count)``."""
 
-    kind: str  # "noop" | "pruned" | "blocked" | "skipped_active"
+    kind: PruneKind  # a kind's string is accepted and made the member
     slot: int | None = None
     reason: SkipReason | None = None
     count: int = 0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", PruneKind(self.kind))
+
     @classmethod
     def noop(cls) -> PruneOutcome:
-        return cls("noop")
+        return cls(PruneKind.NOOP)
 
     @classmethod
     def pruned(cls, slot: int) -> PruneOutcome:
-        return cls("pruned", slot)
+        return cls(PruneKind.PRUNED, slot)
 
     @classmethod
     def blocked(cls, slot: int) -> PruneOutcome:
-        return cls("blocked", slot)
+        return cls(PruneKind.BLOCKED, slot)
 
     @classmethod
     def skipped_active(cls, slot: int, reason: SkipReason, count: int) -> PruneOutcome:
-        return cls("skipped_active", slot, reason, count)
+        return cls(PruneKind.SKIPPED_ACTIVE, slot, reason, count)
 
 
 @dataclass(frozen=True)
@@ -276,11 +318,14 @@ class CallbackConfig:
 class CallbackPollResult:
     """``Resolved(payload)`` | ``Pending`` | ``Stale`` | ``UnexpectedState`` | ``NotFound``."""
 
-    kind: str
+    kind: CallbackPollKind  # a kind's string is accepted and made the member
     payload: Any = None
     token: uuid.UUID | None = None
     current: uuid.UUID | None = None
     state: JobState | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", CallbackPollKind(self.kind))
 
 
 @dataclass(frozen=True)

@@ -279,6 +279,8 @@ CASES: dict[str, Case] = {
             t, "q", 5, 60, 1, uuid.uuid4(), 1, 60, 60), _length(1)),
     # complete
     "complete_runtime_batch": Case(runnable, lambda s, t, g: s.complete_runtime_batch(t, [g["claimed"]]), _length(1)),
+    "complete_runtime_batch_with_followups": Case(
+        runnable, lambda s, t, g: s.complete_runtime_batch_with_followups(t, [(g["claimed"], _ENQUEUE)]), _length(1)),
     "complete_runtime_batch_slow_in_tx": Case(
         runnable, lambda s, t, g: s.complete_runtime_batch_slow_in_tx(t, [g["claimed"]]), _length(1)),
     "complete_job_batch_by_id": Case(runnable, lambda s, t, g: s.complete_job_batch_by_id(t, [_pair(g)]), _length(1)),
@@ -329,6 +331,8 @@ CASES: dict[str, Case] = {
                                 _equals(True)),
     "enter_callback_wait_in_tx": Case(
         leased, lambda s, t, g: s.enter_callback_wait_in_tx(t, *_pair(g), g["token"]), _equals(True)),
+    "wait_for_callback": Case(runnable, lambda s, t, g: s.wait_for_callback(t, *_pair(g), 60),
+                              lambda r, g: isinstance(r, uuid.UUID)),
     "check_callback_state": Case(resolved, lambda s, t, g: s.check_callback_state(t, g["job_id"], g["token"]),
                                  lambda r, g: (r.kind, r.payload) == ("resolved", {"answer": 42})),
     "callback_job": Case(waiting, lambda s, t, g: s.callback_job(t, g["token"], None, True),

@@ -75,6 +75,18 @@ def test_register_callback_on_a_finished_attempt_raises_validation_error(engine,
     assert count(engine, st, "leases") == 0
 
 
+def test_register_callback_on_a_finished_attempt_is_refused_as_a_stale_attempt(engine, st):
+    from qstore import StaleAttemptError
+
+    c = running(engine, st)
+    st.complete_runtime_batch(engine, [c])
+    with pytest.raises(StaleAttemptError) as err:
+        st.register_callback(engine, c.job.id, 1, 60)
+    assert isinstance(err.value, ValidationError)
+    assert (err.value.field, err.value.value) == ("job", (c.job.id, 1))
+    assert (err.value.job_id, err.value.run_lease) == (c.job.id, 1)
+
+
 def test_register_callback_with_a_wrong_run_lease_raises_validation_error(engine, st):
     c = running(engine, st)
     with pytest.raises(ValidationError):
@@ -103,6 +115,46 @@ def test_enter_callback_wait_moves_running_to_waiting_external(engine, st):
     assert st.enter_callback_wait(engine, c.job.id, 1, token) is True
     row = st.load_job(engine, c.job.id)
     assert (row.state, row.callback_id, row.deadline_at) == (JobState.WAITING_EXTERNAL, token, None)
+
+
+def test_wait_for_callback_registers_a_token_and_parks_the_attempt_in_one_call(engine, st):
+    c = running(engine, st, deadline=None)
+    token = st.wait_for_callback(engine, c.job.id, 1, 60)
+    assert isinstance(token, uuid.UUID) and token.version == 4
+    row = st.load_job(engine, c.job.id)
+    assert (row.state, row.callback_id) == (JobState.WAITING_EXTERNAL, token)
+    assert st.complete_external(engine, token, {"ok": 1}).state == JobState.COMPLETED
+
+
+def test_wait_for_callback_parks_the_attempt_on_the_token_it_registered_before(engine, st):
+    c = running(engine, st)
+    token = st.register_callback(engine, c.job.id, 1, 60)
+    assert st.wait_for_callback(engine, c.job.id, 1, 60, callback_id=token) == token
+    assert st.load_job(engine, c.job.id).state == JobState.WAITING_EXTERNAL
+    assert count(engine, st, "leases") == 1
+
+
+def test_wait_for_callback_on_another_token_or_a_finished_attempt_is_none_and_writes_nothing(engine, st):
+    c = running(engine, st)
+    st.register_callback(engine, c.job.id, 1, 60)
+    assert st.wait_for_callback(engine, c.job.id, 1, 60, callback_id=uuid.uuid4()) is None
+    assert state(engine, st, c.job.id) == JobState.RUNNING
+    done = running(engine, st)
+    st.complete_runtime_batch(engine, [done])
+    assert st.wait_for_callback(engine, done.job.id, 1, 60) is None
+    assert count(engine, st, "leases", f"job_id = {done.job.id}") == 0
+
+
+def test_wait_for_callback_on_a_callers_connection_is_kept_or_undone_with_it(engine, st):
+    c = running(engine, st)
+    with engine.connect() as conn:
+        assert st.wait_for_callback(conn, c.job.id, 1, 60) is not None
+        conn.rollback()
+    assert (state(engine, st, c.job.id), count(engine, st, "leases")) == (JobState.RUNNING, 0)
+    with engine.connect() as conn:
+        token = st.wait_for_callback(conn, c.job.id, 1, 60)
+        conn.commit()
+    assert st.load_job(engine, c.job.id).callback_id == token
 
 
 def test_enter_callback_wait_with_another_token_returns_false(engine, st):
@@ -202,6 +254,18 @@ def test_check_callback_state_reports_stale_for_a_replaced_token(engine, st):
 
 def test_check_callback_state_of_an_unknown_job_is_not_found(engine, st):
     assert st.check_callback_state(engine, 424242, uuid.uuid4()).kind == "not_found"
+
+
+def test_a_callback_poll_kind_is_a_member_that_reads_as_its_string(engine, st):
+    from qstore.types import CallbackPollKind, CallbackPollResult
+
+    c, token = waiting(engine, st)
+    kind = st.check_callback_state(engine, c.job.id, token).kind
+    assert kind is CallbackPollKind.PENDING
+    assert (kind, str(kind), f"{kind}", {"pending": 1}[kind]) == ("pending", "pending", "pending", 1)
+    assert CallbackPollResult("resolved", payload=1).kind is CallbackPollKind.RESOLVED
+    with pytest.raises(ValueError):
+        CallbackPollResult("resolvd")
 
 
 def test_fail_external_moves_waiting_external_to_failed_with_a_terminal_error(engine, st):

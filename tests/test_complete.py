@@ -8,7 +8,14 @@ from jobtools import relation_locks, requeue
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from qstore import InsertOpts, InsertParams, JobState, UniqueOpts, ValidationError
+from qstore import (
+    InsertOpts,
+    InsertParams,
+    JobState,
+    UniqueConflictError,
+    UniqueOpts,
+    ValidationError,
+)
 
 
 def job(args: object = None, **opts: object) -> InsertParams:
@@ -29,6 +36,47 @@ def claimed_jobs(engine, storage, n: int, **opts):
     return got
 
 
+
+
+# -- complete_runtime_batch_with_followups ----------------------------------------------------
+
+def test_completion_with_followups_enqueues_the_followups_of_the_attempts_it_completed(engine, storage):
+    a, b = claimed_jobs(engine, storage, 2)
+    storage.complete_runtime_batch(engine, [b])  # b is stale from here on
+    done = storage.complete_runtime_batch_with_followups(
+        engine, [(a, [job({"after": "a"}, queue="next"), job({"after": "a2"}, queue="next")]),
+                 (b, [job({"after": "b"}, queue="next")])])
+    assert done == [(a.job.id, 1)]
+    assert storage.load_job(engine, a.job.id).state == JobState.COMPLETED
+    assert count_rows(engine, storage, "ready_entries", "queue = 'next'") == 2
+    assert count_rows(engine, storage, "ready_entries", "queue = 'next' AND args->>'after' = 'b'") == 0
+
+
+def test_completion_whose_followup_cannot_be_written_writes_nothing(engine, storage):
+    a, b = claimed_jobs(engine, storage, 2)
+    key = UniqueOpts(by_args=True)
+    storage.enqueue_params_batch(engine, [job({"taken": 1}, queue="next", unique=key)])
+    with pytest.raises(UniqueConflictError):
+        storage.complete_runtime_batch_with_followups(
+            engine, [(a, [job({"fine": 1}, queue="next")]), (b, [job({"taken": 1}, queue="next", unique=key)])])
+    assert storage.load_job(engine, a.job.id).state == JobState.RUNNING
+    assert storage.load_job(engine, b.job.id).state == JobState.RUNNING
+    assert count_rows(engine, storage, "ready_entries", "queue = 'next'") == 1
+
+
+def test_completion_with_followups_joins_a_callers_transaction(engine, storage):
+    (a,) = claimed_jobs(engine, storage, 1)
+    with engine.connect() as conn:
+        assert storage.complete_runtime_batch_with_followups(conn, [(a, [job(queue="next")])]) == [(a.job.id, 1)]
+        conn.rollback()
+    assert storage.load_job(engine, a.job.id).state == JobState.RUNNING
+    assert count_rows(engine, storage, "ready_entries", "queue = 'next'") == 0
+
+
+@pytest.mark.parametrize("bad", [[a] for a in ("x", (1, 2), ("claimed", []))] + [None])
+def test_completion_with_followups_refuses_anything_but_attempt_and_followup_pairs(engine, storage, bad):
+    with pytest.raises(ValidationError, match="completions"):
+        storage.complete_runtime_batch_with_followups(engine, bad)
 
 
 # -- complete_runtime_batch -------------------------------------------------------------------

@@ -118,3 +118,19 @@ def test_engine_load_job_reads_one_snapshot(engine, st, other_engine):
     assert fired == [1], fired
     assert row is not None and row.state == JobState.SCHEDULED
     assert st.load_job(engine, job_id).state == JobState.AVAILABLE
+
+
+@pytest.mark.parametrize("name", ["queue_counts", "queue_counts_fast"])
+def test_engine_queue_counts_read_in_a_read_only_snapshot(engine, st, name):
+    seen: list = []
+
+    def probe(conn, cursor, statement, *_):  # type: ignore[no-untyped-def]
+        seen.append(cursor.connection.execute(
+            "SELECT current_setting('transaction_isolation'), current_setting('transaction_read_only')").fetchone())
+
+    event.listen(engine, "after_cursor_execute", probe)
+    try:
+        getattr(st, name)(engine, "q")
+    finally:
+        event.remove(engine, "after_cursor_execute", probe)
+    assert seen and set(seen) == {("repeatable read", "on")}, seen

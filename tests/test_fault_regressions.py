@@ -27,7 +27,7 @@ import pytest
 from sqlalchemy import Connection, Engine, create_engine, event, text
 
 from qstore import InsertOpts, InsertParams, QueueStorage, UniqueConflictError, UniqueOpts
-from qstore.storage.planes import rings as upkeep
+from qstore.storage import targets as upkeep
 from qstore.types import ClaimedRuntimeJob, JobState, PruneOutcome, SkipReason
 
 MakeStorage = Callable[..., QueueStorage]

@@ -201,7 +201,8 @@ bad_batches_but_none = hs.one_of(hs.integers(max_value=0), hs.integers(min_value
                                  hs.sampled_from([1.0, "5", True]))
 bad_batches = hs.one_of(hs.none(), bad_batches_but_none)
 tokens = hs.one_of(hs.uuids(), hs.uuids().map(str))
-bad_tokens = hs.one_of(hs.text(max_size=10), hs.integers(), hs.none(), hs.binary(max_size=16))
+bad_tokens_but_none = hs.one_of(hs.text(max_size=10), hs.integers(), hs.binary(max_size=16))
+bad_tokens = hs.one_of(hs.none(), bad_tokens_but_none)
 
 #: UTC offsets in minutes; PostgreSQL's own limit is under 16 hours, Python's under 24
 offsets = hs.one_of(hs.sampled_from([16 * 60, -16 * 60, 23 * 60 + 59, -(23 * 60 + 59), 15 * 60 + 59]),
@@ -668,6 +669,9 @@ def test_callback_calls_either_work_or_refuse_naming_the_bad_argument(world: Wor
             {"job_id": job, "run_lease": lease, "timeout": timeout, "config": P(configs, bad_configs)}, is_not_running),
         "cancel_callback": ({"job_id": job, "run_lease": lease}, never),
         "enter_callback_wait": ({"job_id": job, "run_lease": lease, "callback_id": cb}, never),
+        "wait_for_callback": ({"job_id": job, "run_lease": lease, "timeout": timeout, "config": P(configs, bad_configs),
+                               "callback_id": P(hs.one_of(hs.none(), aim(token, tokens)), bad_tokens_but_none)},
+                              never),
         "check_callback_state": ({"job_id": job, "callback_id": cb}, never),
         "callback_job": ({"callback_id": cb, "run_lease": opt_lease}, never),
         "load_active_lease_in_tx": ({"job_id": job, "run_lease": lease}, never),
@@ -836,7 +840,8 @@ TARGET_CALLS: list[tuple[str, tuple[Any, ...]]] = [
     ("cancel_running", (1, 1, "r")), ("fail_terminal", (1, 1, "e")), ("fail_to_dlq", (1, 1, "r", "e")),
     ("fail_retryable", (1, 1, "e")), ("heartbeat_batch", ([(1, 1)],)), ("heartbeat_progress_batch", ([(1, 1, None)],)),
     ("flush_progress", (1, 1, None)), ("register_callback", (1, 1, 5)), ("cancel_callback", (1, 1)),
-    ("enter_callback_wait", (1, 1, uuid.uuid4())), ("check_callback_state", (1, uuid.uuid4())),
+    ("enter_callback_wait", (1, 1, uuid.uuid4())), ("wait_for_callback", (1, 1, 5)),
+    ("check_callback_state", (1, uuid.uuid4())),
     ("callback_job", (uuid.uuid4(),)), ("load_active_lease_in_tx", (1, 1)), ("complete_external", (uuid.uuid4(),)),
     ("fail_external", (uuid.uuid4(), "e")), ("retry_external", (uuid.uuid4(),)),
     ("heartbeat_callback", (uuid.uuid4(), 5)), ("rescue_stale_heartbeats", (5,)), ("rescue_expired_deadlines", ()),

@@ -97,6 +97,18 @@ def test_fresh_queue_ring_is_idle_and_has_nothing_to_prune(small: QueueStorage, 
         assert conn.execute(select(st.c.current_slot, st.c.generation)).one() == (0, 0)
 
 
+def test_rotate_and_prune_kinds_are_members_that_read_as_their_strings(small: QueueStorage, engine: Engine) -> None:
+    from qstore.types import PruneKind, RotateKind
+
+    rotated, pruned = small.rotate(engine).kind, small.prune_oldest(engine).kind
+    assert (rotated, pruned) == (RotateKind.SKIPPED_IDLE, PruneKind.NOOP)
+    assert (rotated, f"{pruned}", str(rotated)) == ("skipped_idle", "noop", "skipped_idle")
+    assert RotateOutcome("rotated", 1, 1) == RotateOutcome.rotated(1, 1)
+    assert PruneOutcome("blocked", 3).kind is PruneKind.BLOCKED
+    with pytest.raises(ValueError):
+        PruneOutcome("prunned")
+
+
 def test_queue_rotation_moves_only_into_empty_slots(small: QueueStorage, engine: Engine) -> None:
     for expected in (1, 2, 3):
         enqueue(small, engine)

@@ -253,3 +253,85 @@ def test_only_an_engine_target_reads_committed_state(engine):
 def test_operation_on_unsupported_target_raises_validation_error(storage):
     with pytest.raises(ValidationError):
         storage.activate_backend(object())  # type: ignore[arg-type]
+
+
+def _lock_timeout(conn) -> str:
+    return conn.execute(text("SHOW lock_timeout")).scalar()
+
+
+def test_a_guarded_step_that_waits_for_a_lock_is_blocked_and_leaves_the_transaction_usable(storage, engine):
+    from qstore.storage.targets import BLOCKED, guarded
+
+    schema = storage.schema()
+    with engine.connect() as holder, engine.connect() as conn:
+        _insert(schema, "before")(conn)
+        holder.execute(text(f"LOCK TABLE {schema}.queue_claimer_state IN ACCESS EXCLUSIVE MODE"))
+
+        def step(inner):
+            _insert(schema, "in step")(inner)
+            inner.execute(text(f"LOCK TABLE {schema}.queue_claimer_state IN ACCESS EXCLUSIVE MODE"))
+            return "locked"
+
+        assert guarded(conn, step) is BLOCKED
+        assert _lock_timeout(conn) == "0"  # the step's timeout went with its savepoint
+        assert conn.execute(text(f"SELECT queue FROM {schema}.queue_meta")).scalars().all() == ["before"]
+        holder.rollback()
+        assert guarded(conn, step) == "locked"
+        assert _lock_timeout(conn) == "0"  # restored before the savepoint was released
+        conn.commit()
+    assert _count(engine, schema) == 2
+
+
+def test_a_guarded_step_passes_any_other_error_on_and_rolls_its_savepoint_back(storage, engine):
+    from qstore.storage.targets import guarded
+
+    schema = storage.schema()
+    with engine.connect() as conn:
+        with pytest.raises(RuntimeError):
+            guarded(conn, _insert_then_fail(schema))
+        assert conn.execute(text(f"SELECT count(*) FROM {schema}.queue_meta")).scalar() == 0
+        assert _lock_timeout(conn) == "0"
+
+
+#: Where transactions are opened: the policy table, and the Alembic glue (Alembic runs its
+#: revisions in the transaction it is given).
+_OPENERS = ("qstore/storage/targets.py", "qstore/migrate.py", "qstore/migrations/")
+
+
+def _transactions_opened_outside_the_policy_table() -> list[str]:
+    import ast
+    from pathlib import Path
+
+    from qstore.storage import operations
+
+    root = Path(__file__).resolve().parent.parent
+    names = set(operations())
+    found = []
+    for path in sorted((root / "qstore").rglob("*.py")):
+        where = str(path.relative_to(root))
+        if where.startswith(_OPENERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("begin", "begin_nested"):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)} opens a transaction")
+            if not isinstance(node, ast.With):
+                continue
+            for item in node.items:
+                call, var = item.context_expr, item.optional_vars
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                        and call.func.attr == "connect" and isinstance(var, ast.Name)):
+                    continue
+                for inner in (n for stmt in node.body for n in ast.walk(stmt)):
+                    if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) \
+                            and inner.func.attr in names and inner.args \
+                            and isinstance(inner.args[0], ast.Name) and inner.args[0].id == var.id:
+                        found.append(f"{where}:{inner.lineno}: {ast.unparse(inner)} runs on a "
+                                     f"connection opened around it")
+    return found
+
+
+def test_no_code_outside_the_policy_table_opens_a_transaction_around_storage_calls():
+    found = _transactions_opened_outside_the_policy_table()
+    assert not found, ("make what must commit together one operation, or run it through "
+                       "targets.run with a policy:\n" + "\n".join(found))

@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
+from sqlalchemy import Connection
+
 from qstore import migrate
 from qstore.cli.common import _engine, _explicit_shape, _url
 from qstore.config import QueueStorageConfig
 from qstore.errors import translate_errors
 from qstore.schema import grants
 from qstore.storage import QueueStorage
+from qstore.storage.targets import Policy, run
 
 __all__ = ["cmd_install", "register"]
 
@@ -25,22 +28,30 @@ __all__ = ["cmd_install", "register"]
 def cmd_install(args: argparse.Namespace, out: TextIO) -> int:
     QueueStorageConfig(schema=args.schema)  # a bad --schema is named before anything connects
     engine = _engine(_url(args, "install"))
+
+    def install(conn: Connection) -> tuple[QueueStorage, bool, list[str]] | None:
+        """The install, in one transaction; None when the grants were only printed."""
+        migrate.lock_install(conn, args.schema)
+        state = migrate.install_state(conn, args.schema)
+        config = migrate.resolve_shape(args.schema, state.config, _explicit_shape(args))
+        if args.print_grants is not None:
+            own = state.version is None or not state.version.host
+            for statement in grants.runtime_grants(config, args.print_grants, version_table=own):
+                print(f"{statement};", file=out)
+            return None
+        storage = QueueStorage(config)
+        ran = storage.prepare_schema(conn)
+        storage.activate_backend(conn)
+        granted = grants.apply_runtime_grants(conn, config, args.grant) if args.grant else []
+        return storage, ran, granted
+
     try:
-        with engine.begin() as conn:
-            migrate.lock_install(conn, args.schema)
-            state = migrate.install_state(conn, args.schema)
-            config = migrate.resolve_shape(args.schema, state.config, _explicit_shape(args))
-            if args.print_grants is not None:
-                own = state.version is None or not state.version.host
-                for statement in grants.runtime_grants(config, args.print_grants, version_table=own):
-                    print(f"{statement};", file=out)
-                return 0
-            storage = QueueStorage(config)
-            ran = storage.prepare_schema(conn)
-            storage.activate_backend(conn)
-            granted = grants.apply_runtime_grants(conn, config, args.grant) if args.grant else []
+        done = run(Policy.JOIN, engine, install, "qstore install")
     finally:
         engine.dispose()
+    if done is None:
+        return 0
+    storage, ran, granted = done
     what = "installed/upgraded" if ran else "already at head"
     print(f"qstore schema {storage.schema()!r} {what} and active", file=out)
     if granted:

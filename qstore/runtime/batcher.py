@@ -43,7 +43,6 @@ from qstore.errors import (
     PartialCommitError,
     QueueStorageError,
     ValidationError,
-    translate_errors,
 )
 from qstore.outage import OutageLog
 from qstore.storage import QueueStorage
@@ -297,16 +296,12 @@ class CompletionBatcher:
         log.warning("qstore worker: gave up %d completions at stop; their attempts will be rescued "
                     "and run again", len(items))
 
-    @translate_errors  # a connection or commit failure is a DatabaseError like the calls' own
     def _joined_once(self, items: Sequence[Completion]) -> None:
         """Complete ``items`` and enqueue the follow-ups of those completed, in one transaction."""
         self._count(calls=1)
-        with self.engine.begin() as conn:
-            done = set(self.storage.complete_runtime_batch(conn, [c.claimed for c in items]))
-            jobs = [p for c in items if c.pair in done for p in c.followups]
-            if jobs:
-                self.storage.enqueue_many(conn, jobs)
-        self._count(followups=len(jobs))
+        done = set(self.storage.complete_runtime_batch_with_followups(
+            self.engine, [(c.claimed, c.followups) for c in items]))
+        self._count(followups=sum(len(c.followups) for c in items if c.pair in done))
         self._settle(items, done)
 
     def _complete_joined(self, items: list[Completion]) -> None:

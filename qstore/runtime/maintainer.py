@@ -42,7 +42,7 @@ from qstore.errors import ValidationError
 from qstore.outage import OutageLog
 from qstore.storage import QueueStorage
 from qstore.storage.checks import MAX_BATCH
-from qstore.types import JobState, PruneOutcome, RotateOutcome
+from qstore.types import JobState, PruneKind, PruneOutcome, RotateKind, RotateOutcome
 
 __all__ = ["Maintainer", "MaintenanceSchedule", "RingTick", "TaskReport"]
 
@@ -166,12 +166,12 @@ class RingTick:
     @property
     def slots_pruned(self) -> int:
         """Slots this tick truncated."""
-        return (self.prune is not None and self.prune.kind == "pruned") + self.caught_up
+        return (self.prune is not None and self.prune.kind is PruneKind.PRUNED) + self.caught_up
 
     @property
     def rotated(self) -> bool:
         """True when this tick moved the ring to its next slot."""
-        return self.rotate is not None and self.rotate.kind == "rotated"
+        return self.rotate is not None and self.rotate.kind is RotateKind.ROTATED
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ class _Ring:
                 return RingTick(None, None, slot_bytes=filled)
         pruned, caught_up = self._prune_slots()
         rotated = self._rotate()
-        if rotated.kind in ("rotated", "skipped_idle"):
+        if rotated.kind in (RotateKind.ROTATED, RotateKind.SKIPPED_IDLE):
             self._turned_at = time.monotonic()
         return RingTick(rotated, pruned, caught_up)
 
@@ -239,9 +239,9 @@ class _Ring:
             return None, 0
         pruned = self._prune()
         caught_up = 0
-        if pruned.kind == "pruned":
+        if pruned.kind is PruneKind.PRUNED:
             self._misses = 0
-            while caught_up + 1 < self._most and not self._stopping() and self._prune().kind == "pruned":
+            while caught_up + 1 < self._most and not self._stopping() and self._prune().kind is PruneKind.PRUNED:
                 caught_up += 1
         else:
             self._misses += 1

@@ -59,7 +59,14 @@ from qstore.storage.jobs import (
     validate_queue,
 )
 from qstore.storage.targets import AsyncTarget, Target
-from qstore.types import ClaimedRuntimeJob, InsertOpts, InsertParams, JobRow, UniqueOpts
+from qstore.types import (
+    CallbackPollKind,
+    ClaimedRuntimeJob,
+    InsertOpts,
+    InsertParams,
+    JobRow,
+    UniqueOpts,
+)
 
 if TYPE_CHECKING:
     from qstore.aio import AsyncQueueStorage
@@ -327,11 +334,11 @@ class JobContext:
     def _callback_result(self, engine: Engine, callback_id: uuid.UUID) -> Any:
         """The resumed payload, ``_UNSET`` while still waiting; raises when the wait ended."""
         poll = self.storage.check_callback_state(engine, self.job_id, callback_id)
-        if poll.kind == "resolved":
+        if poll.kind is CallbackPollKind.RESOLVED:
             return poll.payload
-        if poll.kind == "pending":
+        if poll.kind is CallbackPollKind.PENDING:
             return _UNSET
-        raise CallbackWaitEndedError(callback_id, poll.kind, poll.state)
+        raise CallbackWaitEndedError(callback_id, poll.kind.value, poll.state)
 
     def defer(self, task: Task[Any, Any] | Deferral, /, *args: Any, **kwargs: Any) -> None:
         """Enqueue a follow-up job *with this attempt's completion*: the worker writes it in

@@ -62,6 +62,7 @@ from qstore.errors import (
     DatabaseError,
     QueueStorageError,
     SchemaNotInstalledError,
+    StaleAttemptError,
     ValidationError,
     translate_errors,
 )
@@ -889,21 +890,11 @@ class Worker:
             if row is not None:
                 self._count(name)
         elif isinstance(o, WaitForCallback):
-            if self._write(a, "enter_callback_wait", lambda: self._wait_for_callback(a, o)):
+            if self._write(a, "wait_for_callback", lambda: st.wait_for_callback(
+                    e, job.id, job.run_lease, o.timeout, callback_id=o.callback_id)) is not None:
                 self._count("waiting_callback")
         else:  # a JobOutcome subclass of the application's own: treat as an error
             self._apply(a, TypeError(f"unsupported outcome {type(o).__name__}"))
-
-    @translate_errors  # a connection or commit failure is a DatabaseError like the calls' own
-    def _wait_for_callback(self, a: _Attempt, o: WaitForCallback) -> bool | None:
-        job = a.claimed.job
-        st = self.storage
-        with self.engine.begin() as conn:
-            token = o.callback_id
-            if token is None:
-                token = st.register_callback(conn, job.id, job.run_lease, o.timeout)
-            entered = st.enter_callback_wait(conn, job.id, job.run_lease, token)
-        return True if entered else None
 
     # -- writes that must land -------------------------------------------------------------------
     def _lease_end(self, a: _Attempt) -> float:
@@ -935,10 +926,10 @@ class Worker:
             while True:
                 try:
                     result = call()
+                except StaleAttemptError:
+                    result = None  # the attempt was closed meanwhile (e.g. before its callback registered)
                 except ValidationError as err:
-                    if err.field != "job":
-                        return self._refused(a, name, err, fallback=fallback)
-                    result = None  # register_callback of an attempt closed meanwhile
+                    return self._refused(a, name, err, fallback=fallback)
                 except DatabaseError as err:
                     gone = self._schema_gone(err)
                     if gone is not None:

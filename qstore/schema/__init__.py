@@ -10,6 +10,7 @@ attached as DDL events); Alembic revisions build from the same declaration.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,12 @@ class StorageSchema:
     lane_rotor: Sequence  # one nextval per enqueue call: its key-less rows' lane
     functions: tuple[ServerFunction, ...]
     views: tuple[ServerView, ...]
+    #: The tables each plane module of the declaration declared (ring children included),
+    #: by plane: ``"queue"`` (:mod:`~qstore.schema.queue_plane`), ``"execution"``
+    #: (:mod:`~qstore.schema.execution_plane`), ``"control"``
+    #: (:mod:`~qstore.schema.control_plane`). Read by the storage's ownership map
+    #: (:mod:`qstore.storage.planes`).
+    declared_by: Mapping[str, tuple[Table, ...]]
 
     @property
     def rings(self) -> tuple[Ring, Ring, Ring]:
@@ -125,6 +132,13 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     job_id_seq = Sequence("job_id_seq", schema=s, metadata=md, start=1)
     lane_rotor = Sequence("lane_rotor", schema=s, metadata=md, start=0, minvalue=0)
 
+    declared: dict[str, tuple[Table, ...]] = {}
+
+    def record(plane: str) -> None:
+        """Every table declared since the last record is ``plane``'s."""
+        seen = {t.key for ts in declared.values() for t in ts}
+        declared[plane] = tuple(t for key, t in md.tables.items() if key not in seen)
+
     ready = queue_plane.declare_ready_entries(md, config)
     tombstones = queue_plane.declare_ready_tombstones(md, config)
     claim_ranges = queue_plane.declare_claim_ranges(md, config)
@@ -132,10 +146,12 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     deltas = queue_plane.declare_terminal_deltas(md, config)
     deferred = queue_plane.declare_deferred_jobs(md, config, state)
     dlq = queue_plane.declare_dlq_entries(md, config, state)
+    record("queue")
     leases = execution_plane.declare_leases(md, config, state)
     claims = execution_plane.declare_lease_claims(md, config)
     closures = execution_plane.declare_lease_claim_closures(md, config)
     attempt_state = execution_plane.declare_attempt_state(md, config)
+    record("execution")
     cursors = {r: control_plane.declare_ring_cursor(md, config, r) for r in ("queue", "lease", "claim")}
     families = {"queue": (ready, tombstones, claim_ranges, done, deltas), "lease": (leases,),
                 "claim": (claims, closures)}
@@ -146,6 +162,7 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     unique_claims = control_plane.declare_unique_claims(md, config)
     claimer_leases, claimer_state = control_plane.declare_claimers(md, config)
     storage_config, backends, transition = control_plane.declare_install_tables(md, config)
+    record("control")
 
     functions = declare_functions(config)
     views = declare_views(config)
@@ -160,6 +177,7 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
         unique_claims=unique_claims, claimer_leases=claimer_leases,
         claimer_state=claimer_state, storage_config=storage_config, backends=backends,
         transition=transition, job_id_seq=job_id_seq, lane_rotor=lane_rotor, functions=functions, views=views,
+        declared_by=declared,
     )
     md.info["qstore_schema"] = sch
     _attach_ddl_events(sch)

@@ -10,16 +10,24 @@ read this one list: :class:`QueueStorage` (``Engine`` / ``Connection`` / ``Sessi
 counterpart, so an operation gets the same transaction on either face.
 
 Policies in one sentence each: ``JOIN`` — its own transaction on an Engine, the caller's
-otherwise; ``ATOMIC`` — the same, but a SAVEPOINT inside a caller's transaction, so an
-error leaves nothing half-written; ``STATEMENT`` — one autocommitted statement on an
+otherwise; ``SNAPSHOT`` — a read-only REPEATABLE READ transaction of its own on an Engine
+(one snapshot for every statement of a read: ``load_job``, the queue counts), the caller's
+otherwise; ``ATOMIC`` — the same as ``JOIN``, but a SAVEPOINT inside a caller's
+transaction, so an error leaves nothing half-written; ``STATEMENT`` — one autocommitted statement on an
 Engine; ``UNITS`` — a transaction per unit of work on an Engine (each stripe of a claim;
 the two parts of a completion; each slot of a counter rollup); ``OWN`` — its own
 transaction on an Engine, refused on a caller's ``Connection`` or ``Session`` before
 anything is sent (``CallerTransactionRefusedError``), because its effect would outlive a
 rollback (the ring rotations: a ring's cursor is a sequence); ``NO_TRANSACTION`` —
 autocommit on an Engine, refused likewise (``VACUUM`` cannot run inside a transaction).
-A rollback of a caller's transaction undoes every other operation; what it leaves behind
-is listed in :mod:`qstore.storage.targets`. The seed's ``*_in_tx`` / ``*_tx``
+Inside a body, the lock-guarded upkeep step of prune and counter rollup is a unit of the
+same table (:func:`qstore.storage.targets.guarded`: a SAVEPOINT with a 50 ms lock timeout,
+``Blocked`` instead of an error), and bodies never begin, commit or roll back anything
+themselves. What must commit together is one operation of this list
+(``wait_for_callback``, ``complete_runtime_batch_with_followups``), so no caller of the
+storage opens a transaction of its own around storage calls. A rollback of a caller's
+transaction undoes every other operation; what it leaves behind is listed in
+:mod:`qstore.storage.targets`. The seed's ``*_in_tx`` / ``*_tx``
 names are the same operations (pass the caller's ``Connection`` or ``Session``).
 """
 
@@ -99,6 +107,8 @@ class Operations:
 
     # -- complete ------------------------------------------------------------------------------
     complete_runtime_batch = op(UNITS, complete.complete_runtime_batch, claimed=C.claimed_jobs)
+    complete_runtime_batch_with_followups = op(ATOMIC, complete.complete_runtime_batch_with_followups,
+                                               completions=C.completions_with_followups)
     complete_runtime_batch_slow_in_tx = op(JOIN, complete.complete_runtime_batch_slow_in_tx,
                                            claimed=C.claimed_jobs)
     complete_job_batch_by_id = op(JOIN, complete.complete_job_batch_by_id, completions=C.id_tuples)
@@ -108,8 +118,8 @@ class Operations:
 
     # -- reads -----------------------------------------------------------------------------------
     load_job = op(SNAPSHOT, read.load_job_snapshot, job_id=C.job_id)
-    queue_counts = op(JOIN, read.queue_counts, queue=C.queue)
-    queue_counts_fast = op(JOIN, read.queue_counts_fast, queue=C.queue)
+    queue_counts = op(SNAPSHOT, read.queue_counts, queue=C.queue)
+    queue_counts_fast = op(SNAPSHOT, read.queue_counts_fast, queue=C.queue)
 
     # -- worker outcomes of a live attempt (stale -> None, nothing changed) -------------------
     retry_after = op(ATOMIC, outcomes.retry_after, job_id=C.job_id, run_lease=C.job_id,
@@ -146,6 +156,8 @@ class Operations:
     enter_callback_wait = op(JOIN, callbacks.enter_callback_wait, job_id=C.job_id, run_lease=C.job_id,
                              callback_id=C.uuid_value)
     enter_callback_wait_in_tx = enter_callback_wait.alias()
+    wait_for_callback = op(ATOMIC, callbacks.wait_for_callback, job_id=C.job_id, run_lease=C.job_id,
+                           timeout=C.positive_duration, config=C.callback_config, callback_id=C.optional_uuid)
     check_callback_state = op(JOIN, callbacks.check_callback_state, job_id=C.job_id, callback_id=C.uuid_value)
     callback_job = op(JOIN, callbacks.callback_job, callback_id=C.uuid_value, run_lease=C.optional_id)
     callback_job_in_tx = callback_job.alias()

@@ -74,8 +74,8 @@ def _reads(sch: StorageSchema) -> AdminReads:
         still_unclaimed=select(r.c.job_id).where(*key, ~tombstoned, ~claimed),
         live_attempts=select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state.in_(LIVE))
         .union(select(c.c.job_id, c.c.run_lease).where(c.c.job_id == job, ~closed)),
-        waiting=select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state == "waiting_external"),
-        lock_scheduled=select(d).where(d.c.job_id == job, d.c.state == "scheduled").with_for_update(skip_locked=True),
+        waiting=select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state == JobState.WAITING_EXTERNAL),
+        lock_scheduled=select(d).where(d.c.job_id == job, d.c.state == JobState.SCHEDULED).with_for_update(skip_locked=True),
         aging_candidates=select(r).where(r.c.priority > 1, r.c.run_at <= now - bindparam("interval"),
                                          ~tombstoned, ~claimed).order_by(r.c.run_at, r.c.job_id)
         .limit(bindparam("limit")),
@@ -109,14 +109,14 @@ def retry_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | No
     sch = ctx.schema
     waiting = [(r[0], r[1]) for r in conn.execute(_reads(sch).waiting, {"b_job": job_id})]
     if waiting:
-        taken = execution.take_attempts(conn, sch, waiting, Closure.RETRIED, ("waiting_external",))
+        taken = execution.take_attempts(conn, sch, waiting, Closure.RETRIED, (JobState.WAITING_EXTERNAL,))
         if taken:
             t = taken[0]
             return destinations.apply(conn, ctx, [(Body.from_taken(t), Decision(Destination.READY, attempt=0),
                                                    t.old_state)])[0]
     d = sch.done.parent
     rows = conn.execute(queue.select_done(
-        sch, d.c.job_id == job_id, d.c.state.in_(["failed", "cancelled"]), newest_per_job=True, limit=1)).all()
+        sch, d.c.job_id == job_id, d.c.state.in_([JobState.FAILED, JobState.CANCELLED]), newest_per_job=True, limit=1)).all()
     if not rows:
         return None
     queue.delete_done(conn, sch, rows)
@@ -147,7 +147,7 @@ def cancel_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | N
                 ready_payloads={t.job_id: t.payload})[0]
             queue.notify(conn, sch.config.cancel_channel, json.dumps({"job_id": t.job_id, "run_lease": t.run_lease}))
             return row
-    rows = queue.take_deferred(conn, sch, job_id, ["scheduled", "retryable"])
+    rows = queue.take_deferred(conn, sch, job_id, [JobState.SCHEDULED, JobState.RETRYABLE])
     if rows:
         r = rows[0]
         return destinations.apply(conn, ctx, [(Body.from_snapshot(r), Decision(Destination.TERMINAL, JobState.CANCELLED),

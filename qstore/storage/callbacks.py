@@ -18,7 +18,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, BindParameter, Connection, Select, and_, bindparam, select
 
-from qstore.errors import CallbackNotFoundError, ValidationError
+from qstore.errors import CallbackNotFoundError, StaleAttemptError, ValidationError
 from qstore.schema import StorageSchema
 from qstore.storage import destinations, read
 from qstore.storage.bodies import Body
@@ -27,7 +27,7 @@ from qstore.storage.context import StorageContext
 from qstore.storage.decide import Decision, Destination
 from qstore.storage.planes import execution
 from qstore.storage.planes.execution import LIVE, Closure
-from qstore.types import CallbackConfig, CallbackPollResult, JobRow, JobState
+from qstore.types import CallbackConfig, CallbackPollKind, CallbackPollResult, JobRow, JobState
 
 __all__ = [
     "RESULT_KEY",
@@ -43,6 +43,7 @@ __all__ = [
     "register_callback",
     "register_callback_with_config",
     "retry_external",
+    "wait_for_callback",
 ]
 
 RESULT_KEY = "_qstore_callback_result"
@@ -108,14 +109,15 @@ def _check_config(config: CallbackConfig | None) -> None:
 def register_callback_with_config(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int,
                                   timeout: timedelta | float, config: CallbackConfig | None) -> uuid.UUID:
     """Materialise the attempt's lease and give it a fresh random token with a timeout (a
-    newer registration replaces the token). Raises ``ValidationError`` when the attempt is
-    not running (stale) or when the config carries CEL expressions (unsupported)."""
+    newer registration replaces the token). Raises :class:`~qstore.errors.StaleAttemptError`
+    (a ``ValidationError``) when the attempt is not running, and ``ValidationError`` when
+    the config carries CEL expressions (unsupported)."""
     _check_config(config)
     sch = ctx.schema
     execution.materialize(conn, sch, job_id, run_lease)
     token = uuid.uuid4()
     if not execution.set_token(conn, sch, job_id, run_lease, token, seconds(timeout)):
-        raise ValidationError("job", (job_id, run_lease), "job is not in running state")
+        raise StaleAttemptError(job_id, run_lease)
     return token
 
 
@@ -134,6 +136,26 @@ def enter_callback_wait(ctx: StorageContext, conn: Connection, job_id: int, run_
                         callback_id: uuid.UUID) -> bool:
     """running -> waiting_external when the token matches (heartbeat/deadline cleared)."""
     return execution.enter_wait(conn, ctx.schema, job_id, run_lease, callback_id)
+
+
+def wait_for_callback(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int,
+                      timeout: timedelta | float, config: CallbackConfig | None = None,
+                      callback_id: uuid.UUID | None = None) -> uuid.UUID | None:
+    """Park the running attempt on an external callback, in one transaction: without a
+    ``callback_id``, register one first (``register_callback_with_config`` with ``timeout``
+    and ``config``); then running -> waiting_external on that token (heartbeat and deadline
+    cleared, as ``enter_callback_wait``). Returns the token the attempt now waits on, or
+    None, with nothing written, when the attempt is not running (it ended) or holds another
+    token. A ``config`` with CEL expressions is a ``ValidationError``."""
+    sch = ctx.schema
+    token = callback_id
+    if token is None:
+        _check_config(config)
+        execution.materialize(conn, sch, job_id, run_lease)
+        token = uuid.uuid4()
+        if not execution.set_token(conn, sch, job_id, run_lease, token, seconds(timeout)):
+            return None
+    return token if execution.enter_wait(conn, sch, job_id, run_lease, token) else None
 
 
 def load_active_lease_in_tx(ctx: StorageContext, conn: Connection, job_id: int, run_lease: int) -> JobRow | None:
@@ -156,7 +178,7 @@ def callback_job(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID, 
 
 
 def _resolve(ctx: StorageContext, conn: Connection, token: uuid.UUID, run_lease: int | None, decision: Decision,
-             closure: Closure, states: Sequence[str] = LIVE, progress_kept: bool = True) -> JobRow:
+             closure: Closure, states: Sequence[JobState] = LIVE, progress_kept: bool = True) -> JobRow:
     """End the attempt holding ``token`` with ``decision``; ``CallbackNotFoundError`` if none."""
     sch = ctx.schema
     pair = execution.lock_by_token(conn, sch, token, run_lease, states)
@@ -209,7 +231,7 @@ def retry_external(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID
                    run_lease: int | None = None) -> JobRow:
     """waiting_external only: re-enqueue with attempt 0 (progress kept)."""
     return _resolve(ctx, conn, callback_id, run_lease, Decision(Destination.READY, attempt=0), Closure.RETRIED,
-                    ("waiting_external",))
+                    (JobState.WAITING_EXTERNAL,))
 
 
 def heartbeat_callback(ctx: StorageContext, conn: Connection, callback_id: uuid.UUID,
@@ -233,14 +255,14 @@ def check_callback_state(ctx: StorageContext, conn: Connection, job_id: int,
     if x is None:
         row = read.load_job(ctx, conn, job_id)
         if row is None:
-            return CallbackPollResult("not_found")
-        return CallbackPollResult("unexpected_state", token=callback_id, state=row.state)
+            return CallbackPollResult(CallbackPollKind.NOT_FOUND)
+        return CallbackPollResult(CallbackPollKind.UNEXPECTED_STATE, token=callback_id, state=row.state)
     state = JobState(x.state)
     if state == JobState.RUNNING and x.callback_id is None and x.has_result:
         execution.consume_result(conn, sch, x.job_id, x.run_lease)
-        return CallbackPollResult("resolved", payload=x.callback_result)
+        return CallbackPollResult(CallbackPollKind.RESOLVED, payload=x.callback_result)
     if x.callback_id != callback_id:
-        return CallbackPollResult("stale", token=callback_id, current=x.callback_id, state=state)
+        return CallbackPollResult(CallbackPollKind.STALE, token=callback_id, current=x.callback_id, state=state)
     if state == JobState.WAITING_EXTERNAL:
-        return CallbackPollResult("pending", token=callback_id, state=state)
-    return CallbackPollResult("unexpected_state", token=callback_id, state=state)
+        return CallbackPollResult(CallbackPollKind.PENDING, token=callback_id, state=state)
+    return CallbackPollResult(CallbackPollKind.UNEXPECTED_STATE, token=callback_id, state=state)

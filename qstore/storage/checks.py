@@ -16,6 +16,7 @@ from typing import Any
 
 from qstore.errors import ValidationError
 from qstore.storage.jobs import (
+    InsertParams,
     validate_aware_datetime,
     validate_id,
     validate_json,
@@ -43,6 +44,7 @@ __all__ = [
     "claimed_entries",
     "claimed_jobs",
     "claimer_lease",
+    "completions_with_followups",
     "dlq_filter",
     "dlq_opts",
     "duration",
@@ -58,6 +60,7 @@ __all__ = [
     "optional_priority",
     "optional_queue",
     "optional_text",
+    "optional_uuid",
     "positive_duration",
     "priority",
     "progress_triples",
@@ -103,6 +106,10 @@ def optional_priority(value: object, field: str) -> int | None:
 
 def optional_queue(value: object, field: str) -> str | None:
     return None if value is None else validate_queue(value, field)
+
+
+def optional_uuid(value: object, field: str) -> uuid.UUID | None:
+    return None if value is None else validate_uuid(value, field)
 
 
 def flag(value: object, field: str) -> bool | None:
@@ -228,6 +235,17 @@ def claimed_jobs(value: object, field: str) -> list[ClaimedRuntimeJob]:
 
 def claimed_entries(value: object, field: str) -> list[ClaimedEntry]:
     return _typed_items(value, ClaimedEntry, field)
+
+
+def completions_with_followups(value: object, field: str) -> list[tuple[ClaimedRuntimeJob, list[InsertParams]]]:
+    """``(claimed attempt, follow-up jobs)`` pairs (tuples or lists); each follow-up an
+    ``InsertParams`` (its values are checked when it is written)."""
+    out = []
+    for i, item in enumerate(items(value, field)):
+        if not isinstance(item, tuple | list) or len(item) != 2 or not isinstance(item[0], ClaimedRuntimeJob):
+            raise ValidationError(f"{field}[{i}]", item, "expected a (ClaimedRuntimeJob, follow-up jobs) pair")
+        out.append((item[0], _typed_items(item[1], InsertParams, f"{field}[{i}].followups")))
+    return out
 
 
 def ids(value: object, field: str) -> list[int]:

@@ -22,7 +22,8 @@ from qstore.storage import destinations
 from qstore.storage.bodies import Body
 from qstore.storage.context import StorageContext
 from qstore.storage.decide import Decision, Destination
-from qstore.storage.jobs import holds_key
+from qstore.storage.enqueue import enqueue_many
+from qstore.storage.jobs import InsertParams, holds_key
 from qstore.storage.planes.execution import Closure, take_attempts
 from qstore.storage.statements import HotStatement, packed_array_param, schema_func
 from qstore.storage.targets import Runner, Transactions
@@ -35,6 +36,7 @@ __all__ = [
     "complete_pairs",
     "complete_runtime_batch",
     "complete_runtime_batch_slow_in_tx",
+    "complete_runtime_batch_with_followups",
 ]
 
 _ARRAYS: dict[str, type[Any]] = {"claim_slots": Integer, "job_ids": BigInteger, "run_leases": BigInteger,
@@ -133,6 +135,24 @@ def complete_runtime_batch(ctx: StorageContext, tx: Transactions,
     except Exception as err:
         raise PartialCommitError(err, _in_input_order(done, claimed), rest) from err
     return _in_input_order(done, claimed)
+
+
+def complete_runtime_batch_with_followups(
+        ctx: StorageContext, conn: Connection,
+        completions: Sequence[tuple[ClaimedRuntimeJob, Sequence[InsertParams]]]) -> list[tuple[int, int]]:
+    """Complete each ``(claimed attempt, follow-up jobs)`` of ``completions`` at most once and
+    enqueue the follow-ups of the attempts that completed, all on ``conn``'s transaction: an
+    attempt's completion and its follow-ups commit together or not at all, and a follow-up
+    that cannot be written (a unique conflict, a bad value) raises and leaves nothing of the
+    call written. Returns the ``(job_id, run_lease)`` pairs that completed, in input order
+    (stale attempts are absent, and their follow-ups are not written)."""
+    done = complete_runtime_batch(ctx, Transactions(conn), [claimed for claimed, _ in completions])
+    finished = set(done)
+    jobs = [job for claimed, followups in completions
+            if (claimed.job.id, claimed.job.run_lease) in finished for job in followups]
+    if jobs:
+        enqueue_many(ctx, Runner.on(conn), jobs)
+    return done
 
 
 def complete_runtime_batch_slow_in_tx(ctx: StorageContext, conn: Connection,

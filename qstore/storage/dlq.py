@@ -45,7 +45,7 @@ def move_failed_to_dlq(ctx: StorageContext, conn: Connection, job_id: int, dlq_r
     """Move the job's newest failed terminal row into the DLQ; None when it has none."""
     sch = ctx.schema
     d = sch.done.parent
-    rows = conn.execute(queue_plane.select_done(sch, d.c.job_id == job_id, d.c.state == "failed",
+    rows = conn.execute(queue_plane.select_done(sch, d.c.job_id == job_id, d.c.state == JobState.FAILED,
                                           newest_per_job=True, limit=1)).all()
     moved = _move(ctx, conn, rows, dlq_reason)
     return moved[0] if moved else None
@@ -57,7 +57,7 @@ def bulk_move_failed_to_dlq(ctx: StorageContext, conn: Connection, kind: str | N
     DLQ, one row per job (its newest); returns how many jobs moved."""
     sch = ctx.schema
     d = sch.done.parent
-    where = [d.c.state == "failed"]
+    where = [d.c.state == JobState.FAILED]
     if kind is not None:
         where.append(d.c.kind == kind)
     if queue is not None:
@@ -174,7 +174,7 @@ def discard_failed_by_kind(ctx: StorageContext, conn: Connection, kind: str) -> 
     Returns how many rows went."""
     sch = ctx.schema
     d = sch.done.parent
-    rows = conn.execute(queue_plane.select_done(sch, d.c.state == "failed", d.c.kind == kind)).all()
+    rows = conn.execute(queue_plane.select_done(sch, d.c.state == JobState.FAILED, d.c.kind == kind)).all()
     queue_plane.delete_done(conn, sch, rows)
     dl = queue_plane.discard_dlq_kind(conn, sch, kind)
     control.release_keys(conn, sch, [(r.unique_key, r.job_id) for r in rows if r.unique_key is not None]

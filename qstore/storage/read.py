@@ -98,14 +98,14 @@ def _statements(sch: StorageSchema) -> ReadStatements:
         # one statement, so the three counts come from one snapshot
         counts=select(
             count(select(r.c.job_id).where(r.c.queue.in_(queues), ~tombstoned, ~claimed)),
-            count(select(le.c.job_id).where(le.c.queue.in_(queues), le.c.state == "running"))
+            count(select(le.c.job_id).where(le.c.queue.in_(queues), le.c.state == JobState.RUNNING))
             + count(select(c.c.job_id).where(c.c.queue.in_(queues), ~closed, ~leased)),
             case((func.coalesce(trusted, False), pruned + live + deltas), else_=pruned + scanned),
         ),
         fast_counts=select(
             select(func.coalesce(func.sum(func.greatest(last(h.c.enqueue_seq) - last(h.c.claim_seq), 0)), 0))
             .where(h.c.queue.in_(queues)).scalar_subquery(),
-            count(select(le.c.job_id).where(le.c.queue.in_(queues), le.c.state == "running")),
+            count(select(le.c.job_id).where(le.c.queue.in_(queues), le.c.state == JobState.RUNNING)),
             pruned,
         ),
     )

@@ -36,6 +36,30 @@ policy                        ``Engine`` / ``AsyncEngine``                  ``Co
                               transaction block (``VACUUM``)                the statement cannot run in a transaction
 ============================  ==========================================  ==================================
 
+Inside an operation, the units of work also come from here; a body never begins, commits
+or rolls back anything itself:
+
+============================  ========================================================================
+unit                          what it is
+============================  ========================================================================
+``Transactions.unit()``       a ``UNITS`` operation's unit of work: its own transaction with an
+                              ``Engine``, the caller's transaction otherwise (``.statement()`` /
+                              ``.hot()``: one autocommitted statement with an ``Engine``)
+:func:`guarded` step          a lock-guarded upkeep step (prune, counter rollup): a SAVEPOINT with
+                              ``lock_timeout`` = 50 ms (:data:`LOCK_TIMEOUT`), restored before the
+                              savepoint is released; a lock timeout or deadlock (SQLSTATE 55P03 /
+                              40P01) rolls the step back and is :data:`BLOCKED`, never raised, and
+                              the transaction around it stays usable
+============================  ========================================================================
+
+Reads that promise one snapshot take ``SNAPSHOT``: ``load_job``, ``queue_counts`` and
+``queue_counts_fast``, and the status reports (:mod:`qstore.status`). Nothing outside this
+module opens a transaction around storage calls: what must commit together is one operation
+(``wait_for_callback`` parks an attempt, registering its callback first;
+``complete_runtime_batch_with_followups`` completes attempts with their follow-up jobs), and
+code that composes calls of its own (``qstore install``) runs them through :func:`run` under
+a policy (``tests/test_transactions.py`` checks the package for any other ``begin()``).
+
 A rollback of the caller's transaction undoes everything an operation did there, with
 three kinds of exception, none of which changes what a later call sees: sequences that
 only hand out numbers (job ids, lane positions, the lane rotor) keep the numbers they gave
@@ -73,7 +97,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import psycopg
-from sqlalchemy import Connection, Engine, Table, text
+from sqlalchemy import Connection, Engine, Table, func, select, text
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from qstore.errors import CallerTransactionRefusedError, ValidationError
@@ -85,14 +110,19 @@ if TYPE_CHECKING:
     from qstore.storage.statements import HotStatement
 
 __all__ = [
+    "BLOCKED",
+    "LOCK_TIMEOUT",
     "OWNED",
     "AsyncTarget",
+    "Blocked",
     "Policy",
     "Runner",
     "Target",
     "Transactions",
+    "guarded",
     "hold",
     "holding",
+    "is_lock_failure",
     "reads_committed_state",
     "refuse_callers_transaction",
     "run",
@@ -298,6 +328,55 @@ def _own_hot_statement(engine: Engine) -> Iterator[Runner]:
         raise
     finally:
         raw.close()
+
+
+#: ``lock_timeout`` of a guarded step (every ``ACCESS EXCLUSIVE`` request of prune and
+#: counter rollup).
+LOCK_TIMEOUT = "50ms"
+_LOCK_FAILURES = frozenset({"55P03", "40P01"})  # lock_not_available, deadlock_detected
+
+
+class Blocked:
+    """Sentinel type: a lock request of a guarded step was not granted in time."""
+
+    def __repr__(self) -> str:
+        return "BLOCKED"
+
+
+BLOCKED = Blocked()
+
+
+def is_lock_failure(err: BaseException) -> bool:
+    """True for a driver error meaning "could not get the lock in time" (55P03 / 40P01)."""
+    if not isinstance(err, sa_exc.DBAPIError):
+        return False
+    orig = err.orig
+    return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) in _LOCK_FAILURES
+
+
+def guarded(conn: Connection, step: Callable[[Connection], R]) -> R | Blocked:
+    """A guarded step of an operation (see the module docstring): ``step(conn)`` in a
+    SAVEPOINT of ``conn``'s transaction with ``lock_timeout`` = :data:`LOCK_TIMEOUT`.
+
+    Returns the step's result, or :data:`BLOCKED` when a lock wait inside it timed out or
+    deadlocked (SQLSTATE 55P03 / 40P01): the savepoint is rolled back, so nothing the step
+    wrote survives, and the transaction around it stays usable. Any other error rolls the
+    savepoint back and propagates. On success the previous ``lock_timeout`` is restored
+    before the savepoint is released, so the short timeout never outlives the step."""
+    previous = conn.execute(select(func.current_setting("lock_timeout"))).scalar_one()
+    savepoint = conn.begin_nested()
+    try:
+        conn.execute(select(func.set_config("lock_timeout", LOCK_TIMEOUT, True)))
+        result = step(conn)
+        conn.execute(select(func.set_config("lock_timeout", previous, True)))
+    except BaseException as err:
+        if savepoint.is_active:
+            savepoint.rollback()
+        if is_lock_failure(err):
+            return BLOCKED
+        raise
+    savepoint.commit()
+    return result
 
 
 class Transactions:

@@ -30,6 +30,7 @@ from sqlalchemy import (
     Select,
     SmallInteger,
     Text,
+    and_,
     bindparam,
     case,
     delete,
@@ -38,6 +39,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    text,
     tuple_,
     update,
 )
@@ -285,13 +287,6 @@ def release_keys(conn: Connection, sch: StorageSchema, owners: Iterable[tuple[by
     conn.execute(delete(t).where(tuple_(t.c.unique_key, t.c.job_id).in_(pairs)))
 
 
-def release_keys_where(conn: Connection, sch: StorageSchema, owners: Any) -> None:
-    """Give up the ownership of the ``(unique_key, job_id)`` rows of the subquery ``owners``
-    (only where those jobs still own those keys)."""
-    u = sch.unique_claims
-    conn.execute(delete(u).where(u.c.unique_key == owners.c.unique_key, u.c.job_id == owners.c.job_id))
-
-
 def sync_keys(conn: Connection, sch: StorageSchema, transitions: Iterable[Transition]) -> None:
     """Apply the ownership changes ``transitions`` imply (acquire first, then release)."""
     take: list[tuple[bytes, int]] = []
@@ -389,11 +384,16 @@ def counters_trusted(conn: Connection, sch: StorageSchema) -> bool:
 
 
 def rebuild_live_counts(conn: Connection, sch: StorageSchema) -> int:
-    """Recompute the live counts from ``done_entries`` (tables already truncated and locked)
-    and mark the counters trusted; returns the number of counter rows written."""
+    """Empty the live counts (``TRUNCATE``), recompute them from ``done_entries`` and mark
+    the counters trusted; returns the number of counter rows written. The caller holds
+    ``done_entries``, the deltas and the live counts ``ACCESS EXCLUSIVE`` and has emptied
+    the deltas."""
     s = statements(sch)
+    live = sch.live_counts
+    conn.execute(text(f"TRUNCATE {conn.dialect.identifier_preparer.format_table(live)}"))
     conn.execute(s.counters_rebuild)
     conn.execute(s.counters_mark_trusted)
+    # the table was emptied above, so its size is exactly what was written
     return int(conn.execute(s.counters_live_rows).scalar_one())
 
 
@@ -407,16 +407,90 @@ def fold_ledger(conn: Connection, sch: StorageSchema) -> bool:
     return True
 
 
-def append_prune_fold(conn: Connection, sch: StorageSchema, fold: Insert, drop_live: Delete) -> None:
-    """At a queue-ring prune: append the slot's ground-truth terminal counts to the ledger
-    (``fold``) and drop the slot's live counts (``drop_live``), in the prune's transaction."""
-    conn.execute(fold)
-    conn.execute(drop_live)
+@dataclass(frozen=True)
+class SlotStatements:
+    """The control plane's statements about one queue slot, built once."""
+
+    ledger_append: Insert
+    drop_live: Delete
+    release_keys: Delete
+    delta_stats: Select[Any]
+    fold_deltas: Insert
 
 
-def fold_slot_deltas(conn: Connection, upsert: Insert) -> None:
-    """At a counter rollup: add a sealed slot's grouped deltas into the live counts."""
-    conn.execute(upsert)
+@functools.lru_cache(maxsize=4096)
+def slot_statements(sch: StorageSchema, k: int) -> SlotStatements:
+    r, _t, _cr, d, dl = sch.queue_ring.children(k)
+    ledger, live, u = sch.rollup_ledger, sch.live_counts, sch.unique_claims
+    # ground truth of the slot's terminal history, appended to the ledger (no row updated)
+    n = func.count()
+    ledger_append = insert(ledger).from_select(
+        ["queue", "priority", "pruned_count"],
+        select(d.c.queue, d.c.priority, n).group_by(d.c.queue, d.c.priority).having(n > 0)
+        .order_by(d.c.queue, d.c.priority),
+    )
+    # the jobs of the slot's done rows and the keys they hold (a narrow done row's key is
+    # its ready row's)
+    key = func.coalesce(d.c.unique_key, r.c.unique_key)
+    owners = (
+        select(key.label("unique_key"), d.c.job_id)
+        .select_from(d.outerjoin(r, and_(
+            r.c.ready_slot == d.c.ready_slot, r.c.queue == d.c.queue, r.c.priority == d.c.priority,
+            r.c.enqueue_shard == d.c.enqueue_shard, r.c.lane_seq == d.c.lane_seq)))
+        .where(key.isnot(None))
+        .subquery("owners")
+    )
+    total = func.sum(dl.c.terminal_delta)
+    grouped = (
+        select(*(dl.c[c] for c in _COUNTER_KEY), total.label("delta"))
+        .group_by(*(dl.c[c] for c in _COUNTER_KEY))
+        .having(total != 0)
+        .cte("grouped")
+    )
+    existing = select(live.c.ready_slot).where(*(live.c[c] == grouped.c[c] for c in _COUNTER_KEY)).exists()
+    fold = pg_insert(live).from_select(
+        [*_COUNTER_KEY, "live_terminal_count"],
+        select(*(grouped.c[c] for c in _COUNTER_KEY), grouped.c.delta)
+        .where(or_(grouped.c.delta > 0, existing))
+        .order_by(*(grouped.c[c] for c in _COUNTER_KEY)),
+    )
+    fold = fold.on_conflict_do_update(
+        index_elements=[live.c[c] for c in _COUNTER_KEY],
+        set_={"live_terminal_count": func.greatest(0, live.c.live_terminal_count + fold.excluded.live_terminal_count)},
+    )
+    return SlotStatements(
+        ledger_append=ledger_append,
+        drop_live=delete(live).where(live.c.ready_slot == k),
+        release_keys=delete(u).where(u.c.unique_key == owners.c.unique_key, u.c.job_id == owners.c.job_id),
+        delta_stats=select(
+            select(func.count()).select_from(dl).scalar_subquery(),
+            select(func.count()).select_from(grouped).scalar_subquery(),
+        ),
+        fold_deltas=fold,
+    )
+
+
+def settle_pruned_slot(conn: Connection, sch: StorageSchema, k: int) -> None:
+    """At a prune of queue slot ``k``, in its transaction and before its children are
+    truncated: append the slot's ground-truth terminal counts (``count(done_k)`` by queue and
+    priority) to the ledger, drop the slot's live counts, and release the unique keys its
+    done rows' jobs own (only where that job still owns the key)."""
+    s = slot_statements(sch, k)
+    conn.execute(s.ledger_append)
+    conn.execute(s.drop_live)
+    conn.execute(s.release_keys)
+
+
+def fold_slot_deltas(conn: Connection, sch: StorageSchema, k: int) -> tuple[int, int]:
+    """At a counter rollup of sealed queue slot ``k`` (its delta child locked): add its
+    non-zero delta sums per counter key into the live counts (floor 0). Returns the slot's
+    delta rows and the keys they group into (``(0, 0)``: nothing to fold, nothing sent but
+    the count)."""
+    s = slot_statements(sch, k)
+    delta_rows, keys = conn.execute(s.delta_stats).one()
+    if delta_rows:
+        conn.execute(s.fold_deltas)
+    return int(delta_rows), int(keys)
 
 
 # -- the backend registry ---------------------------------------------------------------------

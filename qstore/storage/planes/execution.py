@@ -56,7 +56,8 @@ from qstore.types import JobRow, JobState
 __all__ = ["Closure", "ExecutionStatements", "statements", "take_attempts"]
 
 PAIR = {"job_id": BigInteger(), "run_lease": BigInteger()}
-LIVE = ("running", "waiting_external")
+#: The states of a live attempt's lease.
+LIVE = (JobState.RUNNING, JobState.WAITING_EXTERNAL)
 
 
 class Closure(str, enum.Enum):
@@ -155,30 +156,30 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
         cb_lock_claim=select(c).where(c.c.job_id == job, c.c.run_lease == lease).with_for_update(),
         cb_insert_lease=pg_insert(le).from_select(lease_cols, select(
             lrs.c.current_slot, lrs.c.generation, c.c.ready_slot, c.c.ready_generation, c.c.job_id,
-            c.c.queue, literal("running").cast(le.c.state.type), c.c.priority, c.c.effective_priority,
+            c.c.queue, literal(JobState.RUNNING.value).cast(le.c.state.type), c.c.priority, c.c.effective_priority,
             c.c.attempt, c.c.run_lease, c.c.max_attempts, c.c.lane_seq, c.c.enqueue_shard, c.c.claim_slot,
             now, c.c.deadline_at, c.c.claimed_at,
         ).select_from(c.join(lrs, literal(True))).where(
             c.c.job_id == job, c.c.run_lease == lease, ~closed, ~has_lease)),
         cb_mark_materialized=update(c).where(c.c.job_id == job, c.c.run_lease == lease,
                                              c.c.materialized_at.is_(None)).values(materialized_at=now),
-        cb_set_token=update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.state == "running")
+        cb_set_token=update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.state == JobState.RUNNING)
         .values(callback_id=token, callback_timeout_at=now + bindparam("timeout", type_=INTERVAL()))
         .returning(le.c.job_id),
-        cb_clear_token=update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.state == "running",
+        cb_clear_token=update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.state == JobState.RUNNING,
                                         le.c.callback_id.isnot(None))
         .values(callback_id=None, callback_timeout_at=None).returning(le.c.job_id),
         cb_enter_wait=update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.callback_id == token,
-                                       le.c.state == "running")
-        .values(state="waiting_external", heartbeat_at=None, deadline_at=None).returning(le.c.job_id),
+                                       le.c.state == JobState.RUNNING)
+        .values(state=JobState.WAITING_EXTERNAL, heartbeat_at=None, deadline_at=None).returning(le.c.job_id),
         cb_locked_by_token=select(le.c.job_id, le.c.run_lease, le.c.state).where(
             le.c.callback_id == token, le.c.state.in_(bindparam("states", expanding=True)))
         .order_by(le.c.run_lease.desc()).with_for_update(),
         cb_resume=update(le).where(le.c.callback_id == token, le.c.state.in_(LIVE),
                                    le.c.job_id == job, le.c.run_lease == lease)
-        .values(state="running", callback_id=None, callback_timeout_at=None, heartbeat_at=now)
+        .values(state=JobState.RUNNING, callback_id=None, callback_timeout_at=None, heartbeat_at=now)
         .returning(le.c.job_id, le.c.run_lease),
-        cb_extend=update(le).where(le.c.callback_id == token, le.c.state == "waiting_external")
+        cb_extend=update(le).where(le.c.callback_id == token, le.c.state == JobState.WAITING_EXTERNAL)
         .values(callback_timeout_at=now + bindparam("timeout", type_=INTERVAL()))
         .returning(le.c.job_id),
         cb_store_result=pg_insert(st).values(job_id=job, run_lease=lease,
@@ -194,7 +195,7 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
 
 # -- taking attempts out of running -------------------------------------------------------------
 def take_attempts(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[int, int]], outcome: Closure,
-                  lease_states: Sequence[str] = ("running",)) -> list[Taken]:
+                  lease_states: Sequence[JobState] = (JobState.RUNNING,)) -> list[Taken]:
     """End the live attempts among ``pairs`` (others are stale and skipped): close each
     receipt with ``outcome``, delete leases and attempt state; returns the hydrated
     attempts in input order. Runs on ``conn``'s transaction."""
@@ -267,7 +268,7 @@ def _upsert_state(conn: Connection, sch: StorageSchema, rows: Sequence[tuple[int
 
 
 def heartbeat(conn: Connection, sch: StorageSchema, items: Sequence[tuple[int, int, Any]], *,
-              with_heartbeat: bool, with_progress: bool, lease_states: Sequence[str] = ("running",)) -> int:
+              with_heartbeat: bool, with_progress: bool, lease_states: Sequence[JobState] = (JobState.RUNNING,)) -> int:
     """Record heartbeats and/or progress for the live attempts among ``items``
     (``(job_id, run_lease, progress)``); returns how many were live.
 
@@ -339,7 +340,7 @@ def enter_wait(conn: Connection, sch: StorageSchema, job_id: int, run_lease: int
 
 
 def lock_by_token(conn: Connection, sch: StorageSchema, token: uuid.UUID, run_lease: int | None,
-                  states: Sequence[str]) -> tuple[int, int] | None:
+                  states: Sequence[JobState]) -> tuple[int, int] | None:
     """Lock the newest lease holding ``token`` in one of ``states`` (matching ``run_lease``
     when given); its ``(job_id, run_lease)`` or None."""
     for r in conn.execute(statements(sch).cb_locked_by_token, {"b_token": token, "states": list(states)}):

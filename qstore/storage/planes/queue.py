@@ -104,6 +104,7 @@ class QueueStatements:
     tombstone: Insert
     done_base: Select[Any]
     take_deferred: ReturningDelete[Any]
+    take_due: ReturningDelete[Any]
     update_scheduled: Update
     take_dlq: ReturningDelete[Any]
 
@@ -140,8 +141,13 @@ def statements(sch: StorageSchema) -> QueueStatements:
     hyd = [func.coalesce(*((func.nullif(d.c[c], _JSON_NULL), func.nullif(r.c[c], _JSON_NULL))
                            if c == "payload" else (d.c[c], r.c[c]))).label(c)
            for c in _HYDRATED]
-    df, q = sch.deferred, sch.dlq
+    df, q, m = sch.deferred, sch.dlq, sch.queue_meta
     job = bindparam("b_job", type_=BigInteger())
+    paused = select(m.c.queue).where(m.c.queue == func.regexp_replace(df.c.queue, "#[0-9]+$", ""),
+                                     m.c.paused).exists()
+    due = (select(df.c.job_id).where(df.c.state == bindparam("state"), df.c.run_at <= now, ~paused)
+           .order_by(df.c.run_at, df.c.priority, df.c.job_id).limit(bindparam("limit", type_=Integer()))
+           .with_for_update(skip_locked=True))
     return QueueStatements(
         # A bound regclass, not Sequence.next_value(): SQLAlchemy's cache key of
         # next_value() omits the sequence's schema, so two installs on one Engine would
@@ -159,6 +165,7 @@ def statements(sch: StorageSchema) -> QueueStatements:
         done_base=select(*cols, *hyd).select_from(d.outerjoin(r, join)),
         take_deferred=df.delete().where(df.c.job_id == job, df.c.state.in_(bindparam("states", expanding=True)))
         .returning(*df.c),
+        take_due=df.delete().where(df.c.job_id.in_(due.scalar_subquery())).returning(*df.c),
         update_scheduled=update(df).where(df.c.job_id == job).values(
             queue=bindparam("n_queue"), priority=bindparam("n_priority"), payload=bindparam("n_payload")),
         take_dlq=q.delete().where(q.c.job_id == job).returning(*q.c),
@@ -231,7 +238,7 @@ def insert_deferred(conn: Connection, sch: StorageSchema, rows: Sequence[Prepare
     conn.execute(statements(sch).deferred, {
         "job_id": [r.job_id for r in rows], "kind": [r.kind for r in rows],
         "queue": [r.queue for r in rows], "args": [r.args for r in rows],
-        "state": ["scheduled"] * len(rows), "priority": [r.priority for r in rows],
+        "state": [JobState.SCHEDULED.value] * len(rows), "priority": [r.priority for r in rows],
         "attempt": [0] * len(rows), "run_lease": [0] * len(rows),
         "max_attempts": [r.max_attempts for r in rows],
         "run_at": [r.run_at for r in rows], "created_at": [None] * len(rows),
@@ -318,7 +325,7 @@ def write_dlq(conn: Connection, sch: StorageSchema, items: Sequence[tuple[Body, 
     if not items:
         return
     conn.execute(insert(sch.dlq), [{
-        **body_values(b.job), "state": "failed", "finalized_at": at, "dlq_reason": reason, "dlq_at": at,
+        **body_values(b.job), "state": JobState.FAILED, "finalized_at": at, "dlq_reason": reason, "dlq_at": at,
         "original_run_lease": orig,
     } for b, reason, orig in items])
 
@@ -362,14 +369,16 @@ def delete_done(conn: Connection, sch: StorageSchema, rows: Sequence[Any]) -> No
 
 
 # -- the backlogs -------------------------------------------------------------------------------
-def take_deferred(conn: Connection, sch: StorageSchema, job_id: int, states: Sequence[str]) -> list[Any]:
+def take_deferred(conn: Connection, sch: StorageSchema, job_id: int, states: Sequence[JobState]) -> list[Any]:
     """Delete and return the job's deferred row if it is in one of ``states``."""
     return list(conn.execute(statements(sch).take_deferred, {"b_job": job_id, "states": list(states)}).all())
 
 
-def take_due(conn: Connection, sch: StorageSchema, stmt: ReturningDelete[Any], params: dict[str, Any]) -> list[Any]:
-    """Delete and return the deferred rows ``stmt`` picks (a ``DELETE … RETURNING``)."""
-    return list(conn.execute(stmt, params).all())
+def take_due(conn: Connection, sch: StorageSchema, state: JobState, limit: int) -> list[Any]:
+    """Delete and return up to ``limit`` due deferred rows in ``state`` of unpaused queues
+    (oldest ``run_at`` first; rows locked by others are skipped). ``RETURNING`` keeps no
+    order."""
+    return list(conn.execute(statements(sch).take_due, {"state": state.value, "limit": limit}).all())
 
 
 def move_scheduled(conn: Connection, sch: StorageSchema, job_id: int, queue: str, priority: int,

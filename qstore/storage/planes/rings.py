@@ -10,9 +10,9 @@ rollup of one ring serialise on a transaction-scoped advisory lock of that ring.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -28,38 +28,31 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy import Sequence as SaSequence
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import REGCLASS
 
-from qstore.schema import Ring, StorageSchema
+from qstore.schema import Ring, RingFamily, StorageSchema
 from qstore.types import BusyCounts
 
 __all__ = [
-    "BLOCKED",
     "BUSY_COUNT_CAP",
-    "LOCK_TIMEOUT",
-    "Blocked",
     "advance",
     "bounded_count",
     "busy",
     "generation",
-    "guarded",
-    "is_lock_failure",
     "lock_exclusive",
     "lock_ring",
     "pristine",
     "pristine_slots",
     "slot_generation",
-    "truncate_tables",
+    "truncate_child",
+    "truncate_family",
+    "truncate_written",
 ]
 
-#: ``lock_timeout`` for every ``ACCESS EXCLUSIVE`` request of prune and delta rollup.
-LOCK_TIMEOUT = "50ms"
 #: Row counts reported in ``BusyCounts`` / ``SkippedActive.count`` saturate here, so a
 #: maintenance tick over a huge backlog stays cheap. Any non-zero count blocks all the same.
 BUSY_COUNT_CAP = 10_000
-_LOCK_FAILURES = frozenset({"55P03", "40P01"})  # lock_not_available, deadlock_detected
 _BUSY_FIELD = {
     "ready_entries": "queue_ready",
     "ready_tombstones": "queue_tombstones",
@@ -72,50 +65,6 @@ _BUSY_FIELD = {
 }
 _PG = postgresql.dialect()
 
-T = TypeVar("T")
-
-
-class Blocked:
-    """Sentinel type: a lock request of a guarded section timed out."""
-
-    def __repr__(self) -> str:
-        return "BLOCKED"
-
-
-BLOCKED = Blocked()
-
-
-def is_lock_failure(err: BaseException) -> bool:
-    """True for a driver error meaning "could not get the lock in time" (55P03 / 40P01)."""
-    if not isinstance(err, sa_exc.DBAPIError):
-        return False
-    orig = err.orig
-    return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) in _LOCK_FAILURES
-
-
-def guarded(conn: Connection, body: Callable[[], T]) -> T | Blocked:
-    """Run ``body`` in a SAVEPOINT with ``lock_timeout = 50ms``.
-
-    Returns ``body()``'s result, or :data:`BLOCKED` when a lock wait inside it timed out (the
-    savepoint is rolled back: nothing ``body`` wrote survives, the outer transaction stays
-    usable). Any other error rolls the savepoint back and propagates. On success the
-    previous ``lock_timeout`` is restored before the savepoint is released.
-    """
-    previous = conn.execute(select(func.current_setting("lock_timeout"))).scalar_one()
-    savepoint = conn.begin_nested()
-    try:
-        conn.execute(select(func.set_config("lock_timeout", LOCK_TIMEOUT, True)))
-        result = body()
-        conn.execute(select(func.set_config("lock_timeout", previous, True)))
-    except BaseException as err:
-        if savepoint.is_active:
-            savepoint.rollback()
-        if is_lock_failure(err):
-            return BLOCKED
-        raise
-    savepoint.commit()
-    return result
-
 
 def _qualified(conn: Connection, tables: Sequence[Table]) -> str:
     prep = conn.dialect.identifier_preparer
@@ -127,10 +76,20 @@ def lock_exclusive(conn: Connection, tables: Sequence[Table]) -> None:
     conn.execute(text(f"LOCK TABLE {_qualified(conn, tables)} IN ACCESS EXCLUSIVE MODE"))
 
 
-def truncate_tables(conn: Connection, tables: Sequence[Table]) -> None:
+def _truncate(conn: Connection, tables: Sequence[Table]) -> None:
     """One ``TRUNCATE`` statement for all ``tables`` (none: nothing is sent)."""
     if tables:
         conn.execute(text(f"TRUNCATE {_qualified(conn, tables)}"))
+
+
+def truncate_family(conn: Connection, family: RingFamily) -> None:
+    """``TRUNCATE`` every slot child of ``family`` (its partitioned parent)."""
+    _truncate(conn, [family.parent])
+
+
+def truncate_child(conn: Connection, family: RingFamily, slot: int) -> None:
+    """``TRUNCATE`` ``family``'s child of ``slot``."""
+    _truncate(conn, [family.children[slot]])
 
 
 def vacuum(conn: Connection, tables: Sequence[Table]) -> None:
@@ -251,13 +210,15 @@ def current_bytes(conn: Connection, ring: Ring) -> int:
     return int(conn.execute(_current_bytes(ring)).scalar_one())
 
 
-def written(conn: Connection, ring: Ring, slot: int) -> list[Table]:
-    """``slot``'s children whose heap is not zero bytes: the ones a ``TRUNCATE`` has anything
-    to reclaim from. Truncating an unwritten child changes nothing but costs as much (new
-    files, an index build and a file sync per index), so a prune leaves those alone. Call
-    it under the children's exclusive lock, or a write may land after it."""
+def truncate_written(conn: Connection, ring: Ring, slot: int) -> None:
+    """``TRUNCATE``, in one statement, ``slot``'s children whose heap is not zero bytes: the
+    ones it has anything to reclaim from. Truncating an unwritten child changes nothing but
+    costs as much (new files, an index build and a file sync per index), so those are left
+    alone. Call it under the children's exclusive lock, or a write may land after the sizes
+    are read."""
+    kids = ring.children(slot)
     sizes = conn.execute(_slot_probes(ring, slot).sizes).one()
-    return [t for t, size in zip(ring.children(slot), sizes, strict=True) if size]
+    _truncate(conn, [t for t, size in zip(kids, sizes, strict=True) if size])
 
 
 def busy(conn: Connection, ring: Ring, slot: int) -> BusyCounts:

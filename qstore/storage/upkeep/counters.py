@@ -31,26 +31,26 @@ set), a ``done_entries`` scan otherwise.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Insert, Select, bindparam, func, literal, or_, select
+from sqlalchemy import Connection, Select, bindparam, func, literal, or_, select
 from sqlalchemy import column as sa_column
 from sqlalchemy import table as sa_table
 from sqlalchemy.dialects.postgresql import INTERVAL
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from qstore.errors import ValidationError, failure_line
 from qstore.schema import StorageSchema
 from qstore.storage.context import StorageContext
 from qstore.storage.planes import control
 from qstore.storage.planes import rings as ring_plane
-from qstore.storage.planes.rings import BLOCKED, slot_generation
+from qstore.storage.planes.rings import slot_generation
 from qstore.storage.statements import receipt_closed
-from qstore.storage.targets import Transactions
+from qstore.storage.targets import Blocked, Transactions, guarded
 from qstore.types import TerminalDeltaRollupOutcome
 
 __all__ = [
@@ -103,49 +103,34 @@ class SlotRollup:
 
     has_deltas: Select[Any]
     active: Select[Any]
-    stats: Select[Any]
-    upsert: Insert
 
 
 @functools.lru_cache(maxsize=4096)
 def _slot_rollup(sch: StorageSchema, k: int) -> SlotRollup:
-    dl, live = sch.deltas.children[k], sch.live_counts
+    dl = sch.deltas.children[k]
     le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
-    total = func.sum(dl.c.terminal_delta)
-    grouped = (
-        select(*(dl.c[n] for n in _KEY), total.label("delta"))
-        .group_by(*(dl.c[n] for n in _KEY))
-        .having(total != 0)
-        .cte("grouped")
-    )
-    existing = select(live.c.ready_slot).where(*(live.c[n] == grouped.c[n] for n in _KEY)).exists()
-    upsert = pg_insert(live).from_select(
-        [*_KEY, "live_terminal_count"],
-        select(*(grouped.c[n] for n in _KEY), grouped.c.delta)
-        .where(or_(grouped.c.delta > 0, existing))
-        .order_by(*(grouped.c[n] for n in _KEY)),
-    )
-    upsert = upsert.on_conflict_do_update(
-        index_elements=[live.c[n] for n in _KEY],
-        set_={"live_terminal_count": func.greatest(0, live.c.live_terminal_count + upsert.excluded.live_terminal_count)},
-    )
     return SlotRollup(
         has_deltas=select(select(literal(1)).select_from(dl).exists()),
         active=select(or_(
             select(literal(1)).select_from(le).where(le.c.ready_slot == k).exists(),
             select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~receipt_closed(cl, c)).exists(),
         )),
-        stats=select(
-            select(func.count()).select_from(dl).scalar_subquery(),
-            select(func.count()).select_from(grouped).scalar_subquery(),
-        ),
-        upsert=upsert,
     )
+
+
+class _Slot(enum.Enum):
+    """What a rollup found at one slot."""
+
+    ROLLED = "rolled"
+    ACTIVE = "active"  # still referenced by an attempt: deltas may arrive
+    BLOCKED = "blocked"  # its delta child's lock was not granted in time
+    PINNED = "pinned"  # the MVCC horizon is pinned: the whole rollup stands down
+    GONE = "gone"  # re-initialised since it was listed
 
 
 @dataclass(frozen=True)
 class _SlotResult:
-    kind: str  # "rolled" | "active" | "blocked" | "pinned" | "gone"
+    kind: _Slot
     delta_rows: int = 0
     grouped_keys: int = 0
 
@@ -156,26 +141,25 @@ def _rollup_slot(conn: Connection, sch: StorageSchema, k: int, gen: int, pinned_
     ring_plane.lock_ring(conn, sch, ring)
     now = ring_plane.generation(conn, ring)
     if now % ring.slot_count == k:
-        return _SlotResult("active")
+        return _SlotResult(_Slot.ACTIVE)
     if slot_generation(now, k, ring.slot_count) != gen:
-        return _SlotResult("gone")  # re-initialised since it was listed
+        return _SlotResult(_Slot.GONE)  # re-initialised since it was listed
     if mvcc_horizon_pinned(conn, pinned_after):
-        return _SlotResult("pinned")
+        return _SlotResult(_Slot.PINNED)
 
-    def body() -> _SlotResult:
-        ring_plane.lock_exclusive(conn, [sch.deltas.children[k]])
-        if mvcc_horizon_pinned(conn, pinned_after):
-            return _SlotResult("pinned")
-        if conn.execute(st.active).scalar():
-            return _SlotResult("active")  # deltas may still arrive for this slot
-        delta_rows, keys = conn.execute(st.stats).one()
+    def locked(step: Connection) -> _SlotResult:
+        ring_plane.lock_exclusive(step, [sch.deltas.children[k]])
+        if mvcc_horizon_pinned(step, pinned_after):
+            return _SlotResult(_Slot.PINNED)
+        if step.execute(st.active).scalar():
+            return _SlotResult(_Slot.ACTIVE)  # deltas may still arrive for this slot
+        delta_rows, keys = control.fold_slot_deltas(step, sch, k)
         if delta_rows:
-            control.fold_slot_deltas(conn, st.upsert)
-            ring_plane.truncate_tables(conn, [sch.deltas.children[k]])
-        return _SlotResult("rolled", int(delta_rows), int(keys))
+            ring_plane.truncate_child(step, sch.deltas, k)
+        return _SlotResult(_Slot.ROLLED, delta_rows, keys)
 
-    result = ring_plane.guarded(conn, body)
-    return _SlotResult("blocked") if result is BLOCKED else result  # type: ignore[return-value]
+    result = guarded(conn, locked)
+    return _SlotResult(_Slot.BLOCKED) if isinstance(result, Blocked) else result
 
 
 def rollup_terminal_count_deltas(ctx: StorageContext, tx: Transactions, max_slots: int, *,
@@ -220,16 +204,16 @@ def rollup_terminal_count_deltas(ctx: StorageContext, tx: Transactions, max_slot
                 break
             with tx.unit() as conn:
                 res = _rollup_slot(conn, sch, slot, gen, pinned_after)
-            if res.kind == "pinned":
+            if res.kind is _Slot.PINNED:
                 pinned = True
                 break
-            if res.kind == "rolled":
+            if res.kind is _Slot.ROLLED:
                 rolled += 1
                 delta_rows += res.delta_rows
                 keys += res.grouped_keys
-            elif res.kind == "active":
+            elif res.kind is _Slot.ACTIVE:
                 active += 1
-            elif res.kind == "blocked":
+            elif res.kind is _Slot.BLOCKED:
                 blocked += 1
         if not pinned:
             with tx.unit() as conn:
@@ -263,8 +247,7 @@ def rebuild_terminal_counters(ctx: StorageContext, conn: Connection) -> int:
     conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
     ring_plane.lock_ring(conn, sch, sch.queue_ring)
     ring_plane.lock_exclusive(conn, [sch.done.parent, sch.deltas.parent, sch.live_counts])
-    ring_plane.truncate_tables(conn, [sch.live_counts, sch.deltas.parent])
-    # the table was truncated above, so its size is exactly what was written
+    ring_plane.truncate_family(conn, sch.deltas)
     return control.rebuild_live_counts(conn, sch)
 
 

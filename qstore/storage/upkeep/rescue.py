@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Integer, Select, and_, bindparam, delete, func, select
+from sqlalchemy import Connection, Integer, Select, and_, bindparam, func, select
 from sqlalchemy.dialects.postgresql import INTERVAL
-from sqlalchemy.sql.dml import ReturningDelete
 
 from qstore.schema import StorageSchema
 from qstore.storage import destinations
@@ -45,13 +44,11 @@ class RescueStatements:
     overdue_leases: Select[Any]
     overdue_claims: Select[Any]
     timed_out: Select[Any]
-    take_due: ReturningDelete[Any]
 
 
 @functools.lru_cache(maxsize=64)
 def _statements(sch: StorageSchema) -> RescueStatements:
-    c, cl, le, st, d, m = (sch.claims.parent, sch.closures.parent, sch.leases.parent,
-                           sch.attempt_state, sch.deferred, sch.queue_meta)
+    c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
     now = func.clock_timestamp()
     cutoff = now - bindparam("staleness", type_=INTERVAL())
     closed = receipt_closed(cl, c)
@@ -59,32 +56,28 @@ def _statements(sch: StorageSchema) -> RescueStatements:
     st_c = st.alias("st_c")
     st_l = st.alias("st_l")
     limit = bindparam("limit", type_=Integer())
-    paused = select(m.c.queue).where(m.c.queue == func.regexp_replace(d.c.queue, "#[0-9]+$", ""), m.c.paused).exists()
-    due = (select(d.c.job_id).where(d.c.state == bindparam("state"), d.c.run_at <= now, ~paused)
-           .order_by(d.c.run_at, d.c.priority, d.c.job_id).limit(limit).with_for_update(skip_locked=True))
     return RescueStatements(
         stale_leases=select(le.c.job_id, le.c.run_lease).select_from(
             le.outerjoin(st_l, and_(st_l.c.job_id == le.c.job_id, st_l.c.run_lease == le.c.run_lease)))
-        .where(le.c.state == "running",
+        .where(le.c.state == JobState.RUNNING,
                func.coalesce(st_l.c.heartbeat_at, le.c.heartbeat_at, le.c.attempted_at) < cutoff)
         .limit(limit).with_for_update(of=le, skip_locked=True),
         stale_claims=select(c.c.job_id, c.c.run_lease).select_from(
             c.outerjoin(st_c, and_(st_c.c.job_id == c.c.job_id, st_c.c.run_lease == c.c.run_lease)))
         .where(~closed, ~leased, func.coalesce(st_c.c.heartbeat_at, c.c.claimed_at) < cutoff)
         .limit(limit).with_for_update(of=c, skip_locked=True),
-        overdue_leases=select(le.c.job_id, le.c.run_lease).where(le.c.state == "running", le.c.deadline_at < now)
+        overdue_leases=select(le.c.job_id, le.c.run_lease).where(le.c.state == JobState.RUNNING, le.c.deadline_at < now)
         .limit(limit).with_for_update(skip_locked=True),
         overdue_claims=select(c.c.job_id, c.c.run_lease).where(~closed, ~leased, c.c.deadline_at < now)
         .limit(limit).with_for_update(of=c, skip_locked=True),
         timed_out=select(le.c.job_id, le.c.run_lease).where(
-            le.c.state == "waiting_external", le.c.callback_timeout_at < now)
+            le.c.state == JobState.WAITING_EXTERNAL, le.c.callback_timeout_at < now)
         .limit(limit).with_for_update(skip_locked=True),
-        take_due=delete(d).where(d.c.job_id.in_(due.scalar_subquery())).returning(*d.c),
     )
 
 
 def _rescue(ctx: StorageContext, conn: Connection, pairs: Sequence[tuple[int, int]], closure: Closure,
-            error: str, lease_states: Sequence[str] = ("running",)) -> list[JobRow]:
+            error: str, lease_states: Sequence[JobState] = (JobState.RUNNING,)) -> list[JobRow]:
     taken = execution.take_attempts(conn, ctx.schema, pairs, closure, lease_states)
     if not taken:
         return []
@@ -124,7 +117,7 @@ def rescue_expired_deadlines(ctx: StorageContext, conn: Connection) -> list[JobR
 def rescue_expired_callbacks(ctx: StorageContext, conn: Connection) -> list[JobRow]:
     """Attempts waiting past their ``callback_timeout_at`` end as in stale rescue."""
     pairs = _pairs(conn, _statements(ctx.schema).timed_out, {"limit": RESCUE_LIMIT})
-    return _rescue(ctx, conn, pairs, Closure.CALLBACK_TIMEOUT, "callback timed out", ("waiting_external",))
+    return _rescue(ctx, conn, pairs, Closure.CALLBACK_TIMEOUT, "callback timed out", (JobState.WAITING_EXTERNAL,))
 
 
 def promote_due(ctx: StorageContext, conn: Connection, state: JobState | str, batch_size: int) -> int:
@@ -140,8 +133,7 @@ def promote_due(ctx: StorageContext, conn: Connection, state: JobState | str, ba
     st = JobState(state)
     if st not in (JobState.SCHEDULED, JobState.RETRYABLE) or batch_size <= 0:
         return 0
-    taken = queue.take_due(conn, ctx.schema, _statements(ctx.schema).take_due,
-                           {"state": st.value, "limit": batch_size})
+    taken = queue.take_due(conn, ctx.schema, st, batch_size)
     if not taken:
         return 0
     rows = sorted(taken, key=lambda r: (r.run_at, r.priority, r.job_id))  # RETURNING keeps no order

@@ -23,11 +23,12 @@ Guarantees
   ``lock_timeout = 50ms`` + ``LOCK … IN ACCESS EXCLUSIVE MODE`` on every child of the slot,
   re-checks what could have changed while the lock was awaited, and truncates every child
   that was written (heap not zero bytes) in one ``TRUNCATE``: an unwritten child holds
-  nothing, and truncating it would still create its files anew and sync each index build. The locked section runs in a SAVEPOINT: a lock timeout (SQLSTATE
-  55P03, or a deadlock 40P01) rolls the savepoint back and is reported as
-  ``PruneOutcome(kind="blocked")`` — never raised — and the caller's transaction stays
-  usable. The 50 ms timeout is restored before the savepoint is released, so it never
-  leaks into a caller's transaction.
+  nothing, and truncating it would still create its files anew and sync each index build.
+  The locked section is a guarded step (:func:`qstore.storage.targets.guarded`): a
+  SAVEPOINT whose lock timeout (SQLSTATE 55P03, or a deadlock 40P01) rolls it back and is
+  reported as ``PruneOutcome(kind="blocked")`` — never raised — and the caller's
+  transaction stays usable. The 50 ms timeout is restored before the savepoint is
+  released, so it never leaks into a caller's transaction.
 * **Queue-ring gates** count every physical row of the slot regardless of its generation
   (a late writer's row is legal anywhere) and use the committed claim-range chain as the
   claim truth:
@@ -74,14 +75,10 @@ from typing import Any
 
 from sqlalchemy import (
     Connection,
-    Delete,
-    Insert,
     Select,
     and_,
-    delete,
     false,
     func,
-    insert,
     literal,
     select,
     true,
@@ -91,8 +88,9 @@ from qstore.schema import Ring, StorageSchema
 from qstore.storage.context import StorageContext
 from qstore.storage.planes import control
 from qstore.storage.planes import rings as ring_plane
-from qstore.storage.planes.rings import Blocked, bounded_count
+from qstore.storage.planes.rings import bounded_count
 from qstore.storage.statements import receipt_closed
+from qstore.storage.targets import Blocked, guarded
 from qstore.types import PruneOutcome, RotateOutcome, SkipReason
 
 __all__ = ["claim_slot_bytes", "oldest_initialised_slot", "prune_oldest", "prune_oldest_claims", "prune_oldest_leases", "rotate",
@@ -114,17 +112,13 @@ class QueueGates:
     pending_ready: Select[Any]
     open_claims: Select[Any]
     ready_rows: Select[Any]
-    fold: Insert
-    owners: Any
-    drop_live: Delete
 
 
 @functools.lru_cache(maxsize=4096)
 def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
-    r, t, crk, d, _dl = sch.queue_ring.children(k)
+    r, t, crk, _d, _dl = sch.queue_ring.children(k)
     crp = sch.claim_ranges.parent
     le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
-    ledger, live = sch.rollup_ledger, sch.live_counts
 
     def same_lane(x: Any, row: Any = r) -> Any:
         return and_(x.c.queue == row.c.queue, x.c.priority == row.c.priority,
@@ -161,22 +155,6 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
             .lateral("last_row"))
     cursor = func.coalesce(func.pg_sequence_last_value(h.c.claim_seq), 0)
     lanes_past_cursor = select(func.count()).select_from(h.join(last, true())).where(last.c.lane_seq > cursor)
-    # ground truth of the slot's terminal history, appended to the ledger (no row updated)
-    n = func.count()
-    fold = insert(ledger).from_select(
-        ["queue", "priority", "pruned_count"],
-        select(d.c.queue, d.c.priority, n).group_by(d.c.queue, d.c.priority).having(n > 0)
-        .order_by(d.c.queue, d.c.priority),
-    )
-    key = func.coalesce(d.c.unique_key, r.c.unique_key)
-    owners = (
-        select(key.label("unique_key"), d.c.job_id)
-        .select_from(d.outerjoin(r, and_(
-            r.c.ready_slot == d.c.ready_slot, r.c.queue == d.c.queue, r.c.priority == d.c.priority,
-            r.c.enqueue_shard == d.c.enqueue_shard, r.c.lane_seq == d.c.lane_seq)))
-        .where(key.isnot(None))
-        .subquery("owners")
-    )
     return QueueGates(
         active_leases=bounded_count(select(literal(1)).select_from(le).where(le.c.ready_slot == k)),
         lanes_past_cursor=lanes_past_cursor,
@@ -184,9 +162,6 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
         pending_ready=bounded_count(pending),
         open_claims=bounded_count(select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed)),
         ready_rows=select(func.count()).select_from(r),
-        fold=fold,
-        owners=owners,
-        drop_live=delete(live).where(live.c.ready_slot == k),
     )
 
 
@@ -283,9 +258,8 @@ def _prune_queue_slot(conn: Connection, sch: StorageSchema, k: int) -> PruneOutc
         late = _queue_gate_failure(conn, gates, k)
         if late is not None:
             return late
-    control.append_prune_fold(conn, sch, gates.fold, gates.drop_live)
-    control.release_keys_where(conn, sch, gates.owners)
-    ring_plane.truncate_tables(conn, ring_plane.written(conn, sch.queue_ring, k))
+    control.settle_pruned_slot(conn, sch, k)
+    ring_plane.truncate_written(conn, sch.queue_ring, k)
     return PruneOutcome.pruned(k)
 
 
@@ -305,7 +279,7 @@ def prune_oldest(ctx: StorageContext, conn: Connection) -> PruneOutcome:
     k = next((slot for slot in ((cur + i) % n for i in range(1, n)) if not clean[slot]), None)
     if k is None:
         return PruneOutcome.noop()
-    result = ring_plane.guarded(conn, lambda: _prune_queue_slot(conn, sch, k))
+    result = guarded(conn, lambda step: _prune_queue_slot(step, sch, k))
     return PruneOutcome.blocked(k) if isinstance(result, Blocked) else result
 
 
@@ -336,7 +310,7 @@ def _prune_derived_slot(conn: Connection, sch: StorageSchema, ring: Ring, k: int
     n = int(conn.execute(gate).scalar_one())
     if n:
         return PruneOutcome.skipped_active(k, _ACTIVE[ring.name], n)
-    ring_plane.truncate_tables(conn, ring_plane.written(conn, ring, k))
+    ring_plane.truncate_written(conn, ring, k)
     return PruneOutcome.pruned(k)
 
 
@@ -352,7 +326,7 @@ def _prune_derived(conn: Connection, sch: StorageSchema, ring: Ring) -> PruneOut
         if ring_plane.pristine(conn, ring, cur):
             return PruneOutcome.noop()
         return PruneOutcome.skipped_active(cur, _CURRENT[ring.name], 0)
-    result = ring_plane.guarded(conn, lambda: _prune_derived_slot(conn, sch, ring, k))
+    result = guarded(conn, lambda step: _prune_derived_slot(step, sch, ring, k))
     return PruneOutcome.blocked(k) if isinstance(result, Blocked) else result
 
 

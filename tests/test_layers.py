@@ -77,9 +77,9 @@ def layer(module: str) -> int:
     best: tuple[int, int] | None = None  # (prefix length, layer): the longest prefix wins
     for i, prefixes in enumerate(LAYERS):
         for prefix in prefixes:
-            if module == prefix or module.startswith(prefix + "."):
-                if best is None or len(prefix) > best[0]:
-                    best = (len(prefix), i)
+            matches = module == prefix or module.startswith(prefix + ".")
+            if matches and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), i)
     assert best is not None, f"{module} belongs to no layer: add it to LAYERS"
     return best[1]
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 from docblocks import README, host_recipe, runnable_blocks
 
 

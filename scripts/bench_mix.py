@@ -137,6 +137,14 @@ class Plan:
             elif KINDS[k] == "snooze":
                 self.seconds[i] = rng.uniform(1.0, max_snooze)
 
+    @classmethod
+    def single(cls, kind: str, n: int, seconds: float) -> Plan:
+        """``n`` jobs, all of ``kind`` (one of :data:`KINDS`), each with ``seconds``."""
+        plan = cls(0, 0, 1.0, 1.0)
+        plan.kinds = bytearray([KINDS.index(kind)]) * n
+        plan.seconds = array.array("d", [seconds]) * n
+        return plan
+
     def kind(self, i: int) -> str:
         return KINDS[self.kinds[i]]
 
@@ -205,6 +213,18 @@ class Ledger:
                 elif run == 1 and seq in commit_at:
                     pickups.append((perf, perf - commit_at[seq]))
         return pickups, promotions
+
+    def tally(self, commit_at: dict[int, float]) -> dict[str, Any]:
+        """Counts over the jobs of ``commit_at``: enqueued by kind, handler runs (done and
+        planned), completions and distinct jobs completed."""
+        with self.lock:
+            return {
+                "enqueued_by_kind": dict(Counter(self.plan.kind(s) for s in commit_at)),
+                "handler_runs": sum(self.runs.get(s, 0) for s in commit_at),
+                "planned_runs": sum(PLANNED_RUNS.get(self.plan.kind(s), 1) for s in commit_at),
+                "completions": sum(self.completed.values()),
+                "completed_jobs": len(self.completed),
+            }
 
     def check(self, commit_at: dict[int, float]) -> list[str]:
         """Every enqueued job completed exactly once, after exactly its planned handler runs."""
@@ -579,6 +599,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             s, t0, bucket, seconds, pin_window, samples, pickups, promotions,
             [at - t0 for at in s.ledger.completed_at], censuses, end_sample, args.rate)
         per_system[s.name]["enqueued"] = len(commit_at)
+        per_system[s.name].update(s.ledger.tally(commit_at))
         per_system[s.name]["planned_runs_ok"] = not checks
         per_system[s.name]["report"] = reports[s.name]
         per_system[s.name]["leftovers"] = leftovers[s.name]

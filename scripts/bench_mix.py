@@ -105,7 +105,7 @@ PIN_FROM, PIN_TO = 0.30, 0.80  # the pinned window, as shares of the run
 CLASSIC_FAMILIES = ("jobs",)
 SYSTEMS = ("qstore", "classic")
 #: per-minute columns of the report (before the system's dead-tuple families and bytes)
-COLUMNS = ("minute", "phase", "completed", "jobs/s", "pickup p95 ms", "promotion lag p95 ms")
+COLUMNS = ("minute", "phase", "enqueued", "completed", "jobs/s", "pickup p95 ms", "promotion lag p95 ms")
 TARGETS = {"dead_per_job": 0.01, "bytes_ratio": 1.1, "pinned_rate_ratio": 0.95,
            "promotion_lag_p95_s": 1.5}
 
@@ -597,8 +597,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pickups, promotions = s.ledger.latencies({i: at for i, at in schedules[s.name].commit_at.items()})
         per_system[s.name] = summarize(
             s, t0, bucket, seconds, pin_window, samples, pickups, promotions,
-            [at - t0 for at in s.ledger.completed_at], censuses, end_sample, args.rate)
+            [at - t0 for at in s.ledger.completed_at], censuses, end_sample, args.rate, list(commit_at.values()))
         per_system[s.name]["enqueued"] = len(commit_at)
+        per_system[s.name]["offered"] = int(args.rate * seconds)
         per_system[s.name].update(s.ledger.tally(commit_at))
         per_system[s.name]["planned_runs_ok"] = not checks
         per_system[s.name]["report"] = reports[s.name]
@@ -653,9 +654,15 @@ def wait_drained(systems: Sequence[System], schedules: dict[str, PacedSchedule],
 def summarize(s: System, t0: float, bucket: float, seconds: float, pin_window: list[float],
               samples: list[dict[str, Any]], pickups: list[tuple[float, float]],
               promotions: list[tuple[float, float]], completed_at: list[float],
-              censuses: dict[str, Any], end_sample: dict[str, Any], rate: float) -> dict[str, Any]:
-    """Per-minute rows and the target checks of one system."""
+              censuses: dict[str, Any], end_sample: dict[str, Any], rate: float,
+              enqueued_at: list[float]) -> dict[str, Any]:
+    """Per-minute rows and the target checks of one system (times relative to ``t0``,
+    except the pickups' and promotions' handler starts)."""
     n = max(1, round(seconds / bucket))
+    enq = [0] * n
+    for at in enqueued_at:
+        if 0 <= int(at // bucket) < n:
+            enq[int(at // bucket)] += 1
     pin_from, pin_to = pin_window if len(pin_window) == 2 else (PIN_FROM * seconds, PIN_TO * seconds)
     done = [0] * n
     for at in completed_at:
@@ -676,10 +683,13 @@ def summarize(s: System, t0: float, bucket: float, seconds: float, pin_window: l
     for b in range(n):
         start, end = b * bucket, (b + 1) * bucket
         at_end = min(samples, key=lambda x: abs(x["t"] - end)) if samples else None
-        phase = ("pinned" if start >= pin_from - 1e-6 and end <= pin_to + bucket * 0.01 else
-                 "clean" if end <= pin_from + 1e-6 else "after" if start >= pin_to - 1e-6 else "mixed")
+        # a minute belongs to a phase when at least 90 % of it does (the pin begins after the
+        # VACUUM that precedes it and ends after the census, a few seconds late)
+        covered = max(0.0, min(end, pin_to) - max(start, pin_from)) / bucket
+        phase = ("pinned" if covered >= 0.9 else "clean" if end <= pin_from + 0.1 * bucket else
+                 "after" if start >= pin_to - 0.1 * bucket else "mixed")
         rows.append({
-            "minute": b, "from_s": start, "to_s": end, "phase": phase, "completed": done[b],
+            "minute": b, "from_s": start, "to_s": end, "phase": phase, "enqueued": enq[b], "completed": done[b],
             "jobs_per_s": done[b] / bucket, "pickup_n": len(picks[b]), "pickup_p95_ms": p95_ms(picks[b]),
             "promotion_n": len(promos[b]), "promotion_lag_p95_ms": p95_ms(promos[b]),
             "dead": {f: v["dead"] for f, v in at_end[s.name].items()} if at_end else {},
@@ -740,10 +750,12 @@ def print_report(result: dict[str, Any]) -> None:
         fams = result["families"][name]
         print(f"\n{name}: dead tuples (n_dead_tup) per table family at each minute's end")
         headers = [*COLUMNS, *(f"dead {f}" for f in fams), "MiB"]
-        rows = [[r["minute"], r["phase"], f"{r['completed']:,}", fmt(r["jobs_per_s"]), fmt(r["pickup_p95_ms"]),
+        rows = [[r["minute"], r["phase"], f"{r['enqueued']:,}", f"{r['completed']:,}", fmt(r["jobs_per_s"]), fmt(r["pickup_p95_ms"]),
                  fmt(r["promotion_lag_p95_ms"]), *(f"{r['dead'].get(f, 0):,}" for f in fams),
                  fmt(None if r["bytes"] is None else r["bytes"] / 2**20)] for r in sysr["minutes"]]
         print(format_table(headers, rows))
+        print(f"  producer: {sysr['enqueued']:,} of {sysr['offered']:,} offered jobs enqueued "
+              f"({sysr['enqueued'] / max(sysr['offered'], 1):.0%})")
         print(f"  whole run: pickup p50 {fmt(sysr['pickup_p50_ms'])} ms, p95 {fmt(sysr['pickup_p95_ms'])} ms; "
               f"promotion lag p50 {fmt(sysr['promotion_lag_p50_ms'])} ms, p95 {fmt(sysr['promotion_lag_p95_ms'])} ms")
     end = result["census"].get("end_of_pin")

@@ -519,6 +519,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = Plan(n_jobs, args.seed, args.max_delay, args.max_snooze)
     engine = make_engine(args.url, 16 + args.producers + 8)  # the worker's handlers, producers, upkeep
     side = make_engine(args.url, 4)  # sampling, VACUUM, the pin, the census
+    warm_pool(side, 4)
     info = server_info(side)
     exact = ensure_pgstattuple(side)
     qs = QstoreMix(engine, args.qstore_schema, plan, args)
@@ -639,6 +640,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine.dispose()
     side.dispose()
     return result
+
+
+def warm_pool(engine: Engine, n: int) -> None:
+    """Open ``n`` pooled connections now, so the sampler, the stand-in VACUUM, the pin and
+    the census never need a new connection later, on a server whose connection slots other
+    clients may have taken by then."""
+    conns = [engine.connect() for _ in range(n)]
+    for c in conns:
+        c.close()
 
 
 def wait_drained(systems: Sequence[System], schedules: dict[str, PacedSchedule], timeout: float) -> bool:

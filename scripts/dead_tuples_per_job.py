@@ -121,8 +121,18 @@ class CallbackJobs:
         return bool(counts.terminal == n and counts.running == 0)
 
 
-def measure(kind: str, args: argparse.Namespace, engine: Engine, side: Engine, exact: bool) -> dict[str, Any]:
-    """One kind: fresh installs, vacuum, pin, run, stop, count (the pin still held)."""
+def measure(kind: str, args: argparse.Namespace, side: Engine, exact: bool) -> dict[str, Any]:
+    """One kind: fresh installs, vacuum, pin, run, stop, count (the pin still held). The
+    workers' engine is new for each kind: a pooled session of an earlier kind's install
+    would keep that install's types cached."""
+    engine = make_engine(args.url, 24)
+    try:
+        return _measure(kind, args, engine, side, exact)
+    finally:
+        engine.dispose()
+
+
+def _measure(kind: str, args: argparse.Namespace, engine: Engine, side: Engine, exact: bool) -> dict[str, Any]:
     n = 0 if kind == "idle" else args.jobs
     plan_kind = "plain" if kind in ("idle", "callback") else kind
     plan = Plan.single(plan_kind, max(n, 1), 1.0)
@@ -215,20 +225,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ensure_database(args.url)
-    engine = make_engine(args.url, 24)
     side = make_engine(args.url, 4)
     info = server_info(side)
     exact = ensure_pgstattuple(side)
     results = []
     for kind in args.kinds:
-        r = measure(kind, args, engine, side, exact)
+        r = measure(kind, args, side, exact)
         results.append(r)
         print(f"{kind}: {r['jobs']} jobs in {r['seconds']:.1f} s, all done: {r['ok']}, pin held: {r['pin_held']}",
               flush=True)
     print_results(results)
     problems = [f"{r['kind']}: not every job completed" for r in results if not r["ok"]]
     problems += [f"{r['kind']}: the pin ended before the count" for r in results if not r["pin_held"]]
-    engine.dispose()
+    problems += [f"{r['kind']}: qstore maintenance errors {r['qstore_report']['maintenance_errors']}"
+                 for r in results if r["qstore_report"].get("maintenance_errors")]
     side.dispose()
     payload = {"config": {k: v for k, v in vars(args).items() if k not in ("url", "json")}, "machine": info,
                "dead_tuple_source": "pgstattuple (exact)" if exact else "n_dead_tup (statistics)",

@@ -20,7 +20,9 @@ plus a callback):
 * ``delayed``: enqueued 1 s ahead (``run_at``), promoted, claimed, completed;
 * ``retry``: the first attempt raises, retried after the backoff, the second completes;
 * ``snooze``: the first run snoozes 1 s, the next completes;
-* ``unique``: enqueued with a unique key, completed;
+* ``unique``: enqueued with a unique key, completed; the workers and the maintainer then go
+  on for ``--unique-settle`` s, so upkeep prunes the slot of the jobs' terminal rows and
+  releases their keys (a key is held until then);
 * ``progress``: the handler sends ``--progress-steps`` heartbeats with progress, completes;
 * ``callback`` (qstore only): the handler registers a callback and parks the attempt
   (``WaitForCallback``); the script then completes it with ``complete_external``;
@@ -165,6 +167,8 @@ def _measure(kind: str, args: argparse.Namespace, engine: Engine, side: Engine, 
                 time.sleep(0.05)
             ok = all(len(s.ledger.completed) == n and not s.ledger.check(
                 {i: 0.0 for i in range(n)}) for s in systems)
+            if kind == "unique":
+                time.sleep(args.unique_settle)
         else:
             time.sleep(args.idle_seconds)
         seconds = time.monotonic() - began
@@ -205,6 +209,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=500, help="jobs per kind")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--idle-seconds", type=float, default=10.0)
+    p.add_argument("--unique-settle", type=float, default=60.0,
+                   help="unique: s the workers and the maintainer go on after the jobs completed, so "
+                        "upkeep can prune their terminal rows and release their keys")
     p.add_argument("--timeout", type=float, default=60.0, help="s to wait for one kind's jobs")
     p.add_argument("--progress-steps", type=int, default=3)
     p.add_argument("--progress-sleep", type=float, default=0.02)

@@ -275,15 +275,15 @@ def test_mix_bench_refuses_a_plot_without_matplotlib_before_starting(fresh_db_ur
     assert not (tmp_path / "x.png").exists()
 
 
-def test_dead_tuple_census_counts_two_per_classic_job_and_none_for_a_plain_qstore_job(fresh_db_url, tmp_path):
+def test_dead_tuple_census_counts_each_deferred_qstore_job_once_and_each_classic_write(fresh_db_url, tmp_path):
     data = bench_json(tmp_path, "dead_tuples_per_job.py", "--url", fresh_db_url, "--jobs", "40",
-                      "--kinds", "plain,unique")
+                      "--kinds", "plain,delayed")
     if not data["dead_tuple_source"].startswith("pgstattuple"):
         pytest.skip("exact dead-tuple counts need pgstattuple on the server")
     runs = {r["kind"]: r for r in data["results"]}
     assert all(r["ok"] and r["pin_held"] for r in runs.values())
-    # the classic row is updated by its claim and deleted by its completion
-    assert runs["plain"]["classic"]["jobs"] == {"made": 80, "left": 80}
-    assert {t: v["left"] for t, v in runs["plain"]["qstore"].items() if v["left"]} == {}
-    # a unique key is a row of its own in qstore, deleted only when its job's history is pruned
-    assert runs["unique"]["qstore"].get("unique_claims", {"left": 0})["left"] <= 40
+    # the classic row is updated by its claim and deleted by its completion, delayed or not
+    assert runs["plain"]["classic"] == runs["delayed"]["classic"] == {"jobs": {"made": 80, "left": 80}}
+    # qstore: a plain job leaves nothing; a delayed one its deferred row, deleted at promotion
+    assert runs["plain"]["qstore"] == {}
+    assert runs["delayed"]["qstore"] == {"deferred_jobs": {"made": 40, "left": 40}}

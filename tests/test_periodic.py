@@ -341,7 +341,8 @@ def workers(engine) -> Iterator[Callable[..., Worker]]:  # type: ignore[no-untyp
 
 def ticking_app(st: QueueStorage, seen: Seen, **options: Any) -> App:
     app = App(st)
-    options.setdefault("every", 1)
+    if "cron" not in options:
+        options.setdefault("every", 1)
 
     @app.periodic(**options)
     @app.task(kind="tick", queue="periodic")

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,6 @@ from test_worker import eventually
 
 from qstore import QueueStorage
 from qstore.errors import QueueStorageError, UniqueConflictError, ValidationError
-from qstore.runtime.maintainer import MaintenanceSchedule
 from qstore.runtime.periodic import (
     LOCK_KEY_PREFIX,
     TICK_KEY,
@@ -364,7 +364,7 @@ def test_several_workers_in_one_process_enqueue_each_tick_once(st, workers) -> N
     eventually(lambda: len(seen.ticks) >= 4, timeout=8, what="four ticks ran")
     ticks = seen.ticks
     assert_each_tick_once(ticks)
-    assert [b - a for a, b in zip(ticks, ticks[1:])] == [timedelta(seconds=1)] * (len(ticks) - 1)
+    assert [b - a for a, b in pairwise(ticks)] == [timedelta(seconds=1)] * (len(ticks) - 1)
 
 
 @pytest.mark.parametrize("schedule", [{"every": 1}, {"cron": "* * * * * *"}])
@@ -378,3 +378,145 @@ def test_the_handler_sees_its_tick(engine, st, workers, schedule: dict[str, Any]
     assert tick.microsecond == 0 and tick <= ran < tick + timedelta(seconds=1)
     job = st.load_job(engine, job_id)
     assert job.metadata[TICK_KEY] == tick.isoformat() and job.run_at >= tick  # promotion moves run_at
+
+
+def contiguous(ticks: list[datetime]) -> bool:
+    return all(b - a == timedelta(seconds=1) for a, b in pairwise(ticks))
+
+
+def run_stop_wait_and_run_again(app: App, seen: Seen, workers: Callable[..., Worker],
+                                down: float) -> tuple[datetime, datetime, datetime]:
+    """A worker runs a few ticks and stops; ``down`` seconds later another one starts and runs
+    past the next tick. Returns the last tick run before the stop, the stop and the restart."""
+    first = workers(app, maintain=True)
+    eventually(lambda: len(seen.ticks) >= 2, timeout=6, what="two ticks ran")
+    first.stop(0)  # the next tick was enqueued ahead: it stays scheduled
+    stopped = datetime.now(UTC)
+    last = max(seen.ticks)
+    time.sleep(down)
+    restarted = datetime.now(UTC)
+    workers(app, maintain=True)
+    eventually(lambda: sum(t > restarted for t in seen.ticks) >= 2, timeout=6, what="ticks after the restart")
+    return last, stopped, restarted
+
+
+@pytest.mark.slow
+def test_ticks_missed_while_no_worker_ran_are_not_replayed_by_default(st, workers) -> None:  # type: ignore[no-untyped-def]
+    seen = Seen()
+    last, stopped, restarted = run_stop_wait_and_run_again(ticking_app(st, seen), seen, workers, 3.5)
+    ticks = seen.ticks
+    assert_each_tick_once(ticks)
+    ahead, *after = [t for t in ticks if t > last]
+    assert ahead <= stopped + timedelta(seconds=1)  # enqueued before the stop, run late
+    assert after and all(t > restarted for t in after), (ahead, after, restarted)  # none in between
+
+
+@pytest.mark.slow
+def test_catch_up_replays_ticks_missed_while_no_worker_ran(st, workers) -> None:  # type: ignore[no-untyped-def]
+    seen = Seen()
+    _, stopped, restarted = run_stop_wait_and_run_again(ticking_app(st, seen, catch_up=5), seen, workers, 3.5)
+    ticks = seen.ticks
+    assert_each_tick_once(ticks)
+    missed = [t for t in ticks if stopped + timedelta(seconds=1) < t <= restarted]
+    assert len(missed) >= 2, (ticks, stopped, restarted)
+    assert contiguous(ticks), ticks  # every tick from the first to the last ran, once
+
+
+@pytest.mark.slow
+def test_catch_up_replays_at_most_its_bound(st, workers) -> None:  # type: ignore[no-untyped-def]
+    seen = Seen()
+    last, _, restarted = run_stop_wait_and_run_again(ticking_app(st, seen, catch_up=1), seen, workers, 4.5)
+    ticks = seen.ticks
+    assert_each_tick_once(ticks)
+    _, *after = [t for t in ticks if t > last]  # the first ran late: it was enqueued before the stop
+    replayed = [t for t in after if t <= restarted]
+    assert len(replayed) == 1 and restarted - replayed[0] < timedelta(seconds=1), (after, restarted)
+
+
+# -- several worker processes ---------------------------------------------------------------------
+
+PROCESS_APP = '''
+import os, pathlib
+from qstore import QueueStorage, QueueStorageConfig
+from qstore.tasks import App, JobContext
+
+MARKS = pathlib.Path(os.environ["QSTORE_TEST_MARKS"])
+app = App(QueueStorage(QueueStorageConfig(schema=os.environ["QSTORE_TEST_SCHEMA"])))
+
+
+@app.periodic(every=1, catch_up=5)
+@app.task(kind="tick")
+def tick(ctx: JobContext) -> None:
+    """Marks the tick with the job that ran it (a rerun of one job marks the same job)."""
+    (MARKS / f"{ctx.tick.timestamp():.0f}.{ctx.job_id}.{os.getpid()}").touch()
+'''
+
+
+@pytest.fixture
+def processes(tmp_path: Path, db_url: str, st) -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:  # type: ignore[no-untyped-def]
+    module = f"qstore_periodic_app_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(PROCESS_APP))
+    (tmp_path / "marks").mkdir()
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        url = make_url(db_url).update_query_dict({"application_name": name}).render_as_string(hide_password=False)
+        env = {**os.environ, "QSTORE_TEST_MARKS": str(tmp_path / "marks"), "QSTORE_TEST_SCHEMA": st.schema(),
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                              os.environ.get("PYTHONPATH", "")])}
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "qstore", "worker", f"{module}:app", "--url", url, "--concurrency", "2",
+             "--poll-interval", "0.2"],
+            cwd=tmp_path, env=env, stdout=(tmp_path / f"{name}.log").open("wb"), stderr=subprocess.STDOUT)
+        started.append(popen)
+        return popen
+
+    yield start
+    for popen in started:
+        if popen.poll() is None:
+            popen.kill()
+        popen.wait(10)
+
+
+def planning_leader(engine, st) -> str | None:  # type: ignore[no-untyped-def]
+    """The application name of the session holding the lock of the kind "tick"."""
+    with engine.connect() as conn:
+        return conn.execute(text(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
+            "AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtextextended(:key, 0)"),
+            {"key": f"{LOCK_KEY_PREFIX}{st.schema()}:tick"}).scalar()
+
+
+def process_ticks(marks: Path) -> dict[int, set[str]]:
+    """Each tick (Unix seconds) that ran, with the ids of the jobs that ran it."""
+    out: dict[int, set[str]] = {}
+    for p in marks.iterdir():
+        tick, job_id, _ = p.name.split(".")
+        out.setdefault(int(tick), set()).add(job_id)
+    return out
+
+
+@pytest.mark.slow
+def test_worker_processes_enqueue_each_tick_once_when_the_planning_leader_is_killed(  # type: ignore[no-untyped-def]
+        engine, st, processes, tmp_path) -> None:
+    procs = {name: processes(name) for name in ("w_a", "w_b", "w_c")}
+    leader = eventually(lambda: planning_leader(engine, st), timeout=15, what="a worker leads the planning")
+    marks = tmp_path / "marks"
+    eventually(lambda: len(process_ticks(marks)) >= 3, timeout=10, what="three ticks ran")
+    procs[leader].send_signal(signal.SIGKILL)
+    procs[leader].wait(5)
+    killed = time.time()
+    successor = eventually(lambda: (planning_leader(engine, st) or leader) != leader and planning_leader(engine, st),
+                           timeout=10, what="another worker leads the planning")
+    eventually(lambda: max(process_ticks(marks)) >= killed + 4, timeout=15, what="ticks after the kill")
+    for name, popen in procs.items():
+        if name != leader:
+            popen.send_signal(signal.SIGTERM)
+            assert popen.wait(15) == 0, (tmp_path / f"{name}.log").read_text()
+    ran = process_ticks(marks)
+    assert {t: ids for t, ids in ran.items() if len(ids) > 1} == {}  # no tick ran as two jobs
+    ticks = sorted(ran)
+    assert ticks == list(range(ticks[0], ticks[-1] + 1)), ticks  # none missed (catch_up covers the kill)
+    assert sum(t > killed for t in ticks) >= 3
+    assert "periodic tasks planned here" in (tmp_path / f"{successor}.log").read_text()

@@ -335,8 +335,9 @@ class Planner:
                 self._held = self._held | taken
                 log.info("qstore worker: periodic tasks planned here for schema %s: %s",
                          self.storage.schema(), ", ".join(sorted(taken)))
-            if not self._held:
-                self._drop_conn()
+            if not self._held:  # no lock on this session: it goes back to the pool as it is
+                self._conn = None
+                conn.close()
             return self._held
 
     def _lose(self) -> None:

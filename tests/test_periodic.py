@@ -526,7 +526,16 @@ def test_worker_processes_enqueue_each_tick_once_when_the_planning_leader_is_kil
     killed = time.time()
     successor = eventually(lambda: (planning_leader(engine, st) or leader) != leader and planning_leader(engine, st),
                            timeout=10, what="another worker leads the planning")
-    eventually(lambda: max(process_ticks(marks)) >= killed + 4, timeout=15, what="ticks after the kill")
+    # A tick job the killed worker had claimed runs again once its attempt is rescued (after
+    # the heartbeat staleness, 90 s by default): rescue it now, as its staleness is long past.
+    time.sleep(0.6)
+    st.rescue_stale_heartbeats(engine, 0.5)
+
+    def contiguous_past_the_kill() -> bool:
+        ticks = sorted(process_ticks(marks))
+        return ticks[-1] >= killed + 4 and ticks == list(range(ticks[0], ticks[-1] + 1))
+
+    eventually(contiguous_past_the_kill, timeout=20, what="every tick ran, past the kill")
     for name, popen in procs.items():
         if name != leader:
             popen.send_signal(signal.SIGTERM)
@@ -535,5 +544,4 @@ def test_worker_processes_enqueue_each_tick_once_when_the_planning_leader_is_kil
     assert {t: ids for t, ids in ran.items() if len(ids) > 1} == {}  # no tick ran as two jobs
     ticks = sorted(ran)
     assert ticks == list(range(ticks[0], ticks[-1] + 1)), ticks  # none missed (catch_up covers the kill)
-    assert sum(t > killed for t in ticks) >= 3
     assert "periodic tasks planned here" in (tmp_path / f"{successor}.log").read_text()

@@ -39,8 +39,8 @@ reached its end and checks that every job completed exactly once, with exactly i
 handler runs, in both systems.
 
 Reported per minute (``--bucket`` s; shorter runs use a tenth of the run) for both systems:
-jobs completed and jobs/s; pickup p95 (enqueue commit to handler start, first runs of jobs
-enqueued without a delay); promotion lag p95 (due time to handler start, for delayed,
+jobs enqueued, completed and completed per second; pickup p95 (enqueue commit to handler
+start, first runs of jobs enqueued without a delay); promotion lag p95 (due time to handler start, for delayed,
 retried and snoozed runs; the due time is the ``run_at`` the enqueue, the retry or the
 snooze wrote); dead tuples (``n_dead_tup``) per table family (qstore: the families of
 ``qstore.status``; classic: its ``jobs`` table) and total bytes, at the minute's end.

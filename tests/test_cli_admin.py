@@ -82,7 +82,8 @@ def test_status_json_is_the_report_under_stable_keys(engine, st, cli):
     code, out, _ = cli("status", "--json")
     assert code == 0
     report = json.loads(out)
-    assert set(report) == {"schema", "exact", "counters_trusted", "shape", "queues", "rings", "health"}
+    assert set(report) == {"schema", "exact", "counters_trusted", "shape", "queues", "rings", "health",
+                           "handed_back"}
     assert [(q["queue"], q["available"]) for q in report["queues"]] == [("q", 1)]
     assert report["health"]["total"]["bytes"] > 0
 

@@ -8,15 +8,19 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, event, text
 
-from qstore import InsertOpts, InsertParams, UniqueOpts
+from qstore import InsertOpts, InsertParams, UniqueOpts, status
 from qstore.errors import CallbackWaitEndedError, PartialCommitError, ValidationError
 from qstore.runtime.batcher import CompletionBatcher
+from qstore.runtime.core import HAND_BACK_FIRST, unhandled
 from qstore.runtime.maintainer import MaintenanceSchedule
+from qstore.status import UNHANDLED_KEY
 from qstore.tasks import App, Cancel, Fail, JobContext, RetryAfter, Snooze, WaitForCallback
 from qstore.types import JobState
 from qstore.worker import Worker, WorkerSettings
@@ -325,16 +329,78 @@ def test_a_stopping_worker_ends_the_wait_and_leaves_the_attempt_waiting_for_its_
     assert state_of(engine, st, job_id) == JobState.COMPLETED
 
 
-def test_a_job_of_an_unknown_kind_fails_for_good_naming_the_kind(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+def test_a_job_of_an_unknown_kind_is_handed_back_without_counting_an_attempt(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
     @app.task(kind="known")
     def known(ctx: JobContext) -> None: ...
 
     job_id = st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
     w = run_worker(app)
-    row = settles_in(engine, st, job_id, JobState.FAILED)
-    assert "unknown task kind 'mystery.kind'" in row.errors[-1]["error"]
-    assert row.errors[-1]["terminal"] is True
+    row = settles_in(engine, st, job_id, JobState.SCHEDULED)
+    assert (row.attempt, row.errors) == (0, None)
+    mark = row.progress[UNHANDLED_KEY]
+    assert (mark["count"], mark["run_lease"]) == (1, row.run_lease)
+    assert 0.5 < (row.run_at - datetime.now(timezone.utc)).total_seconds() <= HAND_BACK_FIRST
     eventually(lambda: w.stats.unknown_kind == 1)
+    assert w.stats.failed == 0
+
+
+def test_a_hand_back_of_an_unknown_kind_keeps_the_progress_an_earlier_handler_left(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
+    (c,) = st.claim_runtime_batch(engine, "default", 1)
+    st.snooze(engine, c.job.id, c.job.run_lease, 0, {"step": 3})
+    assert st.promote_due(engine, "scheduled", 10) == 1
+    w = run_worker(app, queues=["default"])
+    row = settles_in(engine, st, c.job.id, JobState.SCHEDULED)
+    eventually(lambda: w.stats.unknown_kind == 1)
+    row = st.load_job(engine, c.job.id)
+    assert row.progress["step"] == 3 and row.progress[UNHANDLED_KEY]["count"] == 1
+
+
+def test_each_further_hand_back_of_one_job_waits_twice_as_long(engine, st):  # type: ignore[no-untyped-def]
+    st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
+    (c,) = st.claim_runtime_batch(engine, "default", 1)
+    now = datetime.now(timezone.utc)
+    delays, job = [], c.job
+    for _ in range(9):
+        back = unhandled(job, now)
+        delays.append(back.seconds)
+        job = replace(job, progress=back.progress, run_lease=job.run_lease + 1)
+    assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+    assert job.progress[UNHANDLED_KEY]["count"] == 9
+
+
+def test_an_unknown_kind_is_logged_once_however_many_of_its_jobs_come(engine, st, app, run_worker, caplog):  # type: ignore[no-untyped-def]
+    for _ in range(3):
+        st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
+    with caplog.at_level("WARNING", logger="qstore.worker"):
+        w = run_worker(app, queues=["default"])
+        eventually(lambda: w.stats.unknown_kind == 3)
+    said = [r for r in caplog.records if "mystery.kind" in r.getMessage()]
+    assert len(said) == 1 and "handing its jobs back" in said[0].getMessage()
+
+
+def test_status_lists_the_jobs_handed_back_for_lack_of_a_task_by_kind(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    for kind in ("mystery.a", "mystery.a", "mystery.b"):
+        st.enqueue(engine, InsertParams(kind, {}, InsertOpts(queue="default")))
+    st.enqueue(engine, InsertParams("later", {}, InsertOpts(queue="default", run_at=datetime.now(timezone.utc)
+                                                           + timedelta(hours=1))))
+    w = run_worker(app, queues=["default"])
+    eventually(lambda: w.stats.unknown_kind == 3)
+    got = [(h.queue, h.kind, h.jobs, h.most) for h in status.handed_back_kinds(engine, st)]
+    assert got == [("default", "mystery.a", 2, 1), ("default", "mystery.b", 1, 1)]
+
+
+def test_status_does_not_list_a_job_whose_hand_back_record_is_from_an_earlier_attempt(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    job_id = st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
+    w = run_worker(app, queues=["default"])
+    eventually(lambda: w.stats.unknown_kind == 1)
+    w.stop(0)
+    eventually(lambda: st.promote_due(engine, "scheduled", 10) == 1, timeout=5, what="due again")
+    (c,) = st.claim_runtime_batch(engine, "default", 1)
+    # a handler of the kind ran this attempt and snoozed, carrying the job's progress over
+    st.snooze(engine, c.job.id, c.job.run_lease, 3600, c.job.progress)
+    assert st.load_job(engine, job_id).progress[UNHANDLED_KEY]["count"] == 1
+    assert status.handed_back_kinds(engine, st) == []
 
 
 # -- async handlers ------------------------------------------------------------------------------

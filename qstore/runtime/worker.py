@@ -51,7 +51,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from types import FrameType
 from typing import Any
 
@@ -68,6 +68,7 @@ from qstore.errors import (
 )
 from qstore.outage import OutageLog, describe_failure
 from qstore.runtime.batcher import CompletionBatcher
+from qstore.runtime.core import Unhandled, unhandled
 from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
 from qstore.runtime.tasks import (
     App,
@@ -200,9 +201,10 @@ class WorkerStats:
     ``claimed``: attempts claimed; ``completed``: completions committed; ``stale_completions``:
     completions of attempts closed elsewhere first; ``retried``: handler errors that left the
     job retryable; ``failed``: jobs that ended failed (an error on the last attempt, whether the queue's
-    DLQ policy then moved it to the DLQ or not; ``Fail``; unknown kinds); ``dlq``: jobs a
+    DLQ policy then moved it to the DLQ or not; ``Fail``); ``dlq``: jobs a
     handler sent to the DLQ (``Fail(..., dlq=True)``); ``snoozed``, ``retry_after``, ``cancelled``,
-    ``waiting_callback``: those outcomes; ``unknown_kind``: jobs no task handles;
+    ``waiting_callback``: those outcomes; ``unknown_kind``: attempts handed back because
+    no task of the app has their kind;
     ``closed_under_handler``: attempts closed while their handler ran (operator cancel,
     deadline, give-back), whose result was dropped; ``deadline_exceeded``: attempts closed
     by their task's deadline; ``handed_back``: attempts given back at shutdown;
@@ -406,6 +408,7 @@ class Worker:
         self._outcomes: concurrent.futures.ThreadPoolExecutor | None = None
         self._listener: Listener | None = None
         self._leading = False
+        self._unhandled_kinds: set[str] = set()  # kinds whose hand-back was logged
 
     # -- stats -----------------------------------------------------------------------------------
     @property
@@ -756,10 +759,18 @@ class Worker:
             return a.task.fn(a.ctx, **args)
         return a.task.fn(a.ctx, args)
 
-    def _unknown(self, a: _Attempt) -> Fail:
-        self._count("unknown_kind")
-        return Fail(f"unknown task kind {a.claimed.job.kind!r}: no task of this worker's app is "
-                    f"registered under it (known: {', '.join(sorted(self.app.tasks)) or 'none'})")
+    def _unknown(self, a: _Attempt) -> Unhandled:
+        """The hand-back of an attempt whose kind no task of this worker's app has, logged
+        once per kind (WARNING)."""
+        job = a.claimed.job
+        with self._lock:
+            first = job.kind not in self._unhandled_kinds
+            self._unhandled_kinds.add(job.kind)
+        if first:
+            log.warning("qstore worker: no task for kind %r (queue %r): handing its jobs back for a worker "
+                        "that has one (snooze with backoff, the attempt not counted); known kinds: %s",
+                        job.kind, job.queue, ", ".join(sorted(self.app.tasks)) or "none")
+        return unhandled(job, datetime.now(timezone.utc))
 
     def _run_sync(self, a: _Attempt) -> None:
         if a.ctx.is_cancelled:  # given back or cancelled before a handler took it
@@ -893,6 +904,10 @@ class Worker:
             if self._write(a, "wait_for_callback", lambda: st.wait_for_callback(
                     e, job.id, job.run_lease, o.timeout, callback_id=o.callback_id)) is not None:
                 self._count("waiting_callback")
+        elif isinstance(o, Unhandled):
+            if self._write(a, "snooze (no task for its kind)",
+                           lambda: st.snooze(e, job.id, job.run_lease, o.seconds, o.progress)) is not None:
+                self._count("unknown_kind")
         else:  # a JobOutcome subclass of the application's own: treat as an error
             self._apply(a, TypeError(f"unsupported outcome {type(o).__name__}"))
 

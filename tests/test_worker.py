@@ -120,6 +120,39 @@ def test_an_error_on_the_last_attempt_fails_the_job_for_good(engine, st, app, ru
     eventually(lambda: w.stats.failed == 1)
 
 
+@pytest.mark.parametrize("dlq_policy", [False, True], ids=["failed_history", "dlq_policy"])
+def test_an_exhausted_job_counts_as_failed_and_exhausted_wherever_the_queue_puts_it(  # type: ignore[no-untyped-def]
+        engine, st, app, run_worker, dlq_policy):
+    st.set_queue_options(engine, "default", dlq_enabled=dlq_policy)
+
+    @app.task(kind="boom", max_attempts=1)
+    def boom(ctx: JobContext) -> None:
+        raise RuntimeError("no luck")
+
+    job_id = boom.defer(engine)
+    w = run_worker(app)
+    settles_in(engine, st, job_id, JobState.FAILED)
+    eventually(lambda: w.stats.failed == 1)
+    assert (w.stats.exhausted, w.stats.dlq) == (1, 0)
+    assert [e.job.id for e in st.list_dlq(engine)] == ([job_id] if dlq_policy else [])
+
+
+@pytest.mark.parametrize(("outcome", "counts"), [
+    (lambda: Fail("bad input"), (1, 0, 0)),
+    (lambda: Fail("poison", dlq=True), (0, 0, 1)),
+], ids=["fail", "fail_dlq"])
+def test_a_handlers_fail_counts_as_failed_or_dlq_never_as_exhausted(engine, st, app, run_worker,  # type: ignore[no-untyped-def]
+                                                                      outcome, counts):
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> Any:
+        return outcome()
+
+    job_id = handler.defer(engine)
+    w = run_worker(app)
+    settles_in(engine, st, job_id, JobState.FAILED)
+    eventually(lambda: (w.stats.failed, w.stats.exhausted, w.stats.dlq) == counts, what="counts")
+
+
 @pytest.mark.parametrize("returned", [False, True], ids=["raised", "returned"])
 @pytest.mark.parametrize(("outcome", "state", "counter"), [
     (lambda: Snooze(60), JobState.SCHEDULED, "snoozed"),
@@ -327,6 +360,26 @@ def test_a_stopping_worker_ends_the_wait_and_leaves_the_attempt_waiting_for_its_
     assert state_of(engine, st, job_id) == JobState.WAITING_EXTERNAL
     st.complete_external(engine, waiter.tokens[0], "done")
     assert state_of(engine, st, job_id) == JobState.COMPLETED
+
+
+def test_a_resume_after_the_waiting_worker_stopped_is_rescued_and_runs_the_handler_afresh(  # type: ignore[no-untyped-def]
+        engine, st, app, run_worker):
+    waiter = CallbackWaiter(app, 0.02)
+    job_id = waiter.task.defer(engine)
+    w = run_worker(app)
+    settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
+    w.stop(0.2)
+    resumed = st.complete_external(engine, waiter.tokens[0], {"amount": 5}, resume=True)
+    assert resumed.state == JobState.RUNNING  # running, with no handler behind it
+    time.sleep(0.3)
+    assert [r.id for r in st.rescue_stale_heartbeats(engine, 0.2)] == [job_id]
+    row = st.load_job(engine, job_id)
+    assert (row.state, row.attempt) == (JobState.RETRYABLE, 1)
+    eventually(lambda: st.promote_due(engine, "retryable", 10) == 1, timeout=10, what="the backoff over")
+    run_worker(app)
+    eventually(lambda: len(waiter.tokens) == 2, what="the handler to run again")
+    assert waiter.tokens[1] != waiter.tokens[0]  # from the start: a new callback, the payload not handed over
+    assert settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL).attempt == 2
 
 
 def test_a_job_of_an_unknown_kind_is_handed_back_without_counting_an_attempt(engine, st, app, run_worker):  # type: ignore[no-untyped-def]

@@ -200,9 +200,12 @@ class WorkerStats:
 
     ``claimed``: attempts claimed; ``completed``: completions committed; ``stale_completions``:
     completions of attempts closed elsewhere first; ``retried``: handler errors that left the
-    job retryable; ``failed``: jobs that ended failed (an error on the last attempt, whether the queue's
-    DLQ policy then moved it to the DLQ or not; ``Fail``); ``dlq``: jobs a
-    handler sent to the DLQ (``Fail(..., dlq=True)``); ``snoozed``, ``retry_after``, ``cancelled``,
+    job retryable; ``failed``: jobs this worker ended ``failed`` other than by
+    ``Fail(..., dlq=True)``: ``Fail(error)``, and the ``exhausted`` ones; ``exhausted``: of
+    ``failed``, the jobs an error on their last attempt ended (a handler's error, a deadline,
+    a refused outcome), which the storage puts in failed history, or in the DLQ when the
+    queue's DLQ policy is on (its answer does not say which; ``list_dlq`` does); ``dlq``:
+    jobs a handler sent to the DLQ itself (``Fail(..., dlq=True)``; not in ``failed``); ``snoozed``, ``retry_after``, ``cancelled``,
     ``waiting_callback``: those outcomes; ``unknown_kind``: attempts handed back because
     no task of the app has their kind;
     ``closed_under_handler``: attempts closed while their handler ran (operator cancel,
@@ -220,6 +223,7 @@ class WorkerStats:
     stale_completions: int = 0
     retried: int = 0
     failed: int = 0
+    exhausted: int = 0
     dlq: int = 0
     snoozed: int = 0
     retry_after: int = 0
@@ -875,6 +879,7 @@ class Worker:
             self._count("retried")
         else:  # exhausted: failed history, or the DLQ when the queue's policy says so
             self._count("failed")
+            self._count("exhausted")
             log.warning("qstore worker: job %s (%s) failed for good after attempt %d", job.id, job.kind,
                         job.attempt)
 

@@ -193,6 +193,30 @@ def test_an_operator_cancel_cancels_a_running_async_handler(db_url, engine, st, 
     assert state_of(st, engine, job_id) == JobState.CANCELLED
 
 
+def test_an_operator_cancel_of_a_claimed_job_waiting_for_a_handler_lets_it_go(db_url, engine, st, app):  # type: ignore[no-untyped-def]
+    gate = asyncio.Event()
+    ran: list[int] = []
+
+    @app.task(kind="k")
+    async def handler(ctx: JobContext, i: int) -> None:
+        ran.append(i)
+        await gate.wait()
+
+    first, second = handler.defer_many(engine, [{"i": 1}, {"i": 2}])
+
+    async def body(w: AsyncWorker) -> Any:
+        await eventually(lambda: w.stats.claimed == 2 and ran == [1], what="one running, one waiting")
+        await asyncio.to_thread(st.cancel_job, engine, second)
+        await eventually(lambda: w.stats.in_flight == 1, what="the cancelled one let go")
+        gate.set()
+        await eventually(lambda: state_of(st, engine, first) == JobState.COMPLETED)
+        return w.stats
+
+    stats = run(with_worker(app, db_url, engine, body, concurrency=1, prefetch=1))
+    assert ran == [1] and state_of(st, engine, second) == JobState.CANCELLED
+    assert stats.in_flight == 0
+
+
 def test_a_tasks_deadline_closes_the_attempt_and_cancels_its_handler(db_url, engine, st, app):  # type: ignore[no-untyped-def]
     @app.task(kind="k", deadline=0.3)
     async def handler(ctx: JobContext) -> None:

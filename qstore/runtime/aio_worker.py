@@ -290,7 +290,7 @@ class AsyncWorker:
         self._failure = None
         self._running = asyncio.Semaphore(s.concurrency)
         try:
-            if self.sync_engine is None and (s.maintain or self.app.tasks):
+            if self.sync_engine is None:
                 url = self.engine.url.set(drivername="postgresql+psycopg")
                 self.sync_engine = create_engine(url, pool_size=4, max_overflow=4)
             if s.listen:
@@ -509,7 +509,9 @@ class AsyncWorker:
                 a.started_at = time.monotonic()
                 outcome = await self._outcome(a)
         except asyncio.CancelledError as err:
-            if a.started_at is None:  # given back while waiting: the give-back let it go
+            if a.started_at is None:  # given back or cancelled while waiting for a place
+                a.atask = None
+                self.forget(a)  # (a give-back let it go already: a second release does nothing)
                 return
             outcome = err  # dropped when the attempt was closed under the handler
         a.atask = None

@@ -12,6 +12,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from outage import OutageProxy
+from sqlalchemy import create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from qstore import InsertOpts, InsertParams
@@ -423,3 +425,47 @@ def test_the_async_listener_returns_a_wakeup_as_soon_as_a_notify_arrives(db_url,
     wake, took, quiet, stopped_in = run(main())
     assert wake.queues == frozenset({"mail"}) and took < 1.0
     assert quiet.queues == frozenset() and stopped_in < 0.5
+
+
+# -- a database outage ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_an_outcome_written_during_an_outage_lands_once_the_database_is_back(db_url, engine, st, app):  # type: ignore[no-untyped-def]
+    gate = asyncio.Event()
+
+    @app.task(kind="k")
+    async def handler(ctx: JobContext, i: int) -> Any:
+        if i == 1:
+            await gate.wait()
+            return RetryAfter(600)
+        return None
+
+    first = handler.defer(engine, i=1)
+
+    async def main(proxy: OutageProxy) -> Any:
+        url = proxy.url(db_url)
+        aengine = create_async_engine(url, pool_size=8)
+        sync_engine = create_engine(url, pool_size=4)
+        w = AsyncWorker(app, aengine, settings(), sync_engine=sync_engine)
+        try:
+            await w.start()
+            await eventually(lambda: state_of(st, engine, first) == JobState.RUNNING)
+            proxy.cut()
+            gate.set()  # the handler returns while the database is away: the write is retried
+            await asyncio.sleep(2.0)
+            assert state_of(st, engine, first) == JobState.RUNNING
+            second = await asyncio.to_thread(handler.defer, engine, i=2)  # its NOTIFY is lost
+            proxy.restore()
+            await eventually(lambda: state_of(st, engine, first) == JobState.RETRYABLE, timeout=15,
+                             what="the outcome written")
+            await eventually(lambda: state_of(st, engine, second) == JobState.COMPLETED, timeout=15,
+                             what="the job enqueued during the outage run")
+            return await w.stop(5)
+        finally:
+            await aengine.dispose()
+            sync_engine.dispose()
+
+    with OutageProxy() as proxy:
+        stats = run(main(proxy))
+    assert (stats.retry_after, stats.completed, stats.outcome_errors, stats.handed_back) == (1, 1, 0, 0)

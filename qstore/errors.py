@@ -402,3 +402,14 @@ def translate_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise mapped from err
 
     return wrapper
+
+
+class ExtraMissingError(QueueStorageError, ImportError):
+    """A feature needs an optional extra that is not installed. ``extra`` names it; the
+    message is one line ending in the ``pip install`` command that adds it."""
+
+    def __init__(self, extra: str, feature: str) -> None:
+        self.extra = extra
+        self.feature = feature
+        super().__init__(f"{feature} need the '{extra}' extra, which is not installed: "
+                         f"pip install 'qstore[{extra}]'")

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 from sqlalchemy import Engine
 
 from qstore.errors import CallbackWaitEndedError, ValidationError
+from qstore.runtime.telemetry import Telemetry, default_telemetry
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import (
     validate_aware_datetime,
@@ -412,13 +413,7 @@ class Deferral:
             opts = replace(opts, run_at=datetime.now(timezone.utc) + timedelta(seconds=self.delay))
         return InsertParams(self.task.kind, self.args_of(*args, **kwargs), opts)
 
-    def defer(self, target: Target, /, *args: Any, **kwargs: Any) -> int:
-        """Enqueue one job (``QueueStorage.enqueue``) and return its id."""
-        return self.task.app.storage.enqueue(target, self.params(*args, **kwargs))
-
-    def defer_many(self, target: Target, items: Sequence[Mapping[str, Any]], /) -> list[int]:
-        """Enqueue one job per mapping of keyword arguments, in one statement
-        (``QueueStorage.enqueue_many``); returns their ids in order."""
+    def _many(self, items: Sequence[Mapping[str, Any]]) -> list[InsertParams]:
         if isinstance(items, Mapping | str) or not isinstance(items, Sequence):
             raise ValidationError("items", items, "expected a list of keyword-argument mappings")
         jobs = []
@@ -426,16 +421,43 @@ class Deferral:
             if not isinstance(item, Mapping):
                 raise ValidationError(f"items[{i}]", item, "expected a mapping of keyword arguments")
             jobs.append(self.params(**item))
-        return self.task.app.storage.enqueue_many(target, jobs)
+        return jobs
+
+    @contextmanager
+    def _traced(self, jobs: list[InsertParams]) -> Iterator[list[InsertParams]]:
+        """``jobs`` as they are enqueued under the app's telemetry: inside its producer span,
+        each carrying the span's trace context in its metadata (unchanged without one)."""
+        telemetry = self.task.app.telemetry
+        if not telemetry.enabled or not jobs:
+            yield jobs
+            return
+        with telemetry.deferring(self.opts.queue, self.task.kind, self.opts.metadata, len(jobs)) as carried:
+            if carried is self.opts.metadata:
+                yield jobs
+            else:
+                extra = {k: v for k, v in carried.items() if k not in self.opts.metadata}
+                yield [replace(j, opts=replace(j.opts, metadata={**j.opts.metadata, **extra})) for j in jobs]
+
+    def defer(self, target: Target, /, *args: Any, **kwargs: Any) -> int:
+        """Enqueue one job (``QueueStorage.enqueue``) and return its id."""
+        with self._traced([self.params(*args, **kwargs)]) as jobs:
+            return self.task.app.storage.enqueue(target, jobs[0])
+
+    def defer_many(self, target: Target, items: Sequence[Mapping[str, Any]], /) -> list[int]:
+        """Enqueue one job per mapping of keyword arguments, in one statement
+        (``QueueStorage.enqueue_many``); returns their ids in order."""
+        with self._traced(self._many(items)) as jobs:
+            return self.task.app.storage.enqueue_many(target, jobs)
 
     async def defer_async(self, target: AsyncTarget, /, *args: Any, **kwargs: Any) -> int:
         """``defer`` on an ``AsyncEngine``, ``AsyncConnection`` or ``AsyncSession``."""
-        return await self.task.app.async_storage.enqueue(target, self.params(*args, **kwargs))
+        with self._traced([self.params(*args, **kwargs)]) as jobs:
+            return await self.task.app.async_storage.enqueue(target, jobs[0])
 
     async def defer_many_async(self, target: AsyncTarget, items: Sequence[Mapping[str, Any]], /) -> list[int]:
         """``defer_many`` on an async target."""
-        jobs = [self.params(**item) for item in items]
-        return await self.task.app.async_storage.enqueue_many(target, jobs)
+        with self._traced(self._many(items)) as jobs:
+            return await self.task.app.async_storage.enqueue_many(target, jobs)
 
 
 class Task(Generic[P, R]):
@@ -526,10 +548,16 @@ class Task(Generic[P, R]):
 class App:
     """The tasks of one install (``storage``), by kind. A worker runs the tasks of one app."""
 
-    def __init__(self, storage: QueueStorage) -> None:
+    def __init__(self, storage: QueueStorage, *, telemetry: Telemetry | None = None) -> None:
+        """``telemetry`` receives the metrics and traces of this app's deferrals and of the
+        workers that run it (default: :func:`~qstore.runtime.telemetry.default_telemetry`,
+        OpenTelemetry when the ``otel`` extra is installed, nothing otherwise)."""
         if not isinstance(storage, QueueStorage):
             raise ValidationError("storage", storage, "expected QueueStorage")
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise ValidationError("telemetry", telemetry, "expected a qstore Telemetry")
         self.storage = storage
+        self.telemetry = telemetry if telemetry is not None else default_telemetry()
         self.tasks: dict[str, Task[Any, Any]] = {}
         self._async: AsyncQueueStorage | None = None
 

@@ -175,8 +175,8 @@ class OpenTelemetry(Telemetry):
         from opentelemetry import propagate
         from opentelemetry.trace import SpanKind
 
-        attributes = {"messaging.system": "qstore", "messaging.destination.name": queue,
-                      "messaging.operation.type": "send", "qstore.kind": kind}
+        attributes: dict[str, Any] = {"messaging.system": "qstore", "messaging.destination.name": queue,
+                                      "messaging.operation.type": "send", "qstore.kind": kind}
         if n != 1:
             attributes["messaging.batch.message_count"] = n
         with self._tracer.start_as_current_span(f"qstore defer {kind}", kind=SpanKind.PRODUCER,
@@ -201,7 +201,8 @@ class OpenTelemetry(Telemetry):
             producer = trace.get_current_span(propagate.extract(carried)).get_span_context()
             if producer.is_valid:
                 links.append(Link(producer))
-        attributes = {"messaging.system": "qstore", "messaging.destination.name": job.queue,
+        attributes: dict[str, Any] = {
+                      "messaging.system": "qstore", "messaging.destination.name": job.queue,
                       "messaging.operation.type": "process", "messaging.message.id": str(job.id),
                       "qstore.kind": job.kind, "qstore.attempt": job.attempt}
         began = time.monotonic()
@@ -240,3 +241,31 @@ class OpenTelemetry(Telemetry):
                         Observation(g.running, {"queue": queue, "state": "running"}),
                         Observation(g.scheduled, {"queue": queue, "state": "scheduled"})]
         return out
+
+
+def serve_prometheus(port: int, host: str = "0.0.0.0") -> Callable[[], None]:
+    """Serve the metrics of the global meter provider as Prometheus text at
+    ``http://host:port/metrics`` (OpenTelemetry's Prometheus exporter on
+    ``prometheus_client``'s HTTP server, in a daemon thread). Installs an SDK
+    ``MeterProvider`` holding the Prometheus reader as the global provider, so every
+    :class:`OpenTelemetry` made over the global providers reports there (OpenTelemetry
+    keeps the first global provider set: an application that set its own keeps it, and
+    this server then shows only what reaches the default registry). Returns a function that
+    stops the server. Raises :class:`~qstore.errors.ExtraMissingError` without the ``otel``
+    extra and ``OSError`` when the port cannot be bound."""
+    try:
+        from opentelemetry import metrics
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider
+        from prometheus_client import start_http_server
+    except ImportError:
+        raise ExtraMissingError("otel", "Prometheus metrics (--metrics-port)") from None
+    server, thread = start_http_server(port, addr=host)
+    metrics.set_meter_provider(MeterProvider(metric_readers=[PrometheusMetricReader()]))
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+    return stop

@@ -78,6 +78,7 @@ from qstore.runtime.core import (
 from qstore.runtime.maintainer import Maintainer
 from qstore.runtime.periodic import Planner
 from qstore.runtime.tasks import App, JobContext, JobOutcome
+from qstore.runtime.telemetry import fast_counts
 from qstore.runtime.worker import _Pool
 from qstore.types import ClaimedRuntimeJob
 
@@ -168,6 +169,9 @@ class AsyncWorker:
                                {"give_up": self._give_up, "hurry": self._hurry})
         self.batcher = AsyncCompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
                                               interval=self.settings.completion_interval, outages=self._outages)
+        if app.telemetry.enabled:
+            self.batcher.on_completed = self.core.observe_completed
+        self._unwatch: Callable[[], None] | None = None
         self.maintainer: Maintainer | None = None
         self.planner: Planner | None = None  # the app's periodic tasks (on a thread, like the maintainer)
         self._running: asyncio.Semaphore | None = None
@@ -309,6 +313,9 @@ class AsyncWorker:
                 self.planner = Planner(self.app.storage, self.sync_engine, list(self.app.periodic_tasks.values()),
                                        outages=self._outages)
                 await asyncio.to_thread(self.planner.start)
+            if self.app.telemetry.enabled:
+                assert self.sync_engine is not None
+                self._unwatch = self.app.telemetry.watch(fast_counts(self.app.storage, self.sync_engine, self.queues))
         except BaseException:
             await self._shutdown_tasks()
             self._started = False
@@ -428,6 +435,9 @@ class AsyncWorker:
             self._leading = False
         if self.planner is not None and self.planner.running:
             await asyncio.to_thread(self.planner.stop)
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         handlers = [t for t in self._handlers if not t.done()]
         for t in handlers:
             t.cancel()
@@ -531,6 +541,13 @@ class AsyncWorker:
         one run on a pool thread (it cannot be interrupted: a cancel only sets its flag)."""
         if a.task is None:
             return self.core.unknown(a)
+        with self.core.observed(a) as observe:
+            outcome = await self._handler_outcome(a)
+            observe(outcome)
+            return outcome
+
+    async def _handler_outcome(self, a: Attempt) -> Any:
+        assert a.task is not None
         try:
             if a.task.is_async:
                 if a.ctx.is_cancelled:

@@ -41,7 +41,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +56,7 @@ from qstore.errors import (
 from qstore.outage import OutageLog
 from qstore.runtime.core import Call
 from qstore.storage import QueueStorage
-from qstore.types import ClaimedRuntimeJob, InsertParams
+from qstore.types import ClaimedRuntimeJob, InsertParams, JobRow
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -133,6 +133,8 @@ class BatchCore:
     def __init__(self, max_batch: int, interval: float, outages: OutageLog | None) -> None:
         _positive(max_batch, "max_batch", integer=True)
         _positive(interval, "interval")
+        #: called with the jobs whose completion committed, once per landed call (telemetry)
+        self.on_completed: Callable[[list[JobRow]], None] | None = None
         self.max_batch = max_batch
         self.interval = float(interval)
         self._q = _Queue()
@@ -201,6 +203,14 @@ class BatchCore:
             log.debug("qstore worker: %d stale completions (attempts closed elsewhere first): %s",
                       len(stale), stale[:20])
         self._count(completed=len(items) - len(stale), stale=len(stale))
+        self._landed([c for c in items if c.pair in done])
+
+    def _landed(self, items: Sequence[Completion]) -> None:
+        if self.on_completed is not None and items:
+            try:
+                self.on_completed([c.claimed.job for c in items])
+            except Exception:  # telemetry must never fail a completion that committed
+                log.debug("qstore worker: completion observer failed", exc_info=True)
 
     def _complete(self, items: list[Completion]) -> Procedure:
         delay = RETRY_FIRST
@@ -212,6 +222,7 @@ class BatchCore:
                 committed = set(err.committed)
                 kept = [c for c in items if c.pair in committed]
                 self._count(completed=len(kept), retries=1)
+                self._landed(kept)
                 items = [c for c in items if c.pair not in committed]
                 self._outages.failed("completions", err, 0.0,
                                      detail=f"{len(kept)} of {len(kept) + len(items)} committed")

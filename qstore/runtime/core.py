@@ -33,7 +33,8 @@ import math
 import threading
 import time
 import traceback
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
@@ -410,6 +411,14 @@ class _Complete:
 COMPLETE = _Complete()
 END = "end"  # a Write's counter: count by the job's new state
 
+#: A Write's counter -> the outcome the app's telemetry records (``ended``).
+TELEMETRY_OUTCOMES = {"snoozed": "snoozed", "retry_after": "retried", "cancelled": "cancelled",
+                      "dlq": "dlq", "failed": "failed", "waiting_callback": "waiting"}
+
+
+def _ignore(value: Any) -> None:
+    """The outcome observer when no telemetry records."""
+
 
 class Host(Protocol):
     """What a worker does for the core that depends on how it runs."""
@@ -709,7 +718,44 @@ class WorkerCore:
             self.count_end(result, job)
         elif w.counter is not None:
             self.count(w.counter)
+        self._observe_end(job, w.counter, result)
         return result
+
+    def _observe_end(self, job: JobRow, counter: str | None, row: Any) -> None:
+        """Tell the app's telemetry how the attempt of ``job`` ended (a write landed)."""
+        telemetry = self.app.telemetry
+        if not telemetry.enabled:
+            return
+        if counter == END:
+            name: str | None = "retried" if getattr(row, "state", None) is JobState.RETRYABLE else "failed"
+        else:
+            name = TELEMETRY_OUTCOMES.get(counter or "")
+        if name is not None:
+            telemetry.ended(job, name)
+
+    def observe_completed(self, jobs: Sequence[JobRow]) -> None:
+        """Tell the app's telemetry that the attempts of ``jobs`` completed (the batcher
+        calls it once their completion committed)."""
+        for job in jobs:
+            self.app.telemetry.ended(job, "completed")
+
+    @contextmanager
+    def observed(self, a: Attempt) -> Iterator[Callable[[Any], None]]:
+        """Around one run of ``a``'s handler: the app's telemetry records its start, pickup
+        latency, run time and span. Call the yielded function with what the handler
+        returned or raised: an error or a ``Fail`` marks the span failed."""
+        telemetry = self.app.telemetry
+        if not telemetry.enabled:
+            yield _ignore
+            return
+        with telemetry.attempt(a.claimed.job) as record:
+            def outcome(value: Any) -> None:
+                if isinstance(value, Fail):
+                    record.failed(value.error if isinstance(value.error, str) else repr(value.error))
+                elif isinstance(value, BaseException) and not isinstance(value, JobOutcome):
+                    record.failed(value)
+
+            yield outcome
 
     def _refused(self, a: Attempt, name: str, err: Exception, *, fallback: bool) -> Procedure:
         """``name`` of ``a`` failed for a reason a retry cannot fix: say so, then end the

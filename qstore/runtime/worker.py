@@ -76,6 +76,7 @@ from qstore.runtime.core import (
 from qstore.runtime.maintainer import Maintainer
 from qstore.runtime.periodic import Planner
 from qstore.runtime.tasks import App, JobContext, JobOutcome
+from qstore.runtime.telemetry import fast_counts
 from qstore.storage.listen import Listener
 from qstore.types import ClaimedRuntimeJob
 
@@ -205,6 +206,9 @@ class Worker:
         self._attempts = self.core.attempts
         self.batcher = CompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
                                          interval=self.settings.completion_interval, outages=self._outages)
+        if app.telemetry.enabled:
+            self.batcher.on_completed = self.core.observe_completed
+        self._unwatch: Callable[[], None] | None = None
         self.maintainer: Maintainer | None = (
             Maintainer(self.storage, engine, self.settings.schedule, outages=self._outages)
             if self.settings.maintain else None)
@@ -298,6 +302,8 @@ class Worker:
                 self.maintainer.start()
             if self.planner is not None:
                 self.planner.start()
+            if self.app.telemetry.enabled:
+                self._unwatch = self.app.telemetry.watch(fast_counts(self.storage, self.engine, self.queues))
         except BaseException:
             self._shutdown_threads()
             self._started = False
@@ -466,6 +472,9 @@ class Worker:
             self._leading = False
         if self.planner is not None and self.planner.running:
             self.planner.stop()
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         if self._outcomes is not None:
             self._outcomes.shutdown(wait=False, cancel_futures=False)
             self._outcomes = None
@@ -573,12 +582,14 @@ class Worker:
         if a.task is None:
             outcome = self.core.unknown(a)
         else:
-            try:
-                outcome = self.core.sync_result(a, self._call(a))
-            except JobOutcome as raised:
-                outcome = raised
-            except BaseException as err:
-                outcome = err
+            with self.core.observed(a) as observe:
+                try:
+                    outcome = self.core.sync_result(a, self._call(a))
+                except JobOutcome as raised:
+                    outcome = raised
+                except BaseException as err:
+                    outcome = err
+                observe(outcome)
         self._finish(a, outcome)
 
     async def _run_async(self, a: Attempt) -> None:
@@ -588,16 +599,18 @@ class Worker:
         a.atask = asyncio.current_task()
         a.started_at = time.monotonic()
         outcome: Any
-        try:
-            if a.ctx.is_cancelled:  # cancelled between the check and taking the task
-                raise asyncio.CancelledError
-            outcome = await self._call(a)
-        except JobOutcome as raised:
-            outcome = raised
-        except asyncio.CancelledError as err:
-            outcome = err  # dropped below when the attempt was closed under the handler
-        except BaseException as err:
-            outcome = err
+        with self.core.observed(a) as observe:
+            try:
+                if a.ctx.is_cancelled:  # cancelled between the check and taking the task
+                    raise asyncio.CancelledError
+                outcome = await self._call(a)
+            except JobOutcome as raised:
+                outcome = raised
+            except asyncio.CancelledError as err:
+                outcome = err  # dropped below when the attempt was closed under the handler
+            except BaseException as err:
+                outcome = err
+            observe(outcome)
         a.atask = None
         loop = asyncio.get_running_loop()
         if self._outcomes is None or not self.core.writes(a, outcome):

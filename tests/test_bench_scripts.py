@@ -4,6 +4,7 @@ the storage benchmark's own validity checks and dead-tuple census hold at that s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +243,60 @@ def test_psycopg_classic_queue_drains_every_job_exactly_once_with_each_driver_an
     assert {(r["driver"], r["claim"]) for r in results} == {
         (d, c) for d in ("asyncio", "threads") for c in ("update", "select")}
     assert all(r["problems"] == [] and r["jobs_per_s"] > 0 for r in results)
+
+
+def test_mix_bench_ends_every_job_as_planned_exactly_once_in_both_systems(fresh_db_url, tmp_path):
+    out, png = tmp_path / "mix.json", tmp_path / "mix.png"
+    proc = run_script("bench_mix.py", "--url", fresh_db_url, "--minutes", "0.3", "--rate", "100",
+                      "--max-delay", "3", "--max-snooze", "2", "--vacuum-interval", "2",
+                      "--producers", "2", "--classic-workers", "4", "--json", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["problems"] == []
+    for name in ("qstore", "classic"):
+        r = data["systems"][name]
+        assert r["enqueued"] > 1000  # 100 jobs/s for 18 s
+        # every kind of the mix was enqueued, and every job completed once after its planned runs
+        assert set(r["enqueued_by_kind"]) == {"plain", "delayed", "retry", "snooze", "unique", "progress"}
+        assert r["completions"] == r["completed_jobs"] == r["enqueued"]
+        assert r["handler_runs"] == r["planned_runs"] > r["enqueued"]
+        assert r["planned_runs_ok"] is True
+        assert len(r["minutes"]) == 10 and {m["phase"] for m in r["minutes"]} >= {"clean", "pinned", "after"}
+        assert set(r["targets"]) == {"dead_per_job_pinned", "bytes_after_over_before",
+                                     "last_pinned_minute_over_clean", "promotion_lag_p95_s"}
+        assert {t["result"] for t in r["targets"].values()} <= {"PASS", "FAIL"}
+    assert data["systems"]["qstore"]["leftovers"]["terminal"] == data["systems"]["qstore"]["enqueued"]
+    assert data["systems"]["classic"]["leftovers"] == {"rows": 0}
+    assert data["census"]["end_of_pin"]["pin_held"] is True
+    report = proc.stdout
+    for header in ("qstore: dead tuples", "classic: dead tuples", *data["report_columns"], "MiB",
+                   *(f"dead {f}" for f in data["families"]["qstore"]), "dead jobs"):
+        assert header in report, header
+    assert png.stat().st_size > 0
+
+
+def test_mix_bench_refuses_a_plot_without_matplotlib_before_starting(fresh_db_url, tmp_path):
+    # a directory on the path whose matplotlib cannot be imported
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_mix.py"), "--url", fresh_db_url,
+                           "--plot", str(tmp_path / "x.png")], cwd=ROOT, text=True, capture_output=True,
+                          timeout=60, check=False, env={**os.environ, "PYTHONPATH": str(shadow.parent)})
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and "matplotlib" in proc.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_dead_tuple_census_counts_each_deferred_qstore_job_once_and_each_classic_write(fresh_db_url, tmp_path):
+    data = bench_json(tmp_path, "dead_tuples_per_job.py", "--url", fresh_db_url, "--jobs", "40",
+                      "--kinds", "plain,delayed")
+    if not data["dead_tuple_source"].startswith("pgstattuple"):
+        pytest.skip("exact dead-tuple counts need pgstattuple on the server")
+    runs = {r["kind"]: r for r in data["results"]}
+    assert all(r["ok"] and r["pin_held"] for r in runs.values())
+    # the classic row is updated by its claim and deleted by its completion, delayed or not
+    assert runs["plain"]["classic"] == runs["delayed"]["classic"] == {"jobs": {"made": 80, "left": 80}}
+    # qstore: a plain job leaves nothing; a delayed one its deferred row, deleted at promotion
+    assert runs["plain"]["qstore"] == {}
+    assert runs["delayed"]["qstore"] == {"deferred_jobs": {"made": 40, "left": 40}}

@@ -402,3 +402,16 @@ def translate_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise mapped from err
 
     return wrapper
+
+
+
+class MissingExtraError(QueueStorageError, ImportError):
+    """A feature needs an optional dependency that is not installed; the one-line message
+    names the package and the extra that installs it (``pip install 'qstore[cron]'``)."""
+
+    def __init__(self, feature: str, extra: str, package: str) -> None:
+        self.feature = feature
+        self.extra = extra
+        self.package = package
+        super().__init__(f"{feature} needs the {package} package, which is not installed; "
+                         f"install it with the extra: pip install 'qstore[{extra}]'")

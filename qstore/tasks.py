@@ -4,11 +4,11 @@ The public face of :mod:`qstore.runtime.tasks`: :class:`App` (the registry and i
 ``@app.task`` and ``@app.periodic`` decorators), :class:`Task`, :class:`JobContext` (what a
 handler gets), the outcomes a handler returns or raises (:class:`Snooze`,
 :class:`RetryAfter`, :class:`Cancel`, :class:`Fail`, :class:`WaitForCallback`) and
-:class:`Deferral`; and, from :mod:`qstore.runtime.periodic`, :class:`MissingExtraError`
+:class:`Deferral`; and, from :mod:`qstore.errors`, :class:`MissingExtraError`
 (``cron=`` without the ``cron`` extra).
 """
 
-from qstore.runtime.periodic import MissingExtraError
+from qstore.errors import MissingExtraError
 from qstore.runtime.tasks import (
     App,
     Cancel,

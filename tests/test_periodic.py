@@ -4,6 +4,7 @@ and in several processes with the planning leader killed."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -382,6 +383,39 @@ def test_several_workers_in_one_process_enqueue_each_tick_once(st, workers) -> N
     ticks = seen.ticks
     assert_each_tick_once(ticks)
     assert [b - a for a, b in pairwise(ticks)] == [timedelta(seconds=1)] * (len(ticks) - 1)
+
+
+def test_async_workers_beside_a_thread_worker_enqueue_each_tick_once(st, db_url, workers) -> None:  # type: ignore[no-untyped-def]
+    """The asyncio worker plans periodic ticks too (on its planner thread), sharing the
+    per-kind lock with thread workers: each tick runs once whichever worker planned it."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from qstore.worker import AsyncWorker
+
+    seen = Seen()
+    app = ticking_app(st, seen)
+
+    async def main() -> None:
+        engine = create_async_engine(db_url)
+        try:
+            async with AsyncWorker(app, engine, WorkerSettings(maintain=True, concurrency=2, poll_interval=0.2)) as w:
+                assert w.planner is not None
+                for _ in range(80):
+                    if len(seen.ticks) >= 2:
+                        break
+                    await asyncio.sleep(0.1)
+                workers(app)  # a thread worker joins; it may take the kind over only when released
+                for _ in range(60):
+                    if len(seen.ticks) >= 4:
+                        break
+                    await asyncio.sleep(0.1)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    ticks = seen.ticks
+    assert len(ticks) >= 4, ticks
+    assert_each_tick_once(ticks)
 
 
 @pytest.mark.parametrize("schedule", [{"every": 1}, {"cron": "* * * * * *"}])

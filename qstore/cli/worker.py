@@ -15,13 +15,14 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from sqlalchemy import create_engine
 
 from qstore.cli.common import CommandFailed, _engine, _url
 from qstore.config import DEFAULT_SCHEMA
-from qstore.errors import QueueStorageError
+from qstore.errors import MissingExtraError, QueueStorageError
 
 __all__ = ["cmd_worker", "load_app", "register"]
 
@@ -54,6 +55,21 @@ def load_app(path: str) -> Any:
     return obj
 
 
+def _serve_metrics(host: str, port: int) -> Callable[[], None]:
+    """Start the Prometheus endpoint (see :func:`qstore.runtime.telemetry.serve_prometheus`);
+    a missing extra or a port that cannot be bound is one line."""
+    from qstore.runtime.telemetry import serve_prometheus
+
+    if not 0 < port < 65536:
+        raise _failed(f"invalid --metrics-port={port!r}: expected a TCP port, 1..65535")
+    try:
+        return serve_prometheus(port, host)
+    except MissingExtraError as err:
+        raise _failed(str(err)) from None
+    except OSError as err:
+        raise _failed(f"cannot serve metrics on {host}:{port}: {err.strerror or err}") from None
+
+
 def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     from qstore.runtime.worker import Worker, WorkerSettings  # the runtime only when a worker runs
 
@@ -73,6 +89,7 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     checked = _engine(_url(args, "worker"))  # a bad URL or an unreachable server is one line
     checked.dispose()
+    stop_metrics = _serve_metrics(args.metrics_host, args.metrics_port) if args.metrics_port is not None else None
     # handlers write their outcomes concurrently, next to claims, completions and heartbeats
     engine = create_engine(checked.url, pool_size=settings.concurrency + 4, max_overflow=8)
     try:
@@ -80,6 +97,8 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
         stats = worker.run()
     finally:
         engine.dispose()
+        if stop_metrics is not None:
+            stop_metrics()
     print(f"qstore worker stopped: {stats.claimed} claimed, {stats.completed} completed, "
           f"{stats.retried} retried, {stats.failed} failed, {stats.handed_back} handed back",
           file=out, flush=True)
@@ -106,6 +125,10 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="seconds running handlers get to finish on shutdown (default 30)")
     p.add_argument("--no-maintain", action="store_true",
                    help="do not run the maintainer in this process")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (needs the otel extra)")
+    p.add_argument("--metrics-host", default="0.0.0.0", metavar="HOST",
+                   help="address the metrics endpoint listens on (default 0.0.0.0)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level when the app configured no logging (default INFO)")
     p.set_defaults(func=cmd_worker)

@@ -46,7 +46,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, func, literal, select
 
-from qstore.errors import QueueStorageError, UniqueConflictError, ValidationError
+from qstore.errors import MissingExtraError, UniqueConflictError, ValidationError
 from qstore.outage import OutageLog
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import validate_json
@@ -85,18 +85,6 @@ ERROR_RETRY = 1.0
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _MICROSECOND = timedelta(microseconds=1)
-
-
-class MissingExtraError(QueueStorageError, ImportError):
-    """A feature needs an optional dependency that is not installed; the message names the
-    extra that installs it (``pip install 'qstore[cron]'``)."""
-
-    def __init__(self, feature: str, extra: str, package: str) -> None:
-        self.feature = feature
-        self.extra = extra
-        self.package = package
-        super().__init__(f"{feature} needs the {package} package, which is not installed; "
-                         f"install it with the extra: pip install 'qstore[{extra}]'")
 
 
 def _micros(t: datetime) -> int:

@@ -52,6 +52,7 @@ from sqlalchemy import Engine
 
 from qstore.errors import CallbackWaitEndedError, ValidationError
 from qstore.runtime.periodic import Periodic, schedule_of, tick_of, validate_catch_up
+from qstore.runtime.telemetry import Telemetry, default_telemetry
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import (
     validate_aware_datetime,
@@ -419,13 +420,7 @@ class Deferral:
             opts = replace(opts, run_at=datetime.now(timezone.utc) + timedelta(seconds=self.delay))
         return InsertParams(self.task.kind, self.args_of(*args, **kwargs), opts)
 
-    def defer(self, target: Target, /, *args: Any, **kwargs: Any) -> int:
-        """Enqueue one job (``QueueStorage.enqueue``) and return its id."""
-        return self.task.app.storage.enqueue(target, self.params(*args, **kwargs))
-
-    def defer_many(self, target: Target, items: Sequence[Mapping[str, Any]], /) -> list[int]:
-        """Enqueue one job per mapping of keyword arguments, in one statement
-        (``QueueStorage.enqueue_many``); returns their ids in order."""
+    def _many(self, items: Sequence[Mapping[str, Any]]) -> list[InsertParams]:
         if isinstance(items, Mapping | str) or not isinstance(items, Sequence):
             raise ValidationError("items", items, "expected a list of keyword-argument mappings")
         jobs = []
@@ -433,16 +428,43 @@ class Deferral:
             if not isinstance(item, Mapping):
                 raise ValidationError(f"items[{i}]", item, "expected a mapping of keyword arguments")
             jobs.append(self.params(**item))
-        return self.task.app.storage.enqueue_many(target, jobs)
+        return jobs
+
+    @contextmanager
+    def _traced(self, jobs: list[InsertParams]) -> Iterator[list[InsertParams]]:
+        """``jobs`` as they are enqueued under the app's telemetry: inside its producer span,
+        each carrying the span's trace context in its metadata (unchanged without one)."""
+        telemetry = self.task.app.telemetry
+        if not telemetry.enabled or not jobs:
+            yield jobs
+            return
+        with telemetry.deferring(self.opts.queue, self.task.kind, self.opts.metadata, len(jobs)) as carried:
+            if carried is self.opts.metadata:
+                yield jobs
+            else:
+                extra = {k: v for k, v in carried.items() if k not in self.opts.metadata}
+                yield [replace(j, opts=replace(j.opts, metadata={**j.opts.metadata, **extra})) for j in jobs]
+
+    def defer(self, target: Target, /, *args: Any, **kwargs: Any) -> int:
+        """Enqueue one job (``QueueStorage.enqueue``) and return its id."""
+        with self._traced([self.params(*args, **kwargs)]) as jobs:
+            return self.task.app.storage.enqueue(target, jobs[0])
+
+    def defer_many(self, target: Target, items: Sequence[Mapping[str, Any]], /) -> list[int]:
+        """Enqueue one job per mapping of keyword arguments, in one statement
+        (``QueueStorage.enqueue_many``); returns their ids in order."""
+        with self._traced(self._many(items)) as jobs:
+            return self.task.app.storage.enqueue_many(target, jobs)
 
     async def defer_async(self, target: AsyncTarget, /, *args: Any, **kwargs: Any) -> int:
         """``defer`` on an ``AsyncEngine``, ``AsyncConnection`` or ``AsyncSession``."""
-        return await self.task.app.async_storage.enqueue(target, self.params(*args, **kwargs))
+        with self._traced([self.params(*args, **kwargs)]) as jobs:
+            return await self.task.app.async_storage.enqueue(target, jobs[0])
 
     async def defer_many_async(self, target: AsyncTarget, items: Sequence[Mapping[str, Any]], /) -> list[int]:
         """``defer_many`` on an async target."""
-        jobs = [self.params(**item) for item in items]
-        return await self.task.app.async_storage.enqueue_many(target, jobs)
+        with self._traced(self._many(items)) as jobs:
+            return await self.task.app.async_storage.enqueue_many(target, jobs)
 
 
 class Task(Generic[P, R]):
@@ -533,10 +555,16 @@ class Task(Generic[P, R]):
 class App:
     """The tasks of one install (``storage``), by kind. A worker runs the tasks of one app."""
 
-    def __init__(self, storage: QueueStorage) -> None:
+    def __init__(self, storage: QueueStorage, *, telemetry: Telemetry | None = None) -> None:
+        """``telemetry`` receives the metrics and traces of this app's deferrals and of the
+        workers that run it (default: :func:`~qstore.runtime.telemetry.default_telemetry`,
+        OpenTelemetry when the ``otel`` extra is installed, nothing otherwise)."""
         if not isinstance(storage, QueueStorage):
             raise ValidationError("storage", storage, "expected QueueStorage")
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise ValidationError("telemetry", telemetry, "expected a qstore Telemetry")
         self.storage = storage
+        self.telemetry = telemetry if telemetry is not None else default_telemetry()
         self.tasks: dict[str, Task[Any, Any]] = {}
         self.periodic_tasks: dict[str, Periodic] = {}
         self._async: AsyncQueueStorage | None = None
@@ -611,7 +639,7 @@ class App:
         :mod:`qstore.runtime.periodic`). The task stays a normal task: callable, deferrable.
 
         Raises ``ValidationError`` for a bad schedule, ``catch_up`` or ``args`` (at
-        decoration), and :class:`~qstore.runtime.periodic.MissingExtraError` for ``cron=``
+        decoration), and :class:`~qstore.errors.MissingExtraError` for ``cron=``
         without the ``croniter`` package.
         """
         schedule = schedule_of(cron=cron, every=every)

@@ -76,6 +76,7 @@ from qstore.runtime.core import (
     schema_error,
 )
 from qstore.runtime.maintainer import Maintainer
+from qstore.runtime.periodic import Planner
 from qstore.runtime.tasks import App, JobContext, JobOutcome
 from qstore.runtime.worker import _Pool
 from qstore.types import ClaimedRuntimeJob
@@ -168,6 +169,7 @@ class AsyncWorker:
         self.batcher = AsyncCompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
                                               interval=self.settings.completion_interval, outages=self._outages)
         self.maintainer: Maintainer | None = None
+        self.planner: Planner | None = None  # the app's periodic tasks (on a thread, like the maintainer)
         self._running: asyncio.Semaphore | None = None
         self._threads: _Threads | None = None
         self._listener: AsyncListener | None = None
@@ -302,6 +304,11 @@ class AsyncWorker:
                 assert self.sync_engine is not None
                 self.maintainer = Maintainer(self.app.storage, self.sync_engine, s.schedule, outages=self._outages)
                 await asyncio.to_thread(self.maintainer.start)
+            if self.app.periodic_tasks:
+                assert self.sync_engine is not None
+                self.planner = Planner(self.app.storage, self.sync_engine, list(self.app.periodic_tasks.values()),
+                                       outages=self._outages)
+                await asyncio.to_thread(self.planner.start)
         except BaseException:
             await self._shutdown_tasks()
             self._started = False
@@ -419,6 +426,8 @@ class AsyncWorker:
         if self.maintainer is not None and self.maintainer.running:
             await asyncio.to_thread(self.maintainer.stop)
             self._leading = False
+        if self.planner is not None and self.planner.running:
+            await asyncio.to_thread(self.planner.stop)
         handlers = [t for t in self._handlers if not t.done()]
         for t in handlers:
             t.cancel()

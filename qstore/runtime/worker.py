@@ -74,6 +74,7 @@ from qstore.runtime.core import (
     schema_error,
 )
 from qstore.runtime.maintainer import Maintainer
+from qstore.runtime.periodic import Planner
 from qstore.runtime.tasks import App, JobContext, JobOutcome
 from qstore.storage.listen import Listener
 from qstore.types import ClaimedRuntimeJob
@@ -207,6 +208,10 @@ class Worker:
         self.maintainer: Maintainer | None = (
             Maintainer(self.storage, engine, self.settings.schedule, outages=self._outages)
             if self.settings.maintain else None)
+        # the app's periodic tasks: their ticks are enqueued by one worker at a time
+        self.planner: Planner | None = (
+            Planner(self.storage, engine, list(app.periodic_tasks.values()), outages=self._outages)
+            if app.periodic_tasks else None)
         self._pool: _Pool | None = None
         self._loop: _EventLoop | None = None
         self._outcomes: concurrent.futures.ThreadPoolExecutor | None = None
@@ -291,6 +296,8 @@ class Worker:
                 max_workers=min(8, s.concurrency), thread_name_prefix="qstore-outcome")
             if self.maintainer is not None:
                 self.maintainer.start()
+            if self.planner is not None:
+                self.planner.start()
         except BaseException:
             self._shutdown_threads()
             self._started = False
@@ -457,6 +464,8 @@ class Worker:
         if self.maintainer is not None and self.maintainer.running:
             self.maintainer.stop()
             self._leading = False
+        if self.planner is not None and self.planner.running:
+            self.planner.stop()
         if self._outcomes is not None:
             self._outcomes.shutdown(wait=False, cancel_futures=False)
             self._outcomes = None

@@ -74,6 +74,7 @@ from qstore.runtime.core import (
     WorkerSettings,
     WorkerStats,
     schema_error,
+    worker_inputs,
 )
 from qstore.runtime.maintainer import Maintainer
 from qstore.runtime.periodic import Planner
@@ -135,22 +136,14 @@ class AsyncWorker:
 
     def __init__(self, app: App, engine: AsyncEngine, settings: WorkerSettings | None = None, *,
                  sync_engine: Engine | None = None) -> None:
-        if not isinstance(app, App):
-            raise ValidationError("app", app, "expected qstore.tasks.App")
+        self.settings, self.queues = worker_inputs(app, settings)
         if not isinstance(engine, AsyncEngine):
             raise ValidationError("engine", engine, "the async worker needs an AsyncEngine")
-        if settings is not None and not isinstance(settings, WorkerSettings):
-            raise ValidationError("settings", settings, "expected WorkerSettings or None")
         if sync_engine is not None and not isinstance(sync_engine, Engine):
             raise ValidationError("sync_engine", sync_engine, "expected a synchronous Engine or None")
         self.app = app
         self.storage = app.async_storage
         self.engine = engine
-        self.settings = settings or WorkerSettings()
-        queues = self.settings.queues if self.settings.queues is not None else app.queues
-        if not queues:
-            raise ValidationError("queues", list(queues), "no queue to work: register a task or name queues")
-        self.queues: tuple[str, ...] = tuple(queues)
         self.instance_id = uuid.uuid4()
         self._given_sync_engine = sync_engine
         self.sync_engine: Engine | None = sync_engine

@@ -474,6 +474,21 @@ class Capacity:
         return was <= 0 or self.free >= self.floor > was or idle
 
 
+def worker_inputs(app: App, settings: WorkerSettings | None) -> tuple[WorkerSettings, tuple[str, ...]]:
+    """A worker's ``settings`` (the defaults for None) and the queues it works (the
+    settings' ``queues``, else the app's), after checking both; ``ValidationError`` names
+    what is wrong."""
+    if not isinstance(app, App):
+        raise ValidationError("app", app, "expected qstore.tasks.App")
+    if settings is not None and not isinstance(settings, WorkerSettings):
+        raise ValidationError("settings", settings, "expected WorkerSettings or None")
+    settings = settings or WorkerSettings()
+    queues = settings.queues if settings.queues is not None else app.queues
+    if not queues:
+        raise ValidationError("queues", list(queues), "no queue to work: register a task or name queues")
+    return settings, tuple(queues)
+
+
 class WorkerCore:
     """The attempts a worker holds, its counters, and every decision about them (see the
     module docstring). ``lock`` guards the attempts and counters (the thread worker passes

@@ -72,6 +72,7 @@ from qstore.runtime.core import (
     WorkerStats,
     drive,
     schema_error,
+    worker_inputs,
 )
 from qstore.runtime.maintainer import Maintainer
 from qstore.runtime.periodic import Planner
@@ -167,20 +168,12 @@ class Worker:
     database) as ``settings`` say; see the module docstring."""
 
     def __init__(self, app: App, engine: Engine, settings: WorkerSettings | None = None) -> None:
-        if not isinstance(app, App):
-            raise ValidationError("app", app, "expected qstore.tasks.App")
+        self.settings, self.queues = worker_inputs(app, settings)
         if not isinstance(engine, Engine):
             raise ValidationError("engine", engine, "the worker needs a synchronous Engine")
-        if settings is not None and not isinstance(settings, WorkerSettings):
-            raise ValidationError("settings", settings, "expected WorkerSettings or None")
         self.app = app
         self.storage = app.storage
         self.engine = engine
-        self.settings = settings or WorkerSettings()
-        queues = self.settings.queues if self.settings.queues is not None else app.queues
-        if not queues:
-            raise ValidationError("queues", list(queues), "no queue to work: register a task or name queues")
-        self.queues: tuple[str, ...] = tuple(queues)
         self.instance_id = uuid.uuid4()
 
         self._lock = threading.Lock()

@@ -11,6 +11,14 @@ send the same work through raw psycopg (a prepared statement on an autocommit co
 It also counts statements SQLAlchemy compiled during the timed loops (new entries of the
 engine's compiled cache): a hot call compiles nothing after warm-up.
 
+Then the single-job enqueue on an ``Engine`` runs side by side with the raw psycopg
+``INSERT`` (and the psycopg classic queue's ``INSERT`` that sends its own ``pg_notify``):
+short blocks of each, alternating, ``--ratio-rounds`` times; the ratio of each pair of
+adjacent blocks (calls/s of the API ÷ calls/s of the raw statement) and their median are
+reported, so a change of the host's speed between blocks moves both sides alike.
+``--profile NAME`` prints where the client time of one call goes (``cProfile`` over CPU
+time, top functions) for ``enqueue`` or ``claim``.
+
     python scripts/bench_client.py --url postgresql+psycopg://postgres@127.0.0.1:5432/qstore_bench
 """
 
@@ -23,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from sqlalchemy import Engine, text
@@ -60,12 +69,56 @@ def per_call(fn: Callable[[], object], repeat: int, rounds: int) -> tuple[float,
     return statistics.median(cpu), statistics.median(wall)
 
 
+def side_by_side(fns: dict[str, Callable[[], object]], block: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """Alternate blocks of ``block`` calls of each of ``fns`` (the first is the API call) for
+    ``rounds`` rounds; per raw system, the ratio API calls/s ÷ raw calls/s of each round's
+    adjacent blocks, and their median."""
+    if rounds <= 0:
+        return {}
+    for fn in fns.values():
+        for _ in range(50):
+            fn()
+    walls: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(block):
+                fn()
+            walls[name].append(time.perf_counter() - t0)
+    api, *raws = fns
+    out = {}
+    for name in raws:
+        blocks = [r / a for a, r in zip(walls[api], walls[name], strict=True)]
+        out[name] = {"median": statistics.median(blocks), "blocks": [round(b, 3) for b in blocks],
+                     "api_wall_us": statistics.median(walls[api]) / block * 1e6,
+                     "raw_wall_us": statistics.median(walls[name]) / block * 1e6}
+    return out
+
+
+def profile(fn: Callable[[], object], repeat: int) -> None:
+    """Print the functions one call of ``fn`` spends its client CPU in (cProfile)."""
+    import cProfile
+    import pstats
+
+    for _ in range(200):
+        fn()
+    prof = cProfile.Profile(time.process_time)
+    prof.enable()
+    for _ in range(repeat):
+        fn()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="postgresql+psycopg://postgres@127.0.0.1:5432/qstore_bench")
     ap.add_argument("--schema", default="qstore_client_bench")
     ap.add_argument("--repeat", type=int, default=2000, help="calls per round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ratio-rounds", type=int, default=15, help="alternating blocks per system (0: skip)")
+    ap.add_argument("--ratio-block", type=int, default=200, help="calls per block")
+    ap.add_argument("--profile", choices=("enqueue", "claim"), help="profile one call and exit")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args()
 
@@ -104,6 +157,20 @@ def main() -> None:
                            "VALUES (%s, %s, %s) RETURNING id",
                            ("bench", "bench", '{"n": 1}'), prepare=True).fetchone()
 
+    def raw_insert_notify() -> object:
+        return raw.execute("WITH j AS (INSERT INTO public.bench_client_classic (kind, queue, args) "
+                           "VALUES (%s, %s, %s) RETURNING id) SELECT j.id, pg_notify(%s, '') FROM j",
+                           ("bench", "bench", '{"n": 1}', "bench_client"), prepare=True).fetchone()
+
+    if args.profile:
+        profile({"enqueue": api_enqueue, "claim": api_claim_engine}[args.profile], args.repeat)
+        raw.execute("DROP TABLE public.bench_client_classic")
+        raw.close()
+        held.close()
+        storage.reset(engine, force=True)
+        engine.dispose()
+        return
+
     def api_claim_complete() -> object:
         storage.enqueue(engine, job)
         claimed = storage.claim_runtime_batch(engine, "bench", 1)
@@ -115,6 +182,7 @@ def main() -> None:
         ("empty claim, raw psycopg (prepared, autocommit)", raw_claim, args.repeat),
         ("single-job enqueue, API, Engine", api_enqueue, args.repeat // 2),
         ("single INSERT, raw psycopg (classic)", raw_insert, args.repeat // 2),
+        ("single INSERT + pg_notify, raw psycopg", raw_insert_notify, args.repeat // 2),
         ("enqueue + claim + complete of one job, API, Engine", api_claim_complete, args.repeat // 4),
     ]
     rows, figures = [], {}
@@ -129,12 +197,20 @@ def main() -> None:
         if fn is api_claim_connection:
             held.rollback()
     held.close()
+    ratios = side_by_side({"enqueue": api_enqueue, "insert": raw_insert, "insert_notify": raw_insert_notify},
+                          args.ratio_block, args.ratio_rounds)
     raw.execute("DROP TABLE public.bench_client_classic")
     raw.close()
     with engine.begin() as conn:
         conn.execute(text(f'DROP SCHEMA "{sch}" CASCADE'))
     engine.dispose()
     print(format_table(["call", "CPU µs/call", "wall µs/call", "compiles"], rows))
+    if ratios:
+        figures["side_by_side"] = ratios
+        print(f"\nSingle-job enqueue on an Engine ÷ raw psycopg, side by side "
+              f"({args.ratio_rounds} alternating blocks of {args.ratio_block} calls; calls/s ratio):")
+        for name, r in ratios.items():
+            print(f"  vs {name:<14} median {r['median']:.2f}x   per block {' '.join(f'{x:.2f}' for x in r['blocks'])}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 

@@ -301,33 +301,55 @@ class Runner:
         return cur.fetchall()
 
 
-@contextmanager
-def _own_hot_statement(engine: Engine) -> Iterator[Runner]:
-    """A runner for one autocommitted statement on a pooled connection of ``engine``."""
-    if _listened(engine.dispatch):
-        with _own_statement(engine) as conn:
-            yield Runner.on(conn)
-        return
-    raw = engine.raw_connection()
-    try:
-        driver = raw.driver_connection
-        if not isinstance(driver, psycopg.Connection):
+class _HotOnEngine:
+    """A runner for one autocommitted statement on a pooled connection of ``engine``.
+
+    A class rather than a generator context manager: this runs once per enqueue, claim and
+    fast completion on an ``Engine``, and a generator's set-up and tear-down cost more
+    client time than the few lines they wrap."""
+
+    __slots__ = ("_engine", "_fallback", "_raw")
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._raw: Any = None
+        self._fallback: Any = None
+
+    def __enter__(self) -> Runner:
+        engine = self._engine
+        if not _listened(engine.dispatch):
+            raw = engine.raw_connection()
+            driver = raw.driver_connection
+            if isinstance(driver, psycopg.Connection):
+                try:
+                    driver.autocommit = True
+                    cursor = _cursor(raw.info, driver)
+                except BaseException:
+                    self._release(raw, driver)
+                    raise
+                self._raw = raw
+                return Runner(engine.dialect, cursor)
             raw.close()
-            with _own_statement(engine) as conn:
-                yield Runner.on(conn)
+        # someone listens to cursor events, or the driver is not psycopg's sync one
+        self._fallback = _own_statement(engine)
+        return Runner.on(self._fallback.__enter__())
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        if self._fallback is not None:
+            self._fallback.__exit__(kind, err, tb)
             return
-        driver.autocommit = True
+        raw = self._raw
+        self._release(raw, raw.driver_connection, err)
+
+    @staticmethod
+    def _release(raw: Any, driver: Any, err: BaseException | None = None) -> None:
         try:
-            yield Runner(engine.dialect, _cursor(raw.info, driver))
-        finally:
-            if not driver.closed:
+            if isinstance(err, psycopg.OperationalError) and (driver is None or driver.closed):
+                raw.invalidate()  # as SQLAlchemy does on a disconnect
+            elif driver is not None and not driver.closed:
                 driver.autocommit = False
-    except psycopg.OperationalError:
-        if raw.driver_connection is None or raw.driver_connection.closed:
-            raw.invalidate()
-        raise
-    finally:
-        raw.close()
+        finally:
+            raw.close()
 
 
 #: ``lock_timeout`` of a guarded step (every ``ACCESS EXCLUSIVE`` request of prune and
@@ -404,7 +426,7 @@ class Transactions:
         """A :class:`Runner` for one hot statement: autocommitted with an Engine, in the
         caller's transaction otherwise."""
         if isinstance(self._target, Engine):
-            with _own_hot_statement(self._target) as run:
+            with _HotOnEngine(self._target) as run:
                 yield run
         else:
             yield Runner.on(_callers_connection(self._target))
@@ -431,7 +453,7 @@ def run(policy: Policy, target: Target, body: Callable[[Any], R], operation: str
         return body(Transactions(target))
     if policy is Policy.STATEMENT:
         if isinstance(target, Engine):
-            with _own_hot_statement(target) as runner:
+            with _HotOnEngine(target) as runner:
                 return body(runner)
         return body(Runner.on(_callers_connection(target)))
     if isinstance(target, Engine):

@@ -185,7 +185,8 @@ def main() -> None:
         ("single INSERT + pg_notify, raw psycopg", raw_insert_notify, args.repeat // 2),
         ("enqueue + claim + complete of one job, API, Engine", api_claim_complete, args.repeat // 4),
     ]
-    rows, figures = [], {}
+    rows: list[list[str]] = []
+    figures: dict[str, Any] = {}
     for name, fn, repeat in cases:
         for _ in range(50):  # warm: plans, compiled cache, server function compile
             fn()

@@ -129,9 +129,7 @@ class _PackedArray(TypeDecorator[Sequence[Any]]):
         super().__init__()
         self.item = item
         self._element = _element_literal(item)
-
-    def process_bind_param(self, value: Sequence[Any] | None, dialect: Dialect) -> str | None:
-        return self.pack(value)
+        self._ints = self._element is _int_element
 
     def pack(self, value: Sequence[Any] | None) -> str | None:
         """The array literal of ``value`` (the whole bind processing: the text it becomes
@@ -140,7 +138,12 @@ class _PackedArray(TypeDecorator[Sequence[Any]]):
             return None
         if len(value) == 1:  # a single job: skip the map and join
             return "{" + self._element(value[0]) + "}"
+        if self._ints and all(type(v) is int for v in value):  # ids and leases: nothing to check
+            return "{" + ",".join(map(str, value)) + "}"
         return "{" + ",".join(map(self._element, value)) + "}"
+
+    def process_bind_param(self, value: Sequence[Any] | None, dialect: Dialect) -> str | None:
+        return self.pack(value)
 
 
 def packed_array_param(name: str, item: TypeEngine[Any] | type[TypeEngine[Any]]) -> ColumnElement[Any]:

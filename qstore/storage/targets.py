@@ -92,11 +92,13 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import psycopg
+from psycopg.types.json import set_json_loads
 from sqlalchemy import Connection, Engine, Table, func, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
@@ -254,11 +256,24 @@ def _listened(dispatch: Any) -> bool:
     return bool(dispatch.before_cursor_execute or dispatch.after_cursor_execute)
 
 
+_JSON = json.JSONDecoder()
+
+
+def _loads(data: bytes | bytearray | memoryview | str) -> Any:
+    """``json.loads`` of a json/jsonb value as the driver hands it over (UTF-8 bytes):
+    decoded first, so ``json`` has no encoding to detect (which costs more than the parse
+    of a small job's args)."""
+    return _JSON.decode(data if isinstance(data, str) else bytes(data).decode())
+
+
 def _cursor(info: dict[str, Any], driver: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
-    """The driver connection's reused cursor (kept in its pool record's ``info``)."""
+    """The driver connection's reused cursor (kept in its pool record's ``info``). JSON
+    values it reads are parsed by :func:`_loads`; the connection's other cursors keep the
+    application's settings."""
     cur = info.get(_CURSOR)
     if cur is None or cur.closed or cur.connection is not driver:
         cur = info[_CURSOR] = driver.cursor()
+        set_json_loads(_loads, cur)
     return cur
 
 
@@ -421,15 +436,12 @@ class Transactions:
         else:
             yield _callers_connection(self._target)
 
-    @contextmanager
-    def hot(self) -> Iterator[Runner]:
+    def hot(self) -> AbstractContextManager[Runner]:
         """A :class:`Runner` for one hot statement: autocommitted with an Engine, in the
         caller's transaction otherwise."""
         if isinstance(self._target, Engine):
-            with _HotOnEngine(self._target) as run:
-                yield run
-        else:
-            yield Runner.on(_callers_connection(self._target))
+            return _HotOnEngine(self._target)
+        return nullcontext(Runner.on(_callers_connection(self._target)))
 
     @contextmanager
     def statement(self) -> Iterator[Connection]:

@@ -248,6 +248,7 @@ def complete_and_claim(ctx: StorageContext, tx: Transactions,
     stripes = stripes_for(queue, sch.config.queue_stripe_count, next(ctx.stripe_probe))
     fast: dict[tuple[int, int], ClaimedRuntimeJob] = {}
     rest: dict[tuple[int, int], None] = {}
+    order: dict[tuple[int, int], int] = {}  # each attempt's first place in the input
     for item in completions:
         if isinstance(item, ClaimedRuntimeJob):
             pair = (item.job.id, item.job.run_lease)
@@ -256,9 +257,10 @@ def complete_and_claim(ctx: StorageContext, tx: Transactions,
             else:
                 rest[pair] = None
         else:
-            rest[item] = None
+            pair = item
+            rest[pair] = None
+        order.setdefault(pair, len(order))
     general = [pr for pr in rest if pr not in fast]  # an attempt given twice completes once
-    order = {pr: n for n, pr in enumerate([*fast, *general])}
     if general:
         with tx.unit() as conn:
             run = Runner.on(conn)

@@ -16,6 +16,12 @@ Then the single-job enqueue on an ``Engine`` runs side by side with the raw psyc
 short blocks of each, alternating, ``--ratio-rounds`` times; the ratio of each pair of
 adjacent blocks (calls/s of the API ÷ calls/s of the raw statement) and their median are
 reported, so a change of the host's speed between blocks moves both sides alike.
+``--drain-jobs N`` (default 20,000; 0 skips it) then drains N jobs with ``--drain-threads``
+threads over the storage API on the ``Engine``, each thread cycling either
+``claim_runtime_batch`` + ``complete_runtime_batch`` (two calls per cycle) or
+``complete_and_claim`` (one call per cycle: the previous batch completed, the next one
+claimed), claim batch ``--drain-batch``: jobs/s and the process's CPU per job, then a
+smaller traced drain of each (``--trace-jobs``) counting round trips per job on the wire.
 ``--profile NAME`` prints where the client time of one call goes (``cProfile`` over CPU
 time, top functions) for ``enqueue`` or ``claim``.
 
@@ -28,6 +34,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +44,7 @@ import psycopg
 from sqlalchemy import Engine, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchlib import ensure_database, format_table, make_engine
+from _benchlib import WireTrace, ensure_database, format_table, make_engine
 
 from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
 
@@ -95,6 +102,83 @@ def side_by_side(fns: dict[str, Callable[[], object]], block: int, rounds: int) 
     return out
 
 
+LOOPS = ("claim + complete", "complete_and_claim")
+
+
+def drain_loop(engine: Engine, storage: QueueStorage, loop: str, jobs: int, threads: int,
+               batch: int, trace: WireTrace | None = None) -> tuple[float, float, int]:
+    """Load ``jobs`` jobs into queue ``drain`` of a fresh install, then drain them with
+    ``threads`` threads cycling ``loop`` (see the module docstring); returns (seconds,
+    process CPU seconds, statements compiled) of the drain. ``trace``: the drain's
+    connections (all new: the pool is emptied after the load) are traced."""
+    storage.reset(engine, force=True)
+    storage.install(engine)
+    with engine.begin() as conn:
+        storage.enqueue_batch(conn, "drain", 2, jobs)
+    if trace is not None:
+        engine.dispose()
+        trace.attach_engine(engine)
+    misses = CacheMisses(engine)
+    before = misses.misses
+    done = [0] * threads
+    start = threading.Barrier(threads + 1)
+
+    def cycle(n: int) -> None:
+        start.wait()
+        held: list[Any] = []
+        empty = 0
+        while empty < 3:
+            if loop == "complete_and_claim":
+                got = storage.complete_and_claim(engine, held, "drain", batch)
+                done[n] += len(got.completed)
+                held = got.claimed
+            else:
+                held = storage.claim_runtime_batch(engine, "drain", batch)
+                done[n] += len(storage.complete_runtime_batch(engine, held))
+            empty = 0 if held else empty + 1
+            if not held:
+                time.sleep(0.005)
+
+    pool = [threading.Thread(target=cycle, args=(n,)) for n in range(threads)]
+    for t in pool:
+        t.start()
+    start.wait()
+    c0, w0 = time.process_time(), time.perf_counter()
+    for t in pool:
+        t.join()
+    seconds, cpu = time.perf_counter() - w0, time.process_time() - c0
+    if sum(done) != jobs:
+        raise SystemExit(f"{loop}: completed {sum(done)} of {jobs} jobs")
+    return seconds, cpu, misses.misses - before
+
+
+def drains(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each loop of :data:`LOOPS` timed over ``--drain-jobs``, then traced over ``--trace-jobs``."""
+    storage = QueueStorage(QueueStorageConfig(schema=args.schema + "_drain"))
+    out = {}
+    loops = [loop for loop in LOOPS if loop != "complete_and_claim" or hasattr(storage, "complete_and_claim")]
+    for loop in loops:
+        engine = make_engine(args.url, args.drain_threads)
+        try:
+            drain_loop(engine, storage, loop, args.drain_batch * args.drain_threads * 4, args.drain_threads,
+                       args.drain_batch)  # warm: connections, prepared statements, server plans
+            seconds, cpu, compiled = drain_loop(engine, storage, loop, args.drain_jobs, args.drain_threads,
+                                                args.drain_batch)
+        finally:
+            engine.dispose()
+        traced = make_engine(args.url, args.drain_threads)
+        trace = WireTrace()
+        try:
+            drain_loop(traced, storage, loop, args.trace_jobs, args.drain_threads, args.drain_batch, trace)
+            wire = trace.counts()
+        finally:
+            storage.reset(traced, force=True)
+            traced.dispose()
+        out[loop] = {"jobs_per_s": args.drain_jobs / seconds, "cpu_us_per_job": cpu / args.drain_jobs * 1e6,
+                     "round_trips_per_job": WireTrace.round_trips(wire) / args.trace_jobs, "compiled": compiled}
+    return out
+
+
 def profile(fn: Callable[[], object], repeat: int) -> None:
     """Print the functions one call of ``fn`` spends its client CPU in (cProfile)."""
     import cProfile
@@ -119,6 +203,10 @@ def main() -> None:
     ap.add_argument("--ratio-rounds", type=int, default=15, help="alternating blocks per system (0: skip)")
     ap.add_argument("--ratio-block", type=int, default=200, help="calls per block")
     ap.add_argument("--profile", choices=("enqueue", "claim"), help="profile one call and exit")
+    ap.add_argument("--drain-jobs", type=int, default=20_000, help="jobs per drain (0: skip the drains)")
+    ap.add_argument("--drain-threads", type=int, default=8)
+    ap.add_argument("--drain-batch", type=int, default=10)
+    ap.add_argument("--trace-jobs", type=int, default=2_000, help="jobs of the traced drains")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args()
 
@@ -205,7 +293,16 @@ def main() -> None:
     with engine.begin() as conn:
         conn.execute(text(f'DROP SCHEMA "{sch}" CASCADE'))
     engine.dispose()
+    if args.drain_jobs > 0:
+        figures["drain"] = drains(args)
     print(format_table(["call", "CPU µs/call", "wall µs/call", "compiles"], rows))
+    if args.drain_jobs > 0:
+        print(f"\nDrain of {args.drain_jobs:,} jobs, {args.drain_threads} threads, claim {args.drain_batch}, "
+              f"Engine (round trips from a traced drain of {args.trace_jobs:,}):")
+        print(format_table(["loop", "jobs/s", "client CPU µs/job", "round trips/job", "statements compiled"],
+                           [[name, f"{d['jobs_per_s']:,.0f}", f"{d['cpu_us_per_job']:.1f}",
+                             f"{d['round_trips_per_job']:.3f}", str(d["compiled"])]
+                            for name, d in figures["drain"].items()]))
     if ratios:
         figures["side_by_side"] = ratios
         print(f"\nSingle-job enqueue on an Engine ÷ raw psycopg, side by side "

@@ -12,10 +12,10 @@ It also counts statements SQLAlchemy compiled during the timed loops (new entrie
 engine's compiled cache): a hot call compiles nothing after warm-up.
 
 Then the single-job enqueue on an ``Engine`` runs side by side with the raw psycopg
-``INSERT`` (and the psycopg classic queue's ``INSERT`` that sends its own ``pg_notify``):
-short blocks of each, alternating, ``--ratio-rounds`` times; the ratio of each pair of
-adjacent blocks (calls/s of the API ÷ calls/s of the raw statement) and their median are
-reported, so a change of the host's speed between blocks moves both sides alike.
+``INSERT`` (and the psycopg classic queue's ``INSERT`` that sends its own ``pg_notify``),
+interleaved call by call (``--ratio-rounds`` rounds of ``--ratio-block`` calls of each), so
+a change of the host's speed moves both sides alike: the ratio calls/s of the API ÷ calls/s
+of the raw statement, by total time and by median call, median over the rounds.
 ``--drain-jobs N`` (default 20,000; 0 skips it) then drains N jobs with ``--drain-threads``
 threads over the storage API on the ``Engine``, each thread cycling either
 ``claim_runtime_batch`` + ``complete_runtime_batch`` (two calls per cycle) or
@@ -77,28 +77,38 @@ def per_call(fn: Callable[[], object], repeat: int, rounds: int) -> tuple[float,
 
 
 def side_by_side(fns: dict[str, Callable[[], object]], block: int, rounds: int) -> dict[str, dict[str, Any]]:
-    """Alternate blocks of ``block`` calls of each of ``fns`` (the first is the API call) for
-    ``rounds`` rounds; per raw system, the ratio API calls/s ÷ raw calls/s of each round's
-    adjacent blocks, and their median."""
+    """Interleave single calls of ``fns`` (the first is the API call, the others raw ones):
+    ``rounds`` rounds of ``block`` calls of each, call after call in turn, each call timed.
+    Per raw system and round, the ratio API calls/s ÷ raw calls/s by the round's total time
+    (``by_rate``) and by its median call (``by_median_call``, which the host's stalls move
+    less); medians over the rounds."""
     if rounds <= 0:
         return {}
     for fn in fns.values():
         for _ in range(50):
             fn()
-    walls: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    calls = list(fns.values())
+    per_round: list[dict[str, list[float]]] = []
+    clock = time.perf_counter
     for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(block):
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(block):
+            for name, fn in zip(names, calls, strict=True):
+                t0 = clock()
                 fn()
-            walls[name].append(time.perf_counter() - t0)
-    api, *raws = fns
+                times[name].append(clock() - t0)
+        per_round.append(times)
+    api, *raws = names
     out = {}
     for name in raws:
-        blocks = [r / a for a, r in zip(walls[api], walls[name], strict=True)]
-        out[name] = {"median": statistics.median(blocks), "blocks": [round(b, 3) for b in blocks],
-                     "api_wall_us": statistics.median(walls[api]) / block * 1e6,
-                     "raw_wall_us": statistics.median(walls[name]) / block * 1e6}
+        by_rate = [sum(r[name]) / sum(r[api]) for r in per_round]
+        by_call = [statistics.median(r[name]) / statistics.median(r[api]) for r in per_round]
+        out[name] = {"by_rate": statistics.median(by_rate), "by_median_call": statistics.median(by_call),
+                     "rounds_by_rate": [round(x, 3) for x in by_rate],
+                     "rounds_by_median_call": [round(x, 3) for x in by_call],
+                     "api_median_call_us": statistics.median(statistics.median(r[api]) for r in per_round) * 1e6,
+                     "raw_median_call_us": statistics.median(statistics.median(r[name]) for r in per_round) * 1e6}
     return out
 
 
@@ -200,8 +210,8 @@ def main() -> None:
     ap.add_argument("--schema", default="qstore_client_bench")
     ap.add_argument("--repeat", type=int, default=2000, help="calls per round")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--ratio-rounds", type=int, default=15, help="alternating blocks per system (0: skip)")
-    ap.add_argument("--ratio-block", type=int, default=200, help="calls per block")
+    ap.add_argument("--ratio-rounds", type=int, default=5, help="rounds of interleaved calls (0: skip)")
+    ap.add_argument("--ratio-block", type=int, default=1000, help="calls of each system per round")
     ap.add_argument("--profile", choices=("enqueue", "claim"), help="profile one call and exit")
     ap.add_argument("--drain-jobs", type=int, default=20_000, help="jobs per drain (0: skip the drains)")
     ap.add_argument("--drain-threads", type=int, default=8)
@@ -305,10 +315,12 @@ def main() -> None:
                             for name, d in figures["drain"].items()]))
     if ratios:
         figures["side_by_side"] = ratios
-        print(f"\nSingle-job enqueue on an Engine ÷ raw psycopg, side by side "
-              f"({args.ratio_rounds} alternating blocks of {args.ratio_block} calls; calls/s ratio):")
+        print(f"\nSingle-job enqueue on an Engine ÷ raw psycopg, side by side ({args.ratio_rounds} rounds "
+              f"of {args.ratio_block} calls each, interleaved call by call; calls/s ratio, median of the rounds):")
         for name, r in ratios.items():
-            print(f"  vs {name:<14} median {r['median']:.2f}x   per block {' '.join(f'{x:.2f}' for x in r['blocks'])}")
+            print(f"  vs {name:<14} by rate {r['by_rate']:.2f}x, by median call {r['by_median_call']:.2f}x "
+                  f"({r['api_median_call_us']:.0f} vs {r['raw_median_call_us']:.0f} µs)   per round by median "
+                  f"call {' '.join(f'{x:.2f}' for x in r['rounds_by_median_call'])}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 

@@ -15,7 +15,10 @@ Then the single-job enqueue on an ``Engine`` runs side by side with the raw psyc
 ``INSERT`` (and the psycopg classic queue's ``INSERT`` that sends its own ``pg_notify``),
 interleaved call by call (``--ratio-rounds`` rounds of ``--ratio-block`` calls of each), so
 a change of the host's speed moves both sides alike: the ratio calls/s of the API ÷ calls/s
-of the raw statement, by total time and by median call, median over the rounds.
+of the raw statement, by total time and by median call, median over the rounds. The API's
+own statement (``enqueue_jobs`` with the parameters the API sends) sent by raw psycopg runs
+in the same interleaving: API ÷ it is the API's client overhead, and it ÷ the ``INSERT`` is
+the best ratio any client could reach with that server function.
 ``--drain-jobs N`` (default 20,000; 0 skips it) then drains N jobs with ``--drain-threads``
 threads over the storage API on the ``Engine``, each thread cycling either
 ``claim_runtime_batch`` + ``complete_runtime_batch`` (two calls per cycle) or
@@ -260,6 +263,17 @@ def main() -> None:
                            "VALUES (%s, %s, %s) RETURNING id) SELECT j.id, pg_notify(%s, '') FROM j",
                            ("bench", "bench", '{"n": 1}', "bench_client"), prepare=True).fetchone()
 
+    # the API's own enqueue statement and parameters, sent by raw psycopg: the server's share
+    from qstore.storage import enqueue as enqueuing
+    from qstore.storage.jobs import prepare_jobs
+
+    hot = enqueuing._enqueue_stmt(storage.tables)
+    enqueue_sql, enqueue_params = hot.parameters(
+        engine.dialect, enqueuing._parameters(storage.tables, prepare_jobs([job], 1, field="job")))
+
+    def raw_enqueue_jobs() -> object:
+        return raw.execute(enqueue_sql, enqueue_params, prepare=True).fetchall()
+
     if args.profile:
         profile({"enqueue": api_enqueue, "claim": api_claim_engine}[args.profile], args.repeat)
         raw.execute("DROP TABLE public.bench_client_classic")
@@ -296,7 +310,8 @@ def main() -> None:
         if fn is api_claim_connection:
             held.rollback()
     held.close()
-    ratios = side_by_side({"enqueue": api_enqueue, "insert": raw_insert, "insert_notify": raw_insert_notify},
+    ratios = side_by_side({"enqueue": api_enqueue, "insert": raw_insert, "insert_notify": raw_insert_notify,
+                           "enqueue_jobs_raw": raw_enqueue_jobs},
                           args.ratio_block, args.ratio_rounds)
     raw.execute("DROP TABLE public.bench_client_classic")
     raw.close()

@@ -42,6 +42,58 @@ from qstore import QueueStorage, QueueStorageConfig
 from qstore.embedded import EmbeddedPostgresMissing, embedded_server, server_url
 from qstore.migrate import version_location
 
+# -- test tiers -----------------------------------------------------------------------------
+# ``pytest -q`` runs the fast tier (pyproject's addopts deselect ``slow``); ``pytest -q -m slow``
+# runs the long tier. CI runs both. A module below is slow as a whole; a test elsewhere is
+# slow when it carries ``@pytest.mark.slow``. Two families run in both tiers at different
+# depths: the input fuzz (a few examples per test in the fast tier, all of them in the slow
+# tier) and the two per-operation tables: the rollback table runs each operation once in the
+# fast tier (its caller's transaction on a Connection or a Session in turn; the other kind in
+# the slow tier), the missing-schema table every other operation (the rest in the slow tier).
+SLOW_MODULES = frozenset({
+    "test_bench_scripts",    # runs the benchmark scripts end to end
+    "test_chaos",            # the chaos harness at CI scale
+    "test_demo",             # the demo command end to end
+    "test_state_machine",    # stateful property tests of the whole lifecycle
+    "test_upgrades",         # installs of every previous release, upgraded under load
+    "test_worker_outage",    # workers across database outages
+    "test_worker_process",   # worker processes started, signalled and killed
+})
+FUZZ_FAST_SCALE = "0.25"
+
+
+def _slow_tier(config: pytest.Config) -> bool:
+    return (config.getoption("markexpr", "") or "").strip() == "slow"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: the long tier (run with -m slow)")
+    if not _slow_tier(config):
+        os.environ.setdefault("QSTORE_FUZZ_EXAMPLES", FUZZ_FAST_SCALE)
+
+
+ROLLBACK_TABLE = "test_a_rolled_back_caller_transaction_leaves_nothing_behind"
+MISSING_SCHEMA_TABLE = "test_an_operation_on_a_schema_that_is_not_installed_says_so"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow_tier = _slow_tier(config)
+    operations = sorted({item.callspec.params["name"] for item in items  # type: ignore[attr-defined]
+                         if getattr(item, "originalname", "") in (ROLLBACK_TABLE, MISSING_SCHEMA_TABLE)})
+    for item in items:
+        module = item.path.stem
+        if module in SLOW_MODULES or (module == "test_input_fuzz" and slow_tier):
+            item.add_marker(pytest.mark.slow)
+        elif getattr(item, "originalname", "") == ROLLBACK_TABLE:
+            params = item.callspec.params  # type: ignore[attr-defined]
+            fast_kind = ("connection", "session")[operations.index(params["name"]) % 2]
+            if params["kind"] != fast_kind:
+                item.add_marker(pytest.mark.slow)
+        elif (getattr(item, "originalname", "") == MISSING_SCHEMA_TABLE
+              and operations.index(item.callspec.params["name"]) % 2):  # type: ignore[attr-defined]
+            item.add_marker(pytest.mark.slow)
+
+
 hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 hypothesis_settings.register_profile("hunt", derandomize=False, database=None, print_blob=True)
 hypothesis_settings.load_profile(os.environ.get("QSTORE_HYPOTHESIS_PROFILE", "ci"))

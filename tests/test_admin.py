@@ -1,4 +1,4 @@
-"""Admin operations (STORAGE.md §7.9): retry, cancel (with the cancel NOTIFY), priority and
+"""Admin operations: retry, cancel (with the cancel NOTIFY), priority and
 queue moves, aging. Ready rows are never updated: changes append tombstones and new rows."""
 
 from __future__ import annotations

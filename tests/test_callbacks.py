@@ -1,4 +1,4 @@
-"""External callbacks (STORAGE.md §7.10): register / wait / resolve / resume / retry,
+"""External callbacks: register / wait / resolve / resume / retry,
 timeouts and their rescue, unknown and stale tokens, and the complete-vs-timeout race."""
 
 from __future__ import annotations

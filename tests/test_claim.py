@@ -1,6 +1,7 @@
-"""Claim: FIFO per lane, strict priority, aging (trap T4), attempt bookkeeping (trap T5),
-deadlines, pause gates (trap T11), receipts vs materialised leases, bad input and the
-caller's transaction."""
+"""Claim: FIFO per lane, strict priority, aging (the effective priority kept apart from the
+lane's), attempt bookkeeping (``attempted_at`` always set), deadlines, pause gates (looked up
+by the logical queue), receipts vs materialised leases, bad input and the caller's
+transaction."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def test_one_claim_can_span_several_priority_lanes(engine, storage):
     assert [j.job.args["p"] for j in claimed] == [1, 2]
 
 
-# -- aging (trap T4) --------------------------------------------------------------------------
+# -- aging: effective priority apart from the lane's --------------------------------------------------------------------------
 
 @pytest.fixture
 def aged_pair(engine, storage):
@@ -255,7 +256,7 @@ def test_pausing_one_queue_leaves_others_claimable(engine, storage):
 def test_pausing_logical_queue_blocks_every_stripe(engine, make_storage):
     storage = make_storage(queue_stripe_count=2)
     storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(4)])
-    pause(engine, storage, "q")  # the logical name only (trap T11)
+    pause(engine, storage, "q")  # the logical name only, never a stripe's
 
     assert storage.claim_runtime_batch(engine, "q", 10) == []
     assert storage.claim_runtime_batch(engine, "q#0", 10) == []

@@ -1,4 +1,4 @@
-"""The dead-letter queue (STORAGE.md §7.9): moving failed jobs in, listing them, retrying them
+"""The dead-letter queue: moving failed jobs in, listing them, retrying them
 out (args kept, run_lease never reset), bulk operations, unique conflicts, discard and purge."""
 
 from __future__ import annotations

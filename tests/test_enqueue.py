@@ -1,6 +1,6 @@
 """Enqueue: batch INSERT and COPY paths, deferred routing, uniqueness, bad input, the app's
-transaction (rollback, NOTIFY on commit), the lane reservation lock (trap T1), striping and
-enqueue shards (trap T11)."""
+transaction (rollback, NOTIFY on commit), the lane reservation lock (held to commit),
+striping and enqueue shards (set on the logical queue)."""
 
 from __future__ import annotations
 
@@ -424,7 +424,7 @@ def test_notify_channel_of_striped_queue_is_the_logical_queue(engine, db_url, ma
         assert pending_notifies(lis, 0.3) == []
 
 
-# -- lane reservation lock (trap T1) ------------------------------------------------------
+# -- lane reservation lock, held to commit ------------------------------------------------------
 
 class Producer(threading.Thread):
     """Enqueue on the engine in a background thread; records completion and errors."""
@@ -595,7 +595,7 @@ def test_enqueue_shards_still_drain_everything(engine, storage):
 
 def test_enqueue_shards_are_looked_up_by_logical_queue_with_striping(engine, make_storage):
     storage = make_storage(queue_stripe_count=2)
-    _set_shards(engine, storage, "q", 4)  # logical name only (trap T11)
+    _set_shards(engine, storage, "q", 4)  # logical name only, never a stripe's
     for b in range(8):
         storage.enqueue_params_batch(engine, [job(args={"b": b})])
     shards = {s for (s,) in rows(engine, storage, "ready_entries", ("enqueue_shard",))}

@@ -1,6 +1,6 @@
-"""Heartbeats and progress (STORAGE.md §7.6): per-attempt mutable state is created only
+"""Heartbeats and progress: per-attempt mutable state is created only
 when an attempt heartbeats or reports progress, removed when the attempt ends, and a
-heartbeat never rewrites an append-only claim row (trap T8).
+heartbeat never rewrites an append-only claim row.
 
 Every test runs twice: on an install with receipts, and on one without, where each claim
 writes a lease."""
@@ -86,7 +86,7 @@ def test_heartbeat_sets_materialized_at_once_and_never_rewrites_the_claim_row(en
     assert (first[2] is not None) == st.lease_claim_receipts()  # a lease has nothing to mark
     st.heartbeat_batch(engine, [(c.job.id, 1)])
     st.heartbeat_progress_batch(engine, [(c.job.id, 1, {"p": 1})])
-    assert claim_row(engine, st, c.job.id) == first  # same ctid, xmin, materialized_at (T8)
+    assert claim_row(engine, st, c.job.id) == first  # same ctid, xmin, materialized_at: never rewritten
 
 
 def test_second_heartbeat_advances_heartbeat_at(engine, st):

@@ -179,12 +179,14 @@ def test_check_reports_no_drift_and_sees_a_change_of_the_hosts_own(host):
     assert "order_lines" in host.refused("alembic check")
 
 
+@pytest.mark.slow
 def test_check_ignores_a_second_storage_schema_installed_on_its_own(host):
     _run_recipe(host)
     assert qstore_cli(["install", "--url", host.url, "--schema", "jobs"], out=io.StringIO()) == 0
     assert "No new upgrade operations detected" in host.alembic("alembic check")
 
 
+@pytest.mark.slow
 def test_downgrade_as_written_steps_the_hosts_branch_back_and_keeps_qstores(host):
     _run_recipe(host)
     (revision,) = host.revision_files()
@@ -313,6 +315,7 @@ def test_a_second_schema_through_the_hosts_alembic_is_refused_with_the_alternati
         assert not inspect(conn).has_schema("jobs")
 
 
+@pytest.mark.slow
 def test_the_alternative_for_a_second_schema_keeps_its_own_version_row(host):
     _run_recipe(host)
     before = host.versions()

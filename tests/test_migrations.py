@@ -196,6 +196,7 @@ def test_upgrade_head_installs_default_shape_with_sixteen_queue_slots(migrated):
         assert QueueStorage.from_existing_schema("qstore", eng).config == QueueStorage().config
 
 
+@pytest.mark.slow
 def test_upgrade_with_x_schema_and_slot_count_creates_and_records_that_shape(migrated):
     url = migrated("-x schema=custom -x queue_slot_count=5 upgrade head")
     objs = _objects(url, "custom")
@@ -227,6 +228,7 @@ def test_two_storage_schemas_coexist_each_with_its_own_version_table(fresh_db_ur
     assert _version(fresh_db_url, "beta") == HEAD
 
 
+@pytest.mark.slow
 def test_upgrade_keeps_rows_written_at_the_previous_revision(migrated):
     url = migrated("upgrade 0001")
     assert _version(url, "qstore") == "0001"
@@ -267,6 +269,7 @@ OLD_COMPLETE = "p_claim_slots integer[], p_job_ids bigint[], p_run_leases bigint
 NEW_COMPLETE = OLD_COMPLETE + ", p_kinds text[]"
 
 
+@pytest.mark.slow
 def test_revision_0002_installs_the_frozen_function_bodies(migrated):
     url = migrated("upgrade 0002")
     assert _complete_signatures(url) == {OLD_COMPLETE}
@@ -303,6 +306,7 @@ def _claim_body(url: str) -> str:
     return str(body)
 
 
+@pytest.mark.slow
 def test_upgrade_0004_claims_through_named_ring_children(migrated):
     url = migrated("upgrade 0003")
     assert "qstore.ready_entries_0 r" not in _claim_body(url)
@@ -403,6 +407,7 @@ def test_downgrade_base_removes_every_object_but_the_version_table(migrated):
     assert _version(url, "qstore") is None
 
 
+@pytest.mark.slow
 def test_downgrade_then_upgrade_reinstalls_cleanly(migrated):
     url = migrated("upgrade head")
     alembic(url, "downgrade", "base")

@@ -1,4 +1,4 @@
-"""Worker outcomes of a live attempt (STORAGE.md §6.2, §7.5): every transition out of
+"""Worker outcomes of a live attempt: every transition out of
 ``running`` and into / out of the deferred backlog, stale outcomes, and follow-up jobs
 committed (or rolled back) together with the outcome on the caller's transaction."""
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 from docblocks import README, host_recipe, runnable_blocks
 
 
@@ -27,10 +25,16 @@ def test_the_readme_examples_run_in_order_against_a_fresh_database(fresh_db_url,
     assert "send_email" in out
 
 
-def test_the_readme_test_command_is_the_one_ci_runs():
+def test_the_readme_test_commands_are_the_ones_ci_runs():
+    """The README's "Run the tests" block names the install and both tiers; ``.ci/run``
+    installs the same extras and runs each pytest command verbatim, fast tier first."""
     text = README.read_text()
-    assert "pip install -e '.[test,embedded]' && pytest -q" in text
-    assert re.search(r"The whole suite \(about [\d,]+ tests\) takes about \d+ minutes", text)
+    block = text.split("## Run the tests", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["pip install -e '.[test,embedded]'", "pytest -q", "pytest -q -m slow"]
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert "python -m pip install --quiet -e '.[test,embedded]'" in ci
+    assert [line for line in ci if line.startswith("pytest")] == commands[1:]
 
 
 def test_the_readme_cites_no_internal_notes():

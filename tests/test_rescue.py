@@ -1,6 +1,6 @@
-"""Rescue (STORAGE.md §7.7, traps T2 and T9): stale heartbeats and expired deadlines close
-the old attempt before the job can run again, so the rescued worker's late writes change
-nothing; exhausted attempts end failed (or in the DLQ) instead of looping."""
+"""Rescue: stale heartbeats and expired deadlines close the old attempt (its lease and its
+receipt, in one transaction) before the job can run again, so the rescued worker's late
+writes change nothing; exhausted attempts end failed (or in the DLQ) instead of looping."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_stale_heartbeat_rescue_moves_a_lease_backed_attempt_to_retryable_closin
     assert row.state == JobState.RETRYABLE
     assert row.errors[-1]["error"] == "heartbeat stale"
     assert count(engine, st, "leases") == 0
-    assert count(engine, st, "lease_claim_closures", f"job_id = {c.job.id}") == 1  # T2
+    assert count(engine, st, "lease_claim_closures", f"job_id = {c.job.id}") == 1  # the receipt is closed too
 
 
 def test_stale_heartbeat_rescue_leaves_a_fresh_attempt_alone(engine, st):
@@ -156,7 +156,7 @@ def test_rescued_job_is_reclaimed_with_the_next_run_lease_and_completed_by_the_n
     assert state(engine, st, old.job.id) == JobState.COMPLETED
 
 
-# -- exhaustion (T9) --------------------------------------------------------------------------------
+# -- exhaustion: a rescued attempt that used its last try ends, never loops ----------------------------
 
 
 @pytest.mark.parametrize("lease", [False, True], ids=["as_claimed", "callback_lease"])

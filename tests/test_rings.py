@@ -1,6 +1,6 @@
 """Ring maintenance: rotate / prune outcomes of the queue, lease and claim rings, the prune
-gates (never truncate live work), lock-timeout ``Blocked``, unique-key release (T6),
-cursor-based prunability (T3) and late writers into retired slots (T7)."""
+gates (never truncate live work), lock-timeout ``Blocked``, unique-key release at prune,
+prunability judged by evidence (not by done rows) and late writers into retired slots."""
 
 from __future__ import annotations
 
@@ -261,7 +261,7 @@ def test_prune_skips_slot_with_active_lease(make_storage: Callable[..., QueueSto
 
 
 def test_slot_becomes_prunable_once_every_job_is_spent(small: QueueStorage, engine: Engine) -> None:
-    """T3: jobs claimed from the slot and then retried, dead-lettered or cancelled leave
+    """Jobs claimed from the slot and then retried, dead-lettered or cancelled leave
     neither a done row nor a tombstone of that attempt there; the slot must still prune."""
     enqueue(small, engine, 5)
     claimed = small.claim_runtime_batch(engine, Q, 3)
@@ -343,7 +343,7 @@ def test_blocked_prune_does_not_wait_for_long_holders(small: QueueStorage, engin
 
 
 def test_unique_key_released_when_history_is_pruned(small: QueueStorage, engine: Engine) -> None:
-    """T6: a completed job owns its key while its history is retained; prune frees it."""
+    """A completed job owns its key while its history is retained; prune frees it."""
     unique_job = [InsertParams("uniq", {"k": 1}, InsertOpts(queue=Q, unique=UniqueOpts()))]
     assert small.enqueue_params_batch(engine, unique_job) == 1
     assert drain(small, engine) == 1
@@ -370,7 +370,7 @@ def test_unique_key_of_live_job_survives_prune_of_other_slot(small: QueueStorage
 
 
 def test_late_writer_into_retired_slot_keeps_ring_live(small: QueueStorage, engine: Engine) -> None:
-    """T7: a row written with a stale cursor into a retired slot is never truncated while
+    """A row written with a stale cursor into a retired slot is never truncated while
     live, and the ring recovers once it is spent."""
     for _ in range(3):  # current 3; slots 0..2 pruned and retired (generation -1)
         enqueue(small, engine)

@@ -1,7 +1,8 @@
 """A hypothesis state machine drives random sequences of enqueue / claim / heartbeat / worker
 outcome / stale write / rescue / promotion / admin calls against an in-memory model of each
 job, and checks after every step that ``load_job`` agrees with the model and that no job is
-lost or active twice (census of live representations, STORAGE.md §8 I1-I3, I15).
+lost or active twice (a census of every job's live representations: exactly as many as its
+state calls for, never two, and none for a job nobody enqueued).
 
 Each test runs the machine in short runs with fixed seeds until every rule has run (see
 :func:`run_until_every_rule_ran`): the same examples on every test run, and never a pass
@@ -139,7 +140,7 @@ def build_machine(engine, fresh_storage: Callable[[], QueueStorage],
             if not self.ids("available"):
                 assert got == []
                 return
-            # A claim's limit counts tombstoned positions too (as in awa, §7.2 step 4), so a
+            # A claim's limit counts tombstoned positions too, so a
             # claim may come back empty while a job waits behind cancelled/moved positions;
             # each empty claim consumes at least one, so the job must come within len(jobs).
             for _ in range(len(self.jobs)):

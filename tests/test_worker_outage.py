@@ -333,20 +333,43 @@ def test_a_worker_whose_schema_is_dropped_stops_with_one_line(engine, make_stora
     assert len([r for r in records if r.levelno >= logging.WARNING]) <= 6, logged(records)
 
 
+def read_until(proc: subprocess.Popen[str], needle: str, timeout: float) -> str:
+    """The process's stderr up to and including the first line holding ``needle``; the test
+    fails if the process exits or ``timeout`` passes first."""
+    assert proc.stderr is not None
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if needle in line:
+                found.set()
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert found.wait(timeout), f"no {needle!r} within {timeout} s; stderr so far:\n{''.join(lines)}"
+    reader.join()
+    return "".join(lines)
+
+
 def test_the_worker_command_exits_1_with_one_line_when_its_schema_is_dropped(tmp_path, engine, db_url,  # type: ignore[no-untyped-def]
                                                                               make_storage):
     st = make_storage(schema=unique_schema())
     proc = run_cli_worker(tmp_path, db_url, st.schema())
     try:
-        time.sleep(1.5)  # started, its maintainer leads
+        started = read_until(proc, "qstore worker started", 30)
+        time.sleep(0.5)  # its loops run, its maintainer leads
         assert proc.poll() is None, proc.communicate()
         drop_schema(engine, st.schema())
-        out, err = finish(proc, 30)
+        out, rest = finish(proc, 30)
+        err = started + rest
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 1, (out, err)
-    assert "qstore worker started" in err
     assert err.splitlines()[-1].startswith(f"qstore: qstore schema '{st.schema()}' is not installed"), err
     assert "Traceback" not in err and len(err.splitlines()) <= 15, err

@@ -4,8 +4,8 @@ Queue storage needs upkeep that nothing on the enqueue/claim/complete path does:
 and pruning the three rings (without it history is never truncated), promoting due
 scheduled and retryable jobs (without it they never become claimable), rescuing abandoned
 attempts (stale heartbeats, passed deadlines, timed-out callbacks) and folding terminal
-count deltas into the counters. :class:`Maintainer` runs those tasks on the cadences of
-STORAGE.md §2.2 (:class:`MaintenanceSchedule`), in a background thread or one pass at a time.
+count deltas into the counters. :class:`Maintainer` runs those tasks on the cadences of a
+:class:`MaintenanceSchedule`, in a background thread or one pass at a time.
 
 Any number of processes may run a maintainer for the same install: each tries to take a
 session advisory lock keyed on the schema name, only the holder runs tasks, and the others
@@ -52,7 +52,7 @@ log = logging.getLogger("qstore.maintainer")
 #: upkeep changes in a way a previous release's maintainer cannot follow.
 LEADER_KEY_PREFIX = "qstore:maintainer:2:"
 
-#: Rescue functions return at most this many rows per call (STORAGE.md §7.7); a full
+#: Rescue functions return at most this many rows per call; a full
 #: batch means more may be waiting, so the task calls again (up to ``RESCUE_MAX_CALLS``).
 RESCUE_BATCH = 500
 RESCUE_MAX_CALLS = 32

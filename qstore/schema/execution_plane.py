@@ -17,7 +17,8 @@ def declare_leases(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine
     """Materialised, mutable attempts (callbacks, receipts-off claims).
 
     ``priority`` is the lane priority (the join key back to the ready row);
-    ``effective_priority`` is the aged priority the attempt was claimed at (trap T4).
+    ``effective_priority`` is the aged priority the attempt was claimed at; the two are kept
+    apart so that aging never moves an attempt off its lane.
     """
     return ring_table(
         md, "leases", "lease_slot", cfg.lease_slot_count,

@@ -180,7 +180,8 @@ def receipt_closed(closures: FromClause, claims: FromClause) -> Exists:
 
 def attempt_leased(leases: FromClause, claims: FromClause) -> Exists:
     """``EXISTS`` a materialised lease for the attempt of ``claims`` (by ``(job_id,
-    run_lease)``, in any lease slot); a receipt-only attempt has none (trap T2)."""
+    run_lease)``, in any lease slot); a receipt-only attempt has none, and is ended on its
+    receipt alone."""
     le, c = leases.c, claims.c
     return select(le.job_id).where(le.job_id == c.job_id, le.run_lease == c.run_lease).exists()
 

@@ -339,8 +339,8 @@ class _HotOnEngine:
                 try:
                     driver.autocommit = True
                     cursor = _cursor(raw.info, driver)
-                except BaseException:
-                    self._release(raw, driver)
+                except BaseException as err:
+                    self._release(raw, driver, err)
                     raise
                 self._raw = raw
                 return Runner(engine.dialect, cursor)

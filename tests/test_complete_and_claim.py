@@ -300,3 +300,20 @@ def test_concurrent_cycles_complete_every_job_exactly_once(engine, make_storage,
     assert sorted(every_completion) == sorted(ids)  # and completed once
     counts = storage.queue_counts(engine, "q")
     assert (counts.available, counts.running, counts.terminal) == (0, 0, total)
+
+
+def test_the_statement_sends_the_completed_pairs_once_not_once_per_claimed_job(engine, storage):
+    from qstore.storage.complete import _fast_and_claim_stmt
+    from qstore.storage.targets import Runner
+
+    enqueue(engine, storage, 5)
+    done = storage.claim_runtime_batch(engine, "q", 2)
+    with engine.connect() as conn:
+        rows = Runner.on(conn).rows(_fast_and_claim_stmt(storage.tables), {
+            "claim_slots": [c.claim.claim_slot for c in done], "job_ids": [c.job.id for c in done],
+            "run_leases": [c.job.run_lease for c in done], "kinds": [c.job.kind for c in done],
+            "queue": "q", "max_batch": 3, "deadline_ms": 0, "aging_ms": 0, "receipts": True})
+        conn.rollback()
+    assert len(rows) == 3
+    assert sorted(zip(rows[0][0], rows[0][1], strict=True)) == sorted(pairs(done))
+    assert all(r[0] is None and r[1] is None for r in rows[1:])

@@ -61,10 +61,12 @@ __all__ = [
 log = logging.getLogger("qstore.storage")
 
 
-def claim_statement(sch: StorageSchema, max_batch: ColumnElement[Any] | None = None) -> TableValuedAlias:
+def claim_statement(sch: StorageSchema, max_batch: ColumnElement[Any] | None = None,
+                    ordinality: str | None = None) -> TableValuedAlias:
     """``<schema>.claim_ready(:queue, :max_batch, :deadline_ms, :aging_ms, :receipts)`` as a
     row source with the :data:`~qstore.storage.columns.CLAIMED` columns; ``max_batch``
-    replaces the ``:max_batch`` parameter by an expression."""
+    replaces the ``:max_batch`` parameter by an expression; ``ordinality`` names a column
+    numbering the rows (``WITH ORDINALITY``)."""
     fn = schema_func(
         sch, "claim_ready",
         bindparam("queue", type_=Text()),
@@ -72,7 +74,7 @@ def claim_statement(sch: StorageSchema, max_batch: ColumnElement[Any] | None = N
         bindparam("deadline_ms", type_=BigInteger()), bindparam("aging_ms", type_=BigInteger()),
         bindparam("receipts", type_=Boolean()),
     )
-    return fn.table_valued(*(column(c.name, c.type) for c in CLAIMED))
+    return fn.table_valued(*(column(c.name, c.type) for c in CLAIMED), with_ordinality=ordinality)
 
 
 @functools.lru_cache(maxsize=64)

@@ -161,15 +161,19 @@ def _fast_and_claim_stmt(sch: StorageSchema) -> HotStatement:
     ``LATERAL`` call whose ``p_max`` is computed from ``d`` (``CASE WHEN d.n >= 0 THEN
     :max_batch END``, always ``:max_batch``), so the claim cannot start before the
     completion has returned all its rows: ``d`` is the outer side of the join and the claim
-    needs its value. The ``LEFT JOIN`` keeps ``d``'s row when nothing is claimed."""
+    needs its value. The ``LEFT JOIN`` keeps ``d``'s row when nothing is claimed. The
+    completed pairs come back in the first row only (NULL in the others), so a batch's
+    arrays are sent and decoded once, not once per claimed job."""
     fn = schema_func(sch, "complete_receipts", *(packed_array_param(n, t) for n, t in _ARRAYS.items()))
     done = fn.table_valued(column("job_id", BigInteger()), column("run_lease", BigInteger())).alias("done")
     d = select(func.array_agg(done.c.job_id).label("done_job_ids"),
                func.array_agg(done.c.run_lease).label("done_run_leases"),
                func.count().label("n")).select_from(done).subquery("d")
     after_done = case((d.c.n >= 0, bindparam("max_batch", type_=Integer())))
-    claim = claim_statement(sch, after_done).lateral("c")
-    return HotStatement(select(d.c.done_job_ids, d.c.done_run_leases, *claim.c)
+    claim = claim_statement(sch, after_done, ordinality="ordinality").lateral("c")
+    first = func.coalesce(claim.c.ordinality, 1) == 1
+    return HotStatement(select(case((first, d.c.done_job_ids)), case((first, d.c.done_run_leases)),
+                               *(claim.c[c.name] for c in CLAIMED))
                         .select_from(d.outerjoin(claim, true())))
 
 

@@ -13,20 +13,46 @@ Without the extra (no ``greenlet`` module), importing this module raises
 It is both an ``ImportError`` (an optional dependency is missing) and a
 :class:`~qstore.errors.QueueStorageError` (every error qstore raises is one); the same
 error comes from the async face of a task (``App.async_storage``, ``Task.defer_async``).
+
+:class:`AsyncListener` is :class:`~qstore.storage.listen.Listener` for an event loop: one
+``LISTEN`` connection (psycopg's ``AsyncConnection``) whose :meth:`AsyncListener.wait` is a
+coroutine. The asyncio worker (:class:`qstore.worker.AsyncWorker`) uses it for wake-ups and
+cancels.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
-from typing import Any
+import logging
+import time
+from collections.abc import Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
+import psycopg
+from psycopg import sql
 from sqlalchemy.util.concurrency import greenlet_spawn
 
 from qstore.config import QueueStorageConfig
 from qstore.errors import QueueStorageError, ValidationError
+from qstore.outage import OutageLog
 from qstore.storage import Naming, Operations, QueueStorage
+from qstore.storage.jobs import validate_queue
+from qstore.storage.listen import (
+    KEEPALIVE_EVERY,
+    RECONNECT_CAP,
+    RECONNECT_FIRST,
+    _Collected,
+    collect,
+)
 from qstore.storage.operations import AsyncFace, Operation
 from qstore.storage.targets import AsyncTarget, sync_target
+from qstore.types import Wakeup
+
+if TYPE_CHECKING:  # imported where used: it needs greenlet, checked first below
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 
 class AsyncExtraMissingError(QueueStorageError, ImportError):
@@ -48,7 +74,9 @@ def _require_greenlet() -> None:
 
 _require_greenlet()
 
-__all__ = ["AsyncExtraMissingError", "AsyncQueueStorage", "AsyncTarget"]
+__all__ = ["AsyncExtraMissingError", "AsyncListener", "AsyncQueueStorage", "AsyncTarget"]
+
+log = logging.getLogger("qstore.listen")
 
 
 class AsyncQueueStorage(Operations, Naming, AsyncFace):
@@ -75,3 +103,182 @@ class AsyncQueueStorage(Operations, Naming, AsyncFace):
 
     def __repr__(self) -> str:
         return f"AsyncQueueStorage({self._ctx.config!r})"
+
+
+class AsyncListener:
+    """``LISTEN`` on the channels of ``queues`` (and the cancel channel when ``cancel``) of
+    one install, on a psycopg ``AsyncConnection`` of its own taken from ``engine`` (an
+    ``AsyncEngine`` on the ``postgresql+psycopg`` driver) and detached from its pool.
+
+    The same contract as :class:`~qstore.storage.listen.Listener`, with coroutines:
+    ``await open()`` (or ``async with``) connects; ``await wait(timeout)`` returns a
+    :class:`~qstore.types.Wakeup` as soon as a notification arrives, after ``timeout``
+    seconds otherwise, or when :meth:`interrupt` is called (from the listener's loop); a
+    lost connection is re-opened by ``wait`` (a growing delay while the server is away) and
+    reported as ``missed=True`` (poll every queue). ``await close()`` ends it. One caller
+    waits at a time.
+    """
+
+    def __init__(self, engine: AsyncEngine, config: QueueStorageConfig, queues: Iterable[str],
+                 *, cancel: bool = True, outages: OutageLog | None = None) -> None:
+        from sqlalchemy.ext.asyncio import AsyncEngine
+
+        if not isinstance(engine, AsyncEngine):
+            raise ValidationError("engine", engine, "the async listener needs an AsyncEngine")
+        if isinstance(queues, str):
+            raise ValidationError("queues", queues, "expected a list of queue names, not one string")
+        names = [validate_queue(q, "queues") for q in queues]
+        self.engine = engine
+        self.config = config
+        #: channel -> logical queue it wakes
+        self.channels: dict[str, str] = {config.notify_channel(q): q for q in names}
+        self.cancel_channel: str | None = config.cancel_channel if cancel else None
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._pending = _Collected()
+        self._idle_since = time.monotonic()
+        self._retry_delay = RECONNECT_FIRST
+        self._interrupted = asyncio.Event()
+        self._closed = False
+        self._outages = outages if outages is not None else OutageLog(log, "qstore listener")
+
+    @property
+    def connected(self) -> bool:
+        """Whether the listening connection is currently open."""
+        return self._conn is not None and not self._conn.closed
+
+    async def open(self) -> AsyncListener:
+        """Open the connection and ``LISTEN`` on every channel (raises when the database
+        cannot be reached; :meth:`wait` retries by itself afterwards)."""
+        if not self.connected:
+            await self._connect()
+        return self
+
+    async def _connect(self) -> None:
+        raw = await self.engine.raw_connection()
+        driver = raw.driver_connection
+        raw.detach()  # the listener's alone: closed by it, never reset by the pool
+        if not isinstance(driver, psycopg.AsyncConnection):
+            raw.close()
+            raise ValidationError("engine", self.engine.url.render_as_string(),
+                                  "the async listener needs the psycopg driver (postgresql+psycopg://...)")
+        try:
+            if driver.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                await driver.rollback()
+            await driver.set_autocommit(True)
+            for channel in dict.fromkeys([*self.channels, *([self.cancel_channel] if self.cancel_channel else [])]):
+                await driver.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        except BaseException:
+            raw.invalidate()
+            with contextlib.suppress(Exception):
+                await driver.close()
+            raise
+        self._conn = driver
+        self._idle_since = time.monotonic()
+        self._retry_delay = RECONNECT_FIRST
+
+    async def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+    def _take(self, n: psycopg.Notify) -> None:
+        collect(self._pending, self.channels, self.cancel_channel, n.channel, n.payload)
+
+    def _has_news(self) -> bool:
+        p = self._pending
+        return bool(p.queues or p.cancels or p.missed)
+
+    async def _receive(self, conn: psycopg.AsyncConnection[Any], timeout: float) -> None:
+        """Collect the notifications that arrive within ``timeout`` seconds: returns after
+        the first (with every one already received), or when the time is up."""
+        async for n in conn.notifies(timeout=timeout, stop_after=1):
+            self._take(n)
+        if self._has_news():
+            async for n in conn.notifies(timeout=0.0):
+                self._take(n)
+
+    async def wait(self, timeout: float) -> Wakeup:
+        """Wait up to ``timeout`` seconds for notifications (see the class docstring)."""
+        if self._closed:
+            raise ValidationError("listener", "closed", "this listener was closed")
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            if self._conn is None and not await self._reconnect(deadline):
+                return self._pending.take()
+            conn = self._conn
+            assert conn is not None
+            if self._interrupted.is_set():
+                self._interrupted.clear()
+                return self._pending.take()
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    await self._keepalive(conn)
+                    return self._pending.take()
+                receiving = asyncio.ensure_future(self._receive(conn, min(remaining, KEEPALIVE_EVERY)))
+                stopper = asyncio.ensure_future(self._interrupted.wait())
+                try:
+                    await asyncio.wait({receiving, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    stopper.cancel()
+                if not receiving.done():  # interrupted: the wait ends here
+                    receiving.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, psycopg.Error, OSError):
+                        await receiving
+                    self._interrupted.clear()
+                    return self._pending.take()
+                receiving.result()
+                if self._has_news():
+                    return self._pending.take()
+                await self._keepalive(conn)
+            except (psycopg.Error, OSError) as err:
+                await self._lost(err)
+
+    async def _lost(self, err: BaseException) -> None:
+        self._outages.failed("LISTEN connection", err, 0.0, detail="lost; every queue polls", expected=True)
+        await self._drop()
+        self._pending.missed = True
+
+    async def _keepalive(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        now = time.monotonic()
+        if now - self._idle_since >= KEEPALIVE_EVERY:
+            await conn.execute("SELECT 1")
+            self._idle_since = now
+
+    async def _reconnect(self, deadline: float) -> bool:
+        """Try to re-open the connection; True when it is open. On failure, wait the
+        current retry delay (not beyond ``deadline``, and cut short by :meth:`interrupt`)."""
+        try:
+            await self._connect()
+            self._pending.missed = True
+            self._outages.ok("LISTEN connection")
+            return True
+        except Exception as err:
+            delay = min(self._retry_delay, max(0.0, deadline - time.monotonic()))
+            self._outages.failed("LISTEN connection", err, delay, detail="reconnecting")
+            self._retry_delay = min(self._retry_delay * 2, RECONNECT_CAP)
+            self._pending.missed = True
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._interrupted.wait(), delay)
+            self._interrupted.clear()
+            return False
+
+    def interrupt(self) -> None:
+        """Make the current (or next) :meth:`wait` return at once (call it on the loop)."""
+        self._interrupted.set()
+
+    async def close(self) -> None:
+        """Close the connection (its ``LISTEN`` registrations end with it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._interrupted.set()
+        await self._drop()
+
+    async def __aenter__(self) -> AsyncListener:
+        return await self.open()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

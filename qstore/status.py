@@ -26,7 +26,12 @@ the status read (or :func:`hold_rings`) runs first.
   statistics collector's estimate, which each session flushes at most once a second) and
   total bytes (heap, indexes and TOAST) per table family of the install, restricted to its
   schema. Families: :data:`FAMILIES`.
-* :func:`status_report` — all three, plus the install's shape and counter trust.
+* :func:`handed_back_kinds` — per queue and kind, the jobs waiting out a hand-back by a
+  worker that had no task for their kind: scheduled jobs whose last attempt was given back
+  that way (the worker records each such hand-back in the job's progress under
+  :data:`UNHANDLED_KEY`, with the attempt's ``run_lease``; a record left from an earlier
+  attempt does not count).
+* :func:`status_report` — all of the above, plus the install's shape and counter trust.
 
 ``as_dict()`` of each report gives JSON-ready values under stable keys.
 """
@@ -41,10 +46,12 @@ from typing import Any, TypeVar
 
 from sqlalchemy import (
     Connection,
+    Integer,
     Select,
     Table,
     Text,
     bindparam,
+    case,
     column,
     func,
     literal,
@@ -63,7 +70,9 @@ from qstore.types import JobState
 
 __all__ = [
     "FAMILIES",
+    "UNHANDLED_KEY",
     "FamilyHealth",
+    "HandedBack",
     "QueueStatus",
     "RingStatus",
     "SchemaHealth",
@@ -71,6 +80,7 @@ __all__ = [
     "StatusReport",
     "TableHealth",
     "family_of_tables",
+    "handed_back_kinds",
     "hold_rings",
     "queue_names",
     "queue_status",
@@ -88,6 +98,9 @@ R = TypeVar("R")
 #: (deferred jobs, DLQ, unique keys) and every other table of the schema.
 FAMILIES = ("queue_ready", "queue_done", "lease_ring", "claim_ring", "hot", "counters", "backlog",
             "other")
+#: The key of a job's progress under which a worker that has no task for the job's kind
+#: records giving the attempt back: ``{"count": n, "run_lease": r, "at": iso-time}``.
+UNHANDLED_KEY = "qstore.unhandled"
 
 
 # -- reports ------------------------------------------------------------------------------
@@ -223,6 +236,23 @@ class SchemaHealth:
 
 
 @dataclass(frozen=True)
+class HandedBack:
+    """Jobs of one queue and kind that wait out a hand-back by a worker without a task for
+    their kind: ``jobs`` scheduled jobs whose last attempt was handed back that way, the
+    most hand-backs one of them had in a row (``most``) and the latest hand-back's time
+    (ISO text, as the worker recorded it)."""
+
+    queue: str
+    kind: str
+    jobs: int
+    most: int
+    last_at: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class StatusReport:
     """:func:`status_report`: queues, rings and health of one install, with its shape."""
 
@@ -233,11 +263,13 @@ class StatusReport:
     queues: tuple[QueueStatus, ...]
     rings: tuple[RingStatus, ...]
     health: SchemaHealth
+    handed_back: tuple[HandedBack, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {"schema": self.schema, "exact": self.exact, "counters_trusted": self.counters_trusted,
                 "shape": dict(self.shape), "queues": [q.as_dict() for q in self.queues],
-                "rings": [r.as_dict() for r in self.rings], "health": self.health.as_dict()}
+                "rings": [r.as_dict() for r in self.rings], "health": self.health.as_dict(),
+                "handed_back": [h.as_dict() for h in self.handed_back]}
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -272,6 +304,7 @@ class _Statements:
     done: Select[Any]
     waiting_external: Select[Any]
     trusted: Select[Any]
+    handed_back: Select[Any]
 
 
 @functools.lru_cache(maxsize=64)
@@ -287,7 +320,19 @@ def _statements(sch: StorageSchema) -> _Statements:
         done=select(d.c.queue, d.c.state, n).group_by(d.c.queue, d.c.state),
         waiting_external=select(le.c.queue, n).where(le.c.state == JobState.WAITING_EXTERNAL).group_by(le.c.queue),
         trusted=select(sch.counter_state.c.terminal_counter_trusted_at.isnot(None)),
+        handed_back=_handed_back_statement(df),
     )
+
+
+def _handed_back_statement(df: Table) -> Select[Any]:
+    def mark(key: str) -> Any:
+        return func.jsonb_extract_path_text(df.c.payload, "progress", UNHANDLED_KEY, key)
+
+    count = case((mark("count").regexp_match("^[0-9]{1,9}$"), func.cast(mark("count"), Integer)))
+    return (select(df.c.queue, df.c.kind, func.count().label("n"), func.max(count).label("most"),
+                    func.max(mark("at")).label("last_at"))
+            .where(df.c.state == JobState.SCHEDULED, mark("run_lease") == func.cast(df.c.run_lease, Text))
+            .group_by(df.c.queue, df.c.kind))
 
 
 def _by_queue(rows: Iterable[Any], *, state: bool = False) -> dict[Any, int]:
@@ -355,6 +400,29 @@ def _queue_status(conn: Connection, storage: QueueStorage, queues: Sequence[str]
             completed=kept[JobState.COMPLETED], cancelled=kept[JobState.CANCELLED], failed=kept[JobState.FAILED],
             dlq=g.dlq.get(name, 0), paused=g.paused.get(name, False), lanes=g.lanes.get(name, 0)))
     return out
+
+
+def handed_back_kinds(target: Target, storage: QueueStorage) -> list[HandedBack]:
+    """Per logical queue and kind, the scheduled jobs whose last attempt a worker gave back
+    because it had no task for their kind (see the module docstring), sorted by queue and
+    kind. Jobs of that sort made available again and not yet claimed are not counted (a
+    worker on the queue claims them within its poll interval)."""
+    return _read(target, storage, lambda conn: _handed_back(conn, storage))
+
+
+def _handed_back(conn: Connection, storage: QueueStorage) -> list[HandedBack]:
+    grouped: dict[tuple[str, str], list[Any]] = {}
+    for r in conn.execute(_statements(storage.tables).handed_back):
+        key = (logical_queue(r.queue), r.kind)
+        most = int(r.most or 0)
+        prev = grouped.get(key)
+        if prev is None:
+            grouped[key] = [int(r.n), most, r.last_at or ""]
+        else:
+            prev[0] += int(r.n)
+            prev[1] = max(prev[1], most)
+            prev[2] = max(prev[2], r.last_at or "")
+    return [HandedBack(q, k, n, most, at) for (q, k), (n, most, at) in sorted(grouped.items())]
 
 
 @functools.lru_cache(maxsize=192)
@@ -473,6 +541,7 @@ def status_report(target: Target, storage: QueueStorage, *, exact: bool = True) 
                    "lease_claim_receipts": cfg.lease_claim_receipts},
             queues=tuple(_queue_status(conn, storage, None, exact)),
             rings=_ring_status(conn, storage),
-            health=_schema_health(conn, storage))
+            health=_schema_health(conn, storage),
+            handed_back=tuple(_handed_back(conn, storage)))
 
     return _read(target, storage, body)

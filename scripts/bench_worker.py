@@ -27,6 +27,12 @@ from before the drain until the dead tuples are counted) and system, N no-op job
   maintainer running inside as by default); the drain runs from ``worker.start()`` until
   the worker has committed every completion.
 
+With ``--async`` the drain and the pickup also run ``async_worker``: an
+:class:`~qstore.worker.AsyncWorker` (the same settings, on an event loop of its own thread,
+over an ``AsyncEngine`` on the same URL) with an ``async def`` no-op task, right after the
+thread worker in each round and phase; the summaries then add the async worker against the
+thread worker of the same run.
+
 Per drain: jobs/s, and per job the WAL the server wrote, the time the database's sessions
 spent running statements (``pg_stat_database.active_time``), the CPU of the database's
 backend processes (from ``/proc``, the server being on this host), the server transactions
@@ -64,11 +70,13 @@ single enqueue.
     python scripts/bench_worker.py --rounds 3 --json worker.json
     python scripts/bench_worker.py --mode drain --jobs 100000 --phases pinned
     python scripts/bench_worker.py --mode pickup --rates 500,2000 --duration 60
+    python scripts/bench_worker.py --mode drain --async --phases clean --classics psycopg
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import bisect
 import functools
 import sys
@@ -108,7 +116,7 @@ from classic_psycopg import ClassicPsycopg
 
 from qstore.runtime.maintainer import MaintenanceSchedule
 from qstore.tasks import App, JobContext
-from qstore.worker import Worker, WorkerSettings
+from qstore.worker import AsyncWorker, Worker, WorkerSettings
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/bench_worker"
 PHASES = ("clean", "pinned")
@@ -160,9 +168,17 @@ class Recorder:
                 self.all_started.set()
 
 
-def make_app(system: bs.QstoreSystem, recorder: Recorder) -> tuple[App, Any]:
-    """The app under test: one no-op task of the workload's kind and queue."""
+def make_app(system: bs.QstoreSystem, recorder: Recorder, *, is_async: bool = False) -> tuple[App, Any]:
+    """The app under test: one no-op task of the workload's kind and queue (``async def``
+    when ``is_async``)."""
     app = App(system.storage)
+
+    if is_async:
+        @app.task(kind=bs.KIND, queue=bs.QUEUE, priority=bs.PRIORITY)
+        async def bench_job_async(ctx: JobContext, n: int, payload: str = "") -> None:
+            recorder.note(n)
+
+        return app, bench_job_async
 
     @app.task(kind=bs.KIND, queue=bs.QUEUE, priority=bs.PRIORITY)
     def bench_job(ctx: JobContext, n: int, payload: str = "") -> None:
@@ -171,7 +187,47 @@ def make_app(system: bs.QstoreSystem, recorder: Recorder) -> tuple[App, Any]:
     return app, bench_job
 
 
-def wait_completed(worker: Worker, n: int, timeout: float) -> float:
+class LoopWorker:
+    """An :class:`AsyncWorker` on an event loop of its own thread, with the thread worker's
+    ``start`` / ``stop`` / ``stats`` / ``maintainer`` face, so the same measurements drive
+    it. Its ``AsyncEngine`` is on ``url`` (the psycopg driver's async side); the maintainer
+    and the handlers' contexts use ``engine``."""
+
+    def __init__(self, app: App, url: str, engine: Engine, settings: WorkerSettings) -> None:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="bench-async-worker", daemon=True)
+        self._thread.start()
+        size = settings.concurrency + 4
+        self.async_engine = create_async_engine(url, pool_size=size, max_overflow=size)
+        self.worker = AsyncWorker(app, self.async_engine, settings, sync_engine=engine)
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def stats(self) -> Any:
+        return self.worker.stats
+
+    @property
+    def maintainer(self) -> Any:
+        return self.worker.maintainer
+
+    def start(self) -> None:
+        self._call(self.worker.start())
+
+    def stop(self, timeout: float) -> Any:
+        try:
+            return self._call(self.worker.stop(timeout))
+        finally:
+            self._call(self.async_engine.dispose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+
+
+def wait_completed(worker: Any, n: int, timeout: float) -> float:
     """Poll the worker's counters until ``n`` completions were committed; returns when."""
     until = time.perf_counter() + timeout
     while time.perf_counter() < until:
@@ -182,9 +238,12 @@ def wait_completed(worker: Worker, n: int, timeout: float) -> float:
                        f"within {timeout:.0f} s")
 
 
-def new_worker(app: App, engine: Engine, args: argparse.Namespace) -> Worker:
-    return Worker(app, engine, WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency,
-                                              schedule=args.schedule))
+def new_worker(app: App, engine: Engine, args: argparse.Namespace, *, is_async: bool = False) -> Any:
+    """The default worker of the run: a :class:`Worker`, or a :class:`LoopWorker`."""
+    settings = WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency, schedule=args.schedule)
+    if is_async:
+        return LoopWorker(app, args.url, engine, settings)
+    return Worker(app, engine, settings)
 
 
 # -- drain ------------------------------------------------------------------------------------
@@ -204,22 +263,23 @@ class Systems:
 
 
 def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
-                 args: argparse.Namespace, exact: bool, trace: WireTrace | None = None) -> dict[str, Any]:
+                 args: argparse.Namespace, exact: bool, trace: WireTrace | None = None,
+                 *, is_async: bool = False) -> dict[str, Any]:
     """Load ``n`` jobs, then drain them with a default worker (see the module docstring)."""
     recorder = Recorder()
-    app, _ = make_app(system, recorder)
+    app, _ = make_app(system, recorder, is_async=is_async)
     system.fresh(engine)
     checkpoint(engine)
     prepared = system.convert(bs.workload(n))
     with engine.begin() as conn:
         system.enqueue_copy(conn, prepared)
     recorder.reset(n)
-    res: dict[str, Any] = {"system": "worker", "phase": phase, "jobs": n}
+    res: dict[str, Any] = {"system": "async_worker" if is_async else "worker", "phase": phase, "jobs": n}
     if trace is not None:
         trace.attach_engine(engine)  # the worker's connections are all new: the pool was disposed
         engine.dispose()
     with pinned(engine, phase == "pinned"):
-        worker = new_worker(app, engine, args)
+        worker = new_worker(app, engine, args, is_async=is_async)
         meter = ServerMeter(engine, breakdown=trace is not None).start()
         cpu0 = time.process_time()
         t0 = time.perf_counter()
@@ -255,7 +315,7 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
     return res
 
 
-def stats_of(worker: Worker) -> dict[str, Any]:
+def stats_of(worker: Any) -> dict[str, Any]:
     stats = getattr(worker, "stats", None)
     if stats is None:
         return {}
@@ -363,6 +423,9 @@ def drain_plan(engine: Engine, sy: Systems, args: argparse.Namespace, exact: boo
     if not args.skip_storage:
         plan.append(("storage", lambda p, n, t: loop_drain(engine, sy.qsys, p, n, args, exact, t)))
     plan.append(("worker", lambda p, n, t: worker_drain(engine, sy.qsys, p, n, args, exact, t)))
+    if args.run_async:
+        plan.append(("async_worker", lambda p, n, t: worker_drain(engine, sy.qsys, p, n, args, exact, t,
+                                                                  is_async=True)))
     return plan
 
 
@@ -394,6 +457,8 @@ def run_accounting(engine: Engine, args: argparse.Namespace, exact: bool) -> lis
     out = []
     try:
         for label, _ in drain_plan(engine, sy, args, exact):
+            if label == "async_worker":  # its AsyncEngine's connections are not traced
+                continue
             print(f"... accounting: {label}", flush=True)
             eng = make_engine(args.url, args.concurrency + args.producers + 4)
             try:
@@ -449,6 +514,7 @@ def summarise_drain(results: list[dict[str, Any]], jobs: int, classics: list[str
             "vs_storage": bs.ratio(get("worker", phase), get("storage", phase)),
             "wal_vs_classic": bs.ratio(get("worker", phase, wal_key),
                                        get(best, phase, wal_key) if best else None),
+            "async_vs_worker": bs.ratio(get("async_worker", phase), get("worker", phase)),
         }
     t = TARGETS
     long_drain = jobs >= LONG_DRAIN
@@ -497,7 +563,8 @@ def print_drain(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     for phase, rr in summary["ratios"].items():
         each = "   ".join(f"vs {k} {bs.times(v)}" for k, v in rr["vs_each"].items())
         print(f"  {phase:<6}  vs classic ({rr['better_classic']}) {bs.times(rr['vs_classic'])}   "
-              f"{each}   vs storage {bs.times(rr['vs_storage'])}   WAL {bs.times(rr['wal_vs_classic'])}")
+              f"{each}   vs storage {bs.times(rr['vs_storage'])}   WAL {bs.times(rr['wal_vs_classic'])}"
+              + (f"   async worker / worker {bs.times(rr['async_vs_worker'])}" if rr["async_vs_worker"] else ""))
     bs.print_targets(summary["targets"], "worker drain")
 
 
@@ -528,15 +595,16 @@ class TaskRuns:
     """Every run of the worker's maintenance tasks during a pickup phase, collected from
     :meth:`Maintainer.reports` (which keeps only the latest runs per task) every 0.2 s."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.maintainer = worker.maintainer
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker  # its maintainer is read when collecting (an AsyncWorker makes it at start)
         self.runs: dict[tuple[str, float], float] = {}  # (task, started) -> duration
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="bench-task-runs", daemon=True)
 
     def _collect(self) -> None:
-        if self.maintainer is not None:
-            for r in self.maintainer.reports():
+        maintainer = self.worker.maintainer
+        if maintainer is not None:
+            for r in maintainer.reports():
                 self.runs[(r.task, r.started)] = r.duration
 
     def _poll(self) -> None:
@@ -622,12 +690,12 @@ def pickup_figures(system: str, phase: str, rate: float, schedule: PacedSchedule
 
 
 def worker_pickup(engine: Engine, qsys: bs.QstoreSystem, phase: str, rate: float,
-                  args: argparse.Namespace, exact: bool) -> dict[str, Any]:
+                  args: argparse.Namespace, exact: bool, *, is_async: bool = False) -> dict[str, Any]:
     recorder = Recorder()
-    app, task = make_app(qsys, recorder)
+    app, task = make_app(qsys, recorder, is_async=is_async)
     qsys.fresh(engine)
     checkpoint(engine)
-    worker = new_worker(app, engine, args)
+    worker = new_worker(app, engine, args, is_async=is_async)
     errors = Errors()
 
     def defer_one(i: int) -> int:
@@ -646,7 +714,8 @@ def worker_pickup(engine: Engine, qsys: bs.QstoreSystem, phase: str, rate: float
             worker.stop(timeout=30.0)
             runs.stop()
         dead = dead_tuples(engine, qsys.schema, exact)
-    res = pickup_figures("worker", phase, rate, schedule, recorder, errors.counts, dead)
+    res = pickup_figures("async_worker" if is_async else "worker", phase, rate, schedule, recorder,
+                         errors.counts, dead)
     m = schedule.measured(recorder.started)
     pickups = [(schedule.commit_at[i], recorder.started[i]) for i in m.jobs if i in recorder.started]
     res["stats"] = stats_of(worker)
@@ -728,6 +797,9 @@ def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[di
     if "classic_pg" in sy.classics:
         plan.append(("classic_pg", lambda p, r: pg_pickup(engine, sy.cpg, p, r, args, exact)))
     plan.append(("worker", lambda p, r: worker_pickup(engine, sy.qsys, p, r, args, exact)))
+    if args.run_async:
+        plan.append(("async_worker", lambda p, r: worker_pickup(engine, sy.qsys, p, r, args, exact,
+                                                                is_async=True)))
     results = []
     try:
         for rnd in range(1, args.rounds + 1):
@@ -772,10 +844,14 @@ def summarise_pickup(results: list[dict[str, Any]], classics: list[str]) -> dict
                   if (k := f"{c}/{rate:g}/{phase}") in med and med[k]["p95_ms"] is not None]
             best = min(cl) if cl else None
             rr = bs.ratio(w["p95_ms"], best[0]) if best else None
+            aw = med.get(f"async_worker/{rate:g}/{phase}")
             ratios[f"{rate:g}/{phase}"] = {"better_classic": best[1] if best else None,
                                            "worker_p95_ms": w["p95_ms"],
                                            "classic_p95_ms": best[0] if best else None,
-                                           "p95_vs_classic": rr}
+                                           "p95_vs_classic": rr,
+                                           "async_worker_p95_ms": aw["p95_ms"] if aw else None,
+                                           "async_p95_vs_worker": bs.ratio(aw["p95_ms"], w["p95_ms"])
+                                           if aw else None}
             v = verdict(rr, "<=", TARGETS["pickup_p95_vs_classic"],
                         None if w["holds_rate"] else f"producer reached {w['achieved_rate']:,.0f}/s")
             if not w["holds_rate"]:
@@ -803,7 +879,10 @@ def print_pickup(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
     print("\nPickup p95, worker / the lower classic p95 (medians over the rounds):")
     for key, rr in summary["ratios"].items():
         print(f"  {key:<14} worker {bs.fmt(rr['worker_p95_ms'], '.2f')} ms, {rr['better_classic']} "
-              f"{bs.fmt(rr['classic_p95_ms'], '.2f')} ms: {bs.times(rr['p95_vs_classic'])}")
+              f"{bs.fmt(rr['classic_p95_ms'], '.2f')} ms: {bs.times(rr['p95_vs_classic'])}"
+              + (f"; async worker {bs.fmt(rr['async_worker_p95_ms'], '.2f')} ms "
+                 f"({bs.times(rr['async_p95_vs_worker'])} the worker's)"
+                 if rr["async_worker_p95_ms"] is not None else ""))
     bs.print_targets(summary["targets"], "worker pickup")
     rows = [[r["phase"], f"{r['offered_rate']:g}", task, o["runs"], f"{o['run_p50_ms']:.1f}",
              f"{o['all_share']:.1%}", f"{o['tail_share']:.1%}"]
@@ -919,6 +998,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--classic-pg-driver", choices=("threads", "asyncio"), default="threads",
                    help="how the psycopg classic queue runs its workers")
     p.add_argument("--skip-storage", action="store_true", help="drain: no storage-level loop")
+    p.add_argument("--async", dest="run_async", action="store_true",
+                   help="drain and pickup: also the AsyncWorker (async def no-op task), after the worker")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[500.0, 2000.0],
                    help="pickup: offered rates, jobs/s (comma-separated)")
     p.add_argument("--rate", dest="rates", type=lambda s: [float(s)],

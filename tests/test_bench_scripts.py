@@ -219,6 +219,19 @@ def test_worker_bench_drains_through_the_worker_beside_both_classic_queues_and_t
     assert {t["result"] for t in data["enqueue"]["summary"]["targets"].values()} <= {"PASS", "FAIL"}
 
 
+def test_worker_bench_with_async_runs_the_async_worker_beside_the_worker(fresh_db_url, tmp_path):
+    out = tmp_path / "async_vs.json"
+    proc = run_script("bench_worker.py", "--url", fresh_db_url, "--jobs", "300", "--concurrency", "4",
+                      "--mode", "drain", "--async", "--phases", "clean", "--classics", "psycopg",
+                      "--skip-storage", "--account-jobs", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    drained = {r["system"]: r for r in data["drain"]["results"]}
+    assert set(drained) == {"classic_pg", "worker", "async_worker"}
+    assert drained["async_worker"]["drain"]["jobs"] == 300 and not drained["async_worker"]["problems"]
+    assert data["drain"]["summary"]["ratios"]["clean"]["async_vs_worker"] > 0
+
+
 def test_psycopg_classic_queue_drains_every_job_exactly_once_with_each_driver_and_claim(
         fresh_db_url, tmp_path):
     out = tmp_path / "classic_pg.json"

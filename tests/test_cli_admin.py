@@ -14,6 +14,7 @@ from sqlalchemy import text
 
 from qstore import QueueStorage, UniqueOpts
 from qstore.cli import main
+from qstore.status import UNHANDLED_KEY
 from qstore.types import JobState
 
 
@@ -77,12 +78,35 @@ def test_status_prints_a_row_per_queue_and_the_rings_and_families(engine, st, cl
     assert lines[-1].startswith("total ")
 
 
+def test_status_lists_jobs_handed_back_for_lack_of_a_task_by_queue_and_kind(engine, st, cli):
+    c = running(engine, st, queue="mail", kind="brand_new")
+    mark = {"count": 3, "run_lease": c.job.run_lease, "at": "2026-12-05T03:44:31+00:00"}
+    st.snooze(engine, c.job.id, c.job.run_lease, 600, {UNHANDLED_KEY: mark})  # as a worker without it does
+    add(engine, st, queue="mail")
+    _, out, _ = cli("status")
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("QUEUE") and "HANDED BACK" in line)
+    row = lines[lines.index(header) + 1]
+    assert row.split() == ["mail", "brand_new", "1", "3", "2026-12-05T03:44:31+00:00"]
+    code, out, _ = cli("status", "--json")
+    assert code == 0
+    assert json.loads(out)["handed_back"] == [
+        {"queue": "mail", "kind": "brand_new", "jobs": 1, "most": 3, "last_at": mark["at"]}]
+
+
+def test_status_has_no_handed_back_table_when_no_job_was_handed_back(engine, st, cli):
+    add(engine, st, queue="mail")
+    code, out, _ = cli("status")
+    assert (code, "HANDED BACK" in out) == (0, False)
+
+
 def test_status_json_is_the_report_under_stable_keys(engine, st, cli):
     add(engine, st)
     code, out, _ = cli("status", "--json")
     assert code == 0
     report = json.loads(out)
-    assert set(report) == {"schema", "exact", "counters_trusted", "shape", "queues", "rings", "health"}
+    assert set(report) == {"schema", "exact", "counters_trusted", "shape", "queues", "rings", "health",
+                           "handed_back"}
     assert [(q["queue"], q["available"]) for q in report["queues"]] == [("q", 1)]
     assert report["health"]["total"]["bytes"] > 0
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from docblocks import README, host_recipe, runnable_blocks
+from docblocks import README, REPO, host_recipe, runnable_blocks
 
 
 def test_the_readme_marks_its_examples_runnable():
@@ -41,3 +41,14 @@ def test_the_readme_cites_no_internal_notes():
     text = README.read_text()
     for word in ("STORAGE.md", "seed", "issue "):
         assert word not in text, word
+
+
+def test_the_worker_guides_fastapi_example_runs_against_a_fresh_database(fresh_db_url, monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", fresh_db_url)
+    (code,) = runnable_blocks(REPO / "docs" / "worker.md")
+    namespace: dict[str, object] = {"__name__": "worker_guide"}
+    try:
+        exec(compile(code, "docs/worker.md runnable block", "exec"), namespace)
+    finally:
+        namespace["engine"].dispose()  # type: ignore[attr-defined]
+    assert namespace["receipts"] == ["receipt for order 7"]

@@ -233,7 +233,8 @@ def test_status_report_as_dict_has_stable_keys(engine, st):
     add(engine, st)
     claim(engine, st)
     report = status.status_report(engine, st).as_dict()
-    assert set(report) == {"schema", "exact", "counters_trusted", "shape", "queues", "rings", "health"}
+    assert set(report) == {"schema", "exact", "counters_trusted", "shape", "queues", "rings", "health",
+                           "handed_back"}
     assert set(report["shape"]) == {"queue_slot_count", "lease_slot_count", "claim_slot_count",
                                     "queue_stripe_count", "lease_claim_receipts"}
     assert set(report["queues"][0]) == {

@@ -8,15 +8,19 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, event, text
 
-from qstore import InsertOpts, InsertParams, UniqueOpts
+from qstore import InsertOpts, InsertParams, UniqueOpts, status
 from qstore.errors import CallbackWaitEndedError, PartialCommitError, ValidationError
 from qstore.runtime.batcher import CompletionBatcher
+from qstore.runtime.core import HAND_BACK_FIRST, unhandled
 from qstore.runtime.maintainer import MaintenanceSchedule
+from qstore.status import UNHANDLED_KEY
 from qstore.tasks import App, Cancel, Fail, JobContext, RetryAfter, Snooze, WaitForCallback
 from qstore.types import JobState
 from qstore.worker import Worker, WorkerSettings
@@ -114,6 +118,39 @@ def test_an_error_on_the_last_attempt_fails_the_job_for_good(engine, st, app, ru
     row = settles_in(engine, st, job_id, JobState.FAILED)
     assert row.errors[-1]["terminal"] is True
     eventually(lambda: w.stats.failed == 1)
+
+
+@pytest.mark.parametrize("dlq_policy", [False, True], ids=["failed_history", "dlq_policy"])
+def test_an_exhausted_job_counts_as_failed_and_exhausted_wherever_the_queue_puts_it(  # type: ignore[no-untyped-def]
+        engine, st, app, run_worker, dlq_policy):
+    st.set_queue_options(engine, "default", dlq_enabled=dlq_policy)
+
+    @app.task(kind="boom", max_attempts=1)
+    def boom(ctx: JobContext) -> None:
+        raise RuntimeError("no luck")
+
+    job_id = boom.defer(engine)
+    w = run_worker(app)
+    settles_in(engine, st, job_id, JobState.FAILED)
+    eventually(lambda: w.stats.failed == 1)
+    assert (w.stats.exhausted, w.stats.dlq) == (1, 0)
+    assert [e.job.id for e in st.list_dlq(engine)] == ([job_id] if dlq_policy else [])
+
+
+@pytest.mark.parametrize(("outcome", "counts"), [
+    (lambda: Fail("bad input"), (1, 0, 0)),
+    (lambda: Fail("poison", dlq=True), (0, 0, 1)),
+], ids=["fail", "fail_dlq"])
+def test_a_handlers_fail_counts_as_failed_or_dlq_never_as_exhausted(engine, st, app, run_worker,  # type: ignore[no-untyped-def]
+                                                                      outcome, counts):
+    @app.task(kind="k")
+    def handler(ctx: JobContext) -> Any:
+        return outcome()
+
+    job_id = handler.defer(engine)
+    w = run_worker(app)
+    settles_in(engine, st, job_id, JobState.FAILED)
+    eventually(lambda: (w.stats.failed, w.stats.exhausted, w.stats.dlq) == counts, what="counts")
 
 
 @pytest.mark.parametrize("returned", [False, True], ids=["raised", "returned"])
@@ -325,16 +362,98 @@ def test_a_stopping_worker_ends_the_wait_and_leaves_the_attempt_waiting_for_its_
     assert state_of(engine, st, job_id) == JobState.COMPLETED
 
 
-def test_a_job_of_an_unknown_kind_fails_for_good_naming_the_kind(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+def test_a_resume_after_the_waiting_worker_stopped_is_rescued_and_runs_the_handler_afresh(  # type: ignore[no-untyped-def]
+        engine, st, app, run_worker):
+    waiter = CallbackWaiter(app, 0.02)
+    job_id = waiter.task.defer(engine)
+    w = run_worker(app)
+    settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL)
+    w.stop(0.2)
+    resumed = st.complete_external(engine, waiter.tokens[0], {"amount": 5}, resume=True)
+    assert resumed.state == JobState.RUNNING  # running, with no handler behind it
+    time.sleep(0.3)
+    assert [r.id for r in st.rescue_stale_heartbeats(engine, 0.2)] == [job_id]
+    row = st.load_job(engine, job_id)
+    assert (row.state, row.attempt) == (JobState.RETRYABLE, 1)
+    eventually(lambda: st.promote_due(engine, "retryable", 10) == 1, timeout=10, what="the backoff over")
+    run_worker(app)
+    eventually(lambda: len(waiter.tokens) == 2, what="the handler to run again")
+    assert waiter.tokens[1] != waiter.tokens[0]  # from the start: a new callback, the payload not handed over
+    assert settles_in(engine, st, job_id, JobState.WAITING_EXTERNAL).attempt == 2
+
+
+def test_a_job_of_an_unknown_kind_is_handed_back_without_counting_an_attempt(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
     @app.task(kind="known")
     def known(ctx: JobContext) -> None: ...
 
     job_id = st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
     w = run_worker(app)
-    row = settles_in(engine, st, job_id, JobState.FAILED)
-    assert "unknown task kind 'mystery.kind'" in row.errors[-1]["error"]
-    assert row.errors[-1]["terminal"] is True
+    row = settles_in(engine, st, job_id, JobState.SCHEDULED)
+    assert (row.attempt, row.errors) == (0, None)
+    mark = row.progress[UNHANDLED_KEY]
+    assert (mark["count"], mark["run_lease"]) == (1, row.run_lease)
+    assert 0.5 < (row.run_at - datetime.now(timezone.utc)).total_seconds() <= HAND_BACK_FIRST
     eventually(lambda: w.stats.unknown_kind == 1)
+    assert w.stats.failed == 0
+
+
+def test_a_hand_back_of_an_unknown_kind_keeps_the_progress_an_earlier_handler_left(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
+    (c,) = st.claim_runtime_batch(engine, "default", 1)
+    st.snooze(engine, c.job.id, c.job.run_lease, 0, {"step": 3})
+    assert st.promote_due(engine, "scheduled", 10) == 1
+    w = run_worker(app, queues=["default"])
+    row = settles_in(engine, st, c.job.id, JobState.SCHEDULED)
+    eventually(lambda: w.stats.unknown_kind == 1)
+    row = st.load_job(engine, c.job.id)
+    assert row.progress["step"] == 3 and row.progress[UNHANDLED_KEY]["count"] == 1
+
+
+def test_each_further_hand_back_of_one_job_waits_twice_as_long(engine, st):  # type: ignore[no-untyped-def]
+    st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
+    (c,) = st.claim_runtime_batch(engine, "default", 1)
+    now = datetime.now(timezone.utc)
+    delays, job = [], c.job
+    for _ in range(9):
+        back = unhandled(job, now)
+        delays.append(back.seconds)
+        job = replace(job, progress=back.progress, run_lease=job.run_lease + 1)
+    assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+    assert job.progress[UNHANDLED_KEY]["count"] == 9
+
+
+def test_an_unknown_kind_is_logged_once_however_many_of_its_jobs_come(engine, st, app, run_worker, caplog):  # type: ignore[no-untyped-def]
+    for _ in range(3):
+        st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
+    with caplog.at_level("WARNING", logger="qstore.worker"):
+        w = run_worker(app, queues=["default"])
+        eventually(lambda: w.stats.unknown_kind == 3)
+    said = [r for r in caplog.records if "mystery.kind" in r.getMessage()]
+    assert len(said) == 1 and "handing its jobs back" in said[0].getMessage()
+
+
+def test_status_lists_the_jobs_handed_back_for_lack_of_a_task_by_kind(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    for kind in ("mystery.a", "mystery.a", "mystery.b"):
+        st.enqueue(engine, InsertParams(kind, {}, InsertOpts(queue="default")))
+    st.enqueue(engine, InsertParams("later", {}, InsertOpts(queue="default", run_at=datetime.now(timezone.utc)
+                                                           + timedelta(hours=1))))
+    w = run_worker(app, queues=["default"])
+    eventually(lambda: w.stats.unknown_kind == 3)
+    got = [(h.queue, h.kind, h.jobs, h.most) for h in status.handed_back_kinds(engine, st)]
+    assert got == [("default", "mystery.a", 2, 1), ("default", "mystery.b", 1, 1)]
+
+
+def test_status_does_not_list_a_job_whose_hand_back_record_is_from_an_earlier_attempt(engine, st, app, run_worker):  # type: ignore[no-untyped-def]
+    job_id = st.enqueue(engine, InsertParams("mystery.kind", {}, InsertOpts(queue="default")))
+    w = run_worker(app, queues=["default"])
+    eventually(lambda: w.stats.unknown_kind == 1)
+    w.stop(0)
+    eventually(lambda: st.promote_due(engine, "scheduled", 10) == 1, timeout=5, what="due again")
+    (c,) = st.claim_runtime_batch(engine, "default", 1)
+    # a handler of the kind ran this attempt and snoozed, carrying the job's progress over
+    st.snooze(engine, c.job.id, c.job.run_lease, 3600, c.job.progress)
+    assert st.load_job(engine, job_id).progress[UNHANDLED_KEY]["count"] == 1
+    assert status.handed_back_kinds(engine, st) == []
 
 
 # -- async handlers ------------------------------------------------------------------------------

@@ -19,9 +19,10 @@ import pytest
 from sqlalchemy import make_url, text
 from test_worker import eventually
 
-from qstore import InsertOpts, InsertParams
+from qstore import InsertOpts, InsertParams, status
 from qstore.cli import main
 from qstore.runtime.maintainer import LEADER_KEY_PREFIX
+from qstore.status import UNHANDLED_KEY
 from qstore.types import JobState
 
 APP = '''
@@ -41,6 +42,16 @@ def work(ctx: JobContext, name: str, hold: float = 0.0) -> None:
     (MARKS / f"{name}.start.{os.getpid()}.{ctx.run_lease}").touch()
     if hold and first:
         time.sleep(hold)
+    (MARKS / f"{name}.done.{os.getpid()}.{ctx.run_lease}").touch()
+
+
+# the next release of the application: the same tasks plus one of a new kind
+next_app = App(app.storage)
+next_app.tasks.update(app.tasks)
+
+
+@next_app.task(kind="brand_new")
+def brand_new(ctx: JobContext, name: str) -> None:
     (MARKS / f"{name}.done.{os.getpid()}.{ctx.run_lease}").touch()
 '''
 
@@ -75,14 +86,14 @@ def spawn(app_module, db_url, st) -> Iterator[Callable[..., WorkerProcess]]:  # 
     module, where = app_module
     started: list[WorkerProcess] = []
 
-    def start(name: str, *extra: str) -> WorkerProcess:
+    def start(name: str, *extra: str, app: str = "app") -> WorkerProcess:
         url = make_url(db_url).update_query_dict({"application_name": name}).render_as_string(hide_password=False)
         env = {**os.environ, "QSTORE_TEST_MARKS": str(where / "marks"), "QSTORE_TEST_SCHEMA": st.schema(),
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                               os.environ.get("PYTHONPATH", "")])}
         log = where / f"{name}.log"
         popen = subprocess.Popen(
-            [sys.executable, "-m", "qstore", "worker", f"{module}:app", "--url", url, "--concurrency", "4",
+            [sys.executable, "-m", "qstore", "worker", f"{module}:{app}", "--url", url, "--concurrency", "4",
              "--poll-interval", "0.2", *extra],
             cwd=where, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
         proc = WorkerProcess(popen, log, name)
@@ -224,3 +235,27 @@ def test_a_worker_without_a_database_url_is_refused_in_one_line(app_module, monk
     assert main(["worker", f"{module}:app"]) == 1
     err = capsys.readouterr().err
     assert "worker needs a database" in err and err.count("\n") == 1, err
+
+
+def test_a_new_kind_handed_back_by_an_old_worker_completes_on_a_new_one_without_spending_attempts(  # type: ignore[no-untyped-def]
+        engine, st, spawn, app_module):
+    old = spawn("w_old").wait_started()
+    job_id = st.enqueue(engine, InsertParams("brand_new", {"name": "fresh"}, InsertOpts(queue="default")))
+
+    def handed_back(times: int) -> bool:
+        row = st.load_job(engine, job_id)
+        mark = (row.progress or {}).get(UNHANDLED_KEY) if row is not None else None
+        return bool(mark) and mark["count"] >= times and row.state == JobState.SCHEDULED
+
+    eventually(lambda: handed_back(2), timeout=15, what="handed back twice by the old worker")
+    row = st.load_job(engine, job_id)
+    assert (row.attempt, row.errors) == (0, None)
+    assert [(h.kind, h.jobs) for h in status.handed_back_kinds(engine, st)] == [("brand_new", 1)]
+    new = spawn("w_new", app="next_app").wait_started()
+    eventually(lambda: state_of(engine, st, job_id) == JobState.COMPLETED, timeout=20, what="completed")
+    assert st.load_job(engine, job_id).attempt == 1
+    done = marks(app_module, "done", "fresh")
+    assert len(done) == 1 and f".{new.popen.pid}." in done[0]
+    assert old.popen.poll() is None
+    assert old.output.count("no task for kind 'brand_new'") == 1
+    assert status.handed_back_kinds(engine, st) == []

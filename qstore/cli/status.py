@@ -2,7 +2,8 @@
 
 Three fixed-width tables — queues, rings, table families — or, with ``--json``, the report's
 ``as_dict()`` (stable keys: ``schema``, ``exact``, ``counters_trusted``, ``shape``,
-``queues``, ``rings``, ``health``). ``--fast`` reads the lane heads instead of the exact
+``queues``, ``rings``, ``health``, ``handed_back``). Jobs handed back by workers that have no
+task for their kind get a table of their own, after the queues, when there are any. ``--fast`` reads the lane heads instead of the exact
 counts (see ``QueueStorage.queue_counts_fast`` for its bounds) and skips the per-state scan
 of retained terminal rows.
 """
@@ -42,6 +43,13 @@ def report_lines(report: StatusReport) -> list[str]:
                          "terminal counts pruned history only)")
     else:
         lines.append("no queues yet")
+    if report.handed_back:
+        lines.append("")
+        lines += table_lines(
+            ("QUEUE", "KIND", "HANDED BACK", "MOST IN A ROW", "LAST"),
+            [(h.queue, h.kind, h.jobs, h.most, h.last_at) for h in report.handed_back])
+        lines.append("(scheduled jobs whose last attempt a worker gave back: it had no task for "
+                     "their kind)")
     lines.append("")
     lines += table_lines(
         ("RING", "CURRENT SLOT", "GENERATION", "SLOTS", "SLOTS WITH DATA", "SIZE"),

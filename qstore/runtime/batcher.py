@@ -26,15 +26,24 @@ Guarantees:
 Failures to reach the database are logged through an :class:`~qstore.outage.OutageLog`
 (one WARNING when completions start failing, DEBUG while they go on failing the same way,
 one INFO line once they land again); a worker passes its own.
+
+What a flush sends, retries and counts is written once, in :class:`BatchCore`, as a
+procedure yielding storage calls (:class:`~qstore.runtime.core.Call`) and retry waits
+(:class:`RetryWait`): :class:`CompletionBatcher` runs it on its thread with a synchronous
+``Engine``, :class:`AsyncCompletionBatcher` as a task of an event loop with an
+``AsyncEngine``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
@@ -45,10 +54,17 @@ from qstore.errors import (
     ValidationError,
 )
 from qstore.outage import OutageLog
+from qstore.runtime.core import Call
 from qstore.storage import QueueStorage
 from qstore.types import ClaimedRuntimeJob, InsertParams
 
-__all__ = ["BatcherStats", "Completion", "CompletionBatcher"]
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from qstore.aio import AsyncQueueStorage
+
+__all__ = ["AsyncCompletionBatcher", "BatchCore", "BatcherStats", "Completion", "CompletionBatcher",
+           "RetryWait", "wait_event"]
 
 log = logging.getLogger("qstore.worker")
 
@@ -98,7 +114,179 @@ class _Queue:
     first_at: float = 0.0
 
 
-class CompletionBatcher:
+@dataclass(frozen=True)
+class RetryWait:
+    """Wait ``delay`` seconds before sending again; the driver sends back False when the
+    batcher must give up instead (it is stopping and its flush timeout has passed)."""
+
+    delay: float
+
+
+#: A flush's procedure: yields storage calls and retry waits.
+Procedure = Generator["Call | RetryWait", Any, None]
+
+
+class BatchCore:
+    """What a flush of completions sends, retries and counts (see the module docstring);
+    the batchers drive :meth:`send`."""
+
+    def __init__(self, max_batch: int, interval: float, outages: OutageLog | None) -> None:
+        _positive(max_batch, "max_batch", integer=True)
+        _positive(interval, "interval")
+        self.max_batch = max_batch
+        self.interval = float(interval)
+        self._q = _Queue()
+        self._stopping = False
+        self._give_up_at: float | None = None
+        self._busy = False
+        self._stats = BatcherStats()
+        self._stats_lock = threading.Lock()
+        self._outages = outages if outages is not None else OutageLog(log, "qstore worker")
+
+    @property
+    def stats(self) -> BatcherStats:
+        with self._stats_lock:
+            return BatcherStats(**{f.name: getattr(self._stats, f.name) for f in fields(BatcherStats)})
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, n in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
+    def _retry_delay(self, delay: float) -> float:
+        """The wait a :class:`RetryWait` of ``delay`` will make (for the log)."""
+        if self._give_up_at is None:
+            return delay
+        return max(0.0, min(delay, self._give_up_at - time.monotonic()))
+
+    def _take(self) -> list[Completion]:
+        """The next batch out of the queue (the rest, if any, due at once)."""
+        batch = self._q.items[:self.max_batch]
+        del self._q.items[:self.max_batch]
+        if self._q.items:
+            self._q.first_at = time.monotonic() - self.interval  # the rest is due too
+        return batch
+
+    def _add(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams]) -> bool:
+        """Queue one completion; True when the sender should be woken."""
+        if not self._q.items:
+            self._q.first_at = time.monotonic()
+        self._q.items.append(Completion(claimed, tuple(followups)))
+        return len(self._q.items) == 1 or len(self._q.items) >= self.max_batch
+
+    def _left(self) -> None:
+        """Count and log what is still queued when the batcher stops."""
+        left, self._q.items = self._q.items, []
+        if left:
+            self._count(abandoned=len(left))
+            log.warning("qstore worker: %d completions could not be sent before stopping; their "
+                        "attempts will be rescued and run again", len(left))
+
+    # -- the procedure ---------------------------------------------------------------------------
+    def send(self, batch: list[Completion]) -> Procedure:
+        """Send ``batch``: the attempts without follow-ups in one completion call, those
+        with follow-ups joined to theirs; retried as the module docstring says."""
+        with self._stats_lock:
+            self._stats.largest_batch = max(self._stats.largest_batch, len(batch))
+        plain = [c for c in batch if not c.followups]
+        joined = [c for c in batch if c.followups]
+        if plain:
+            yield from self._complete(plain)
+        if joined:
+            yield from self._complete_joined(joined)
+
+    def _settle(self, items: Sequence[Completion], done: set[tuple[int, int]]) -> None:
+        stale = [c.pair for c in items if c.pair not in done]
+        if stale:
+            log.debug("qstore worker: %d stale completions (attempts closed elsewhere first): %s",
+                      len(stale), stale[:20])
+        self._count(completed=len(items) - len(stale), stale=len(stale))
+
+    def _complete(self, items: list[Completion]) -> Procedure:
+        delay = RETRY_FIRST
+        while items:
+            self._count(calls=1)
+            try:
+                done = yield Call("complete_runtime_batch", ([c.claimed for c in items],))
+            except PartialCommitError as err:
+                committed = set(err.committed)
+                kept = [c for c in items if c.pair in committed]
+                self._count(completed=len(kept), retries=1)
+                items = [c for c in items if c.pair not in committed]
+                self._outages.failed("completions", err, 0.0,
+                                     detail=f"{len(kept)} of {len(kept) + len(items)} committed")
+                continue
+            except DatabaseError as err:
+                self._count(retries=1)
+                self._outages.failed("completions", err, self._retry_delay(delay),
+                                     detail=f"{len(items)} attempts")
+                if not (yield RetryWait(delay)):
+                    self._abandon(items)
+                    return
+                delay = min(delay * 2, RETRY_CAP)
+                continue
+            except QueueStorageError as err:  # not a database error: sending again cannot help
+                self._refused(items, err)
+                return
+            self._outages.ok("completions")
+            self._settle(items, set(done))
+            return
+
+    def _refused(self, items: Sequence[Completion], err: QueueStorageError) -> None:
+        self._outages.forget("completions")
+        self._count(abandoned=len(items))
+        log.warning("qstore worker: completion of %d attempts refused (%s); their attempts will be "
+                    "rescued and run again", len(items), " ".join(str(err).split()))
+
+    def _abandon(self, items: Sequence[Completion]) -> None:
+        self._outages.forget("completions")
+        self._count(abandoned=len(items))
+        log.warning("qstore worker: gave up %d completions at stop; their attempts will be rescued "
+                    "and run again", len(items))
+
+    def _joined_once(self, items: Sequence[Completion]) -> Procedure:
+        """Complete ``items`` and enqueue the follow-ups of those completed, in one transaction."""
+        self._count(calls=1)
+        done = set((yield Call("complete_runtime_batch_with_followups",
+                               ([(c.claimed, c.followups) for c in items],))))
+        self._count(followups=sum(len(c.followups) for c in items if c.pair in done))
+        self._settle(items, done)
+
+    def _complete_joined(self, items: list[Completion]) -> Procedure:
+        delay = RETRY_FIRST
+        while True:
+            try:
+                yield from self._joined_once(items)
+                self._outages.ok("completions")
+                return
+            except DatabaseError as err:
+                self._count(retries=1)
+                self._outages.failed("completions", err, self._retry_delay(delay),
+                                     detail=f"{len(items)} attempts with follow-up jobs")
+                if not (yield RetryWait(delay)):
+                    self._abandon(items)
+                    return
+                delay = min(delay * 2, RETRY_CAP)
+            except QueueStorageError as err:
+                if len(items) > 1:  # find the attempt(s) whose follow-ups cannot be written
+                    for c in items:
+                        yield from self._complete_joined([c])
+                    return
+                yield from self._follow_up_failed(items[0], err)
+                return
+
+    def _follow_up_failed(self, c: Completion, err: QueueStorageError) -> Procedure:
+        self._count(followup_failures=1)
+        message = f"follow-up jobs could not be enqueued: {err}"
+        log.warning("qstore worker: job %s: %s", c.pair[0], message)
+        try:
+            yield Call("fail_retryable", (c.pair[0], c.pair[1], message))
+        except QueueStorageError as again:
+            log.warning("qstore worker: job %s could not be failed either (%s); it will be rescued",
+                        c.pair[0], again)
+
+
+class CompletionBatcher(BatchCore):
     """Completes submitted attempts of ``storage`` on ``engine`` in batches (see the module
     docstring). :meth:`start` runs the thread; :meth:`stop` flushes and ends it."""
 
@@ -106,28 +294,13 @@ class CompletionBatcher:
                  interval: float = 0.003, outages: OutageLog | None = None) -> None:
         if not isinstance(engine, Engine):
             raise ValidationError("engine", engine, "the batcher needs a synchronous Engine")
-        _positive(max_batch, "max_batch", integer=True)
-        _positive(interval, "interval")
+        super().__init__(max_batch, interval, outages)
         self.storage = storage
         self.engine = engine
-        self.max_batch = max_batch
-        self.interval = float(interval)
-        self._q = _Queue()
         self._cond = threading.Condition()
-        self._stopping = False
-        self._give_up_at: float | None = None
-        self._busy = False
         self._thread: threading.Thread | None = None
-        self._stats = BatcherStats()
-        self._stats_lock = threading.Lock()
-        self._outages = outages if outages is not None else OutageLog(log, "qstore worker")
 
     # -- public ----------------------------------------------------------------------------------
-    @property
-    def stats(self) -> BatcherStats:
-        with self._stats_lock:
-            return BatcherStats(**{f.name: getattr(self._stats, f.name) for f in fields(BatcherStats)})
-
     @property
     def pending(self) -> int:
         """Attempts submitted and not sent yet (or being sent)."""
@@ -137,10 +310,7 @@ class CompletionBatcher:
     def submit(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
         """Queue ``claimed`` for completion (with ``followups`` in its transaction)."""
         with self._cond:
-            if not self._q.items:
-                self._q.first_at = time.monotonic()
-            self._q.items.append(Completion(claimed, tuple(followups)))
-            if len(self._q.items) == 1 or len(self._q.items) >= self.max_batch:
+            if self._add(claimed, followups):
                 self._cond.notify_all()
 
     def start(self) -> None:
@@ -176,11 +346,7 @@ class CompletionBatcher:
             self._thread.join(timeout + 1.0)
             self._thread = None
         with self._cond:
-            left, self._q.items = self._q.items, []
-        if left:
-            self._count(abandoned=len(left))
-            log.warning("qstore worker: %d completions could not be sent before stopping; their "
-                        "attempts will be rescued and run again", len(left))
+            self._left()
 
     # -- the thread ----------------------------------------------------------------------------
     def _next_batch(self) -> list[Completion] | None:
@@ -194,10 +360,7 @@ class CompletionBatcher:
                 due = self._q.first_at + self.interval
                 remaining = due - time.monotonic()
                 if len(self._q.items) >= self.max_batch or remaining <= 0 or self._stopping:
-                    batch = self._q.items[:self.max_batch]
-                    del self._q.items[:self.max_batch]
-                    if self._q.items:
-                        self._q.first_at = time.monotonic() - self.interval  # the rest is due too
+                    batch = self._take()
                     self._busy = True
                     return batch
                 self._cond.wait(remaining)
@@ -214,11 +377,6 @@ class CompletionBatcher:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _count(self, **deltas: int) -> None:
-        with self._stats_lock:
-            for name, n in deltas.items():
-                setattr(self._stats, name, getattr(self._stats, name) + n)
-
     def _wait_retry(self, delay: float) -> bool:
         """Sleep ``delay`` before a retry; False when the batcher must give up instead."""
         with self._cond:
@@ -231,108 +389,147 @@ class CompletionBatcher:
         return True
 
     def _send(self, batch: list[Completion]) -> None:
-        with self._stats_lock:
-            self._stats.largest_batch = max(self._stats.largest_batch, len(batch))
-        plain = [c for c in batch if not c.followups]
-        joined = [c for c in batch if c.followups]
-        if plain:
-            self._complete(plain)
-        if joined:
-            self._complete_joined(joined)
-
-    def _settle(self, items: Sequence[Completion], done: set[tuple[int, int]]) -> None:
-        stale = [c.pair for c in items if c.pair not in done]
-        if stale:
-            log.debug("qstore worker: %d stale completions (attempts closed elsewhere first): %s",
-                      len(stale), stale[:20])
-        self._count(completed=len(items) - len(stale), stale=len(stale))
-
-    def _complete(self, items: list[Completion]) -> None:
-        delay = RETRY_FIRST
-        while items:
-            self._count(calls=1)
-            try:
-                done = self.storage.complete_runtime_batch(self.engine, [c.claimed for c in items])
-            except PartialCommitError as err:
-                committed = set(err.committed)
-                kept = [c for c in items if c.pair in committed]
-                self._count(completed=len(kept), retries=1)
-                items = [c for c in items if c.pair not in committed]
-                self._outages.failed("completions", err, 0.0,
-                                     detail=f"{len(kept)} of {len(kept) + len(items)} committed")
-                continue
-            except DatabaseError as err:
-                self._count(retries=1)
-                self._outages.failed("completions", err, self._retry_delay(delay),
-                                     detail=f"{len(items)} attempts")
-                if not self._wait_retry(delay):
-                    self._abandon(items)
-                    return
-                delay = min(delay * 2, RETRY_CAP)
-                continue
-            except QueueStorageError as err:  # not a database error: sending again cannot help
-                self._refused(items, err)
-                return
-            self._outages.ok("completions")
-            self._settle(items, set(done))
-            return
-
-    def _refused(self, items: Sequence[Completion], err: QueueStorageError) -> None:
-        self._outages.forget("completions")
-        self._count(abandoned=len(items))
-        log.warning("qstore worker: completion of %d attempts refused (%s); their attempts will be "
-                    "rescued and run again", len(items), " ".join(str(err).split()))
-
-    def _retry_delay(self, delay: float) -> float:
-        """The wait :meth:`_wait_retry` will make for ``delay`` (for the log)."""
-        with self._cond:
-            if self._give_up_at is None:
-                return delay
-            return max(0.0, min(delay, self._give_up_at - time.monotonic()))
-
-    def _abandon(self, items: Sequence[Completion]) -> None:
-        self._outages.forget("completions")
-        self._count(abandoned=len(items))
-        log.warning("qstore worker: gave up %d completions at stop; their attempts will be rescued "
-                    "and run again", len(items))
-
-    def _joined_once(self, items: Sequence[Completion]) -> None:
-        """Complete ``items`` and enqueue the follow-ups of those completed, in one transaction."""
-        self._count(calls=1)
-        done = set(self.storage.complete_runtime_batch_with_followups(
-            self.engine, [(c.claimed, c.followups) for c in items]))
-        self._count(followups=sum(len(c.followups) for c in items if c.pair in done))
-        self._settle(items, done)
-
-    def _complete_joined(self, items: list[Completion]) -> None:
-        delay = RETRY_FIRST
+        proc = self.send(batch)
+        value: Any = None
+        error: Exception | None = None
         while True:
             try:
-                self._joined_once(items)
-                self._outages.ok("completions")
+                effect = proc.throw(error) if error is not None else proc.send(value)
+            except StopIteration:
                 return
-            except DatabaseError as err:
-                self._count(retries=1)
-                self._outages.failed("completions", err, self._retry_delay(delay),
-                                     detail=f"{len(items)} attempts with follow-up jobs")
-                if not self._wait_retry(delay):
-                    self._abandon(items)
-                    return
-                delay = min(delay * 2, RETRY_CAP)
-            except QueueStorageError as err:
-                if len(items) > 1:  # find the attempt(s) whose follow-ups cannot be written
-                    for c in items:
-                        self._complete_joined([c])
-                    return
-                self._follow_up_failed(items[0], err)
-                return
+            value, error = None, None
+            try:
+                if isinstance(effect, RetryWait):
+                    value = self._wait_retry(effect.delay)
+                else:
+                    value = getattr(self.storage, effect.op)(self.engine, *effect.args)
+            except Exception as err:
+                error = err
 
-    def _follow_up_failed(self, c: Completion, err: QueueStorageError) -> None:
-        self._count(followup_failures=1)
-        message = f"follow-up jobs could not be enqueued: {err}"
-        log.warning("qstore worker: job %s: %s", c.pair[0], message)
-        try:
-            self.storage.fail_retryable(self.engine, c.pair[0], c.pair[1], message)
-        except QueueStorageError as again:
-            log.warning("qstore worker: job %s could not be failed either (%s); it will be rescued",
-                        c.pair[0], again)
+
+
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait until ``event`` is set or ``timeout`` seconds pass (None: no limit); whether it
+    is set."""
+    if not event.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+    return event.is_set()
+
+
+class AsyncCompletionBatcher(BatchCore):
+    """:class:`CompletionBatcher` on an event loop: completes submitted attempts through
+    ``storage`` (an :class:`~qstore.aio.AsyncQueueStorage`) on ``engine`` (an
+    ``AsyncEngine``) from a task of the running loop. :meth:`submit` must be called on that
+    loop; :meth:`start` starts the task, :meth:`stop` flushes and ends it. Sends, retries
+    and counts exactly as :class:`CompletionBatcher` does (:class:`BatchCore`)."""
+
+    def __init__(self, storage: AsyncQueueStorage, engine: AsyncEngine, *, max_batch: int = 500,
+                 interval: float = 0.003, outages: OutageLog | None = None) -> None:
+        super().__init__(max_batch, interval, outages)
+        self.storage = storage
+        self.engine = engine
+        self._wake = asyncio.Event()  # something was queued, or the batcher is stopping
+        self._settled = asyncio.Event()  # a batch was sent
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        """Attempts submitted and not sent yet (or being sent)."""
+        return len(self._q.items) + (1 if self._busy else 0)
+
+    def submit(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
+        """Queue ``claimed`` for completion (with ``followups`` in its transaction)."""
+        if self._add(claimed, followups):
+            self._wake.set()
+
+    def start(self) -> None:
+        """Start the sending task on the running loop."""
+        if self._task is not None and not self._task.done():
+            raise RuntimeError("batcher already running")
+        self._stopping = False
+        self._give_up_at = None
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="qstore-completions")
+
+    async def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything submitted so far is sent; True when nothing is pending."""
+        deadline = time.monotonic() + timeout
+        self._q.first_at = 0.0  # due now
+        self._wake.set()
+        while self._q.items or self._busy:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._settled.clear()
+            await wait_event(self._settled, min(remaining, 0.05))
+        return True
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Send everything pending (retrying errors for up to ``timeout`` seconds), then end
+        the task. Attempts still unsent then are abandoned (counted, logged)."""
+        self._stopping = True
+        self._give_up_at = time.monotonic() + timeout
+        self._q.first_at = 0.0
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout + 1.0)
+            except asyncio.TimeoutError:
+                self._task.cancel()
+            self._task = None
+        self._left()
+
+    async def _next_batch(self) -> list[Completion] | None:
+        while True:
+            if not self._q.items:
+                if self._stopping:
+                    return None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            remaining = self._q.first_at + self.interval - time.monotonic()
+            if len(self._q.items) >= self.max_batch or remaining <= 0 or self._stopping:
+                self._busy = True
+                return self._take()
+            self._wake.clear()
+            await wait_event(self._wake, remaining)
+
+    async def _loop(self) -> None:
+        while (batch := await self._next_batch()) is not None:
+            try:
+                await self._send(batch)
+            except Exception:  # never let the task die with completions in hand
+                log.exception("qstore worker: completion batch failed unexpectedly")
+                self._count(abandoned=len(batch))
+            finally:
+                self._busy = False
+                self._settled.set()
+
+    async def _send(self, batch: list[Completion]) -> None:
+        proc = self.send(batch)
+        value: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                effect = proc.throw(error) if error is not None else proc.send(value)
+            except StopIteration:
+                return
+            value, error = None, None
+            try:
+                if isinstance(effect, RetryWait):
+                    value = await self._wait_retry(effect.delay)
+                else:
+                    value = await getattr(self.storage, effect.op)(self.engine, *effect.args)
+            except Exception as err:
+                error = err
+
+    async def _wait_retry(self, delay: float) -> bool:
+        """Sleep ``delay`` before a retry; False when the batcher must give up instead."""
+        if self._give_up_at is not None:
+            remaining = self._give_up_at - time.monotonic()
+            if remaining <= 0:
+                return False
+            delay = min(delay, remaining)
+        self._wake.clear()
+        await wait_event(self._wake, delay)
+        return True

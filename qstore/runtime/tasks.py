@@ -46,11 +46,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from sqlalchemy import Engine
 
 from qstore.errors import CallbackWaitEndedError, ValidationError
+from qstore.runtime.periodic import Periodic, schedule_of, tick_of, validate_catch_up
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import (
     validate_aware_datetime,
@@ -235,6 +236,12 @@ class JobContext:
     @property
     def args(self) -> Any:
         return self.claimed.job.args
+
+    @property
+    def tick(self) -> datetime | None:
+        """The tick (aware UTC datetime) a periodic task's job was enqueued for, None for a
+        job that no schedule enqueued. It stays the same through retries and snoozes."""
+        return tick_of(self.claimed.job.metadata)
 
     @property
     def is_cancelled(self) -> bool:
@@ -531,6 +538,7 @@ class App:
             raise ValidationError("storage", storage, "expected QueueStorage")
         self.storage = storage
         self.tasks: dict[str, Task[Any, Any]] = {}
+        self.periodic_tasks: dict[str, Periodic] = {}
         self._async: AsyncQueueStorage | None = None
 
     @property
@@ -589,6 +597,50 @@ class App:
 
         return register(fn) if fn is not None else register
 
+    def periodic(self, *, cron: str | None = None, every: float | timedelta | None = None,
+                 catch_up: int = 0, args: Mapping[str, Any] | None = None) -> _PeriodicDecorator:
+        """Run a task on a schedule: ``cron="*/5 * * * *"`` (a cron expression in UTC; needs
+        the ``cron`` extra) or ``every=timedelta(seconds=30)`` (an interval: ticks at its
+        multiples since the Unix epoch). Stack it on ``@app.task(...)``, or put it on a plain
+        function to register that as a task with the default options.
+
+        Each tick is enqueued as one job (``args`` are its fixed keyword arguments), exactly
+        once however many workers run; the handler reads the tick as ``ctx.tick``. Ticks
+        whose time passed while no worker planned them are skipped, unless ``catch_up=N``:
+        then the newest ``N`` of them are enqueued when a worker comes back (see
+        :mod:`qstore.runtime.periodic`). The task stays a normal task: callable, deferrable.
+
+        Raises ``ValidationError`` for a bad schedule, ``catch_up`` or ``args`` (at
+        decoration), and :class:`~qstore.runtime.periodic.MissingExtraError` for ``cron=``
+        without the ``croniter`` package.
+        """
+        schedule = schedule_of(cron=cron, every=every)
+        catch = validate_catch_up(catch_up)
+        if args is not None and not isinstance(args, Mapping):
+            raise ValidationError("args", args, "expected a mapping of keyword arguments")
+
+        def register(target: Any) -> Task[Any, Any]:
+            task = target if isinstance(target, Task) else self.task(target)
+            if task.app is not self:
+                raise ValidationError("task", task, "is registered with another App")
+            if task.kind in self.periodic_tasks:
+                raise ValidationError("kind", task.kind, "this task has a schedule already")
+            fixed = task.deferral.args_of(**dict(args or {}))
+            self.periodic_tasks[task.kind] = Periodic(task.kind, schedule, task.opts, fixed, catch)
+            return task
+
+        return register
+
     def __repr__(self) -> str:
         return f"App({self.storage!r}, tasks={sorted(self.tasks)})"
+
+
+class _PeriodicDecorator(Protocol):
+    """What ``@app.periodic(...)`` returns: takes a task (or a function to register as one)
+    and returns the task."""
+
+    @overload
+    def __call__(self, target: Task[P, R], /) -> Task[P, R]: ...
+    @overload
+    def __call__(self, target: Callable[Concatenate[JobContext, P], R], /) -> Task[P, R]: ...
 

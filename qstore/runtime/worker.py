@@ -29,7 +29,7 @@ stop. A second signal cuts the wait short.
 
 While the database is away, nothing is dropped early: claims, completions, heartbeats and
 the listener retry, and an outcome write is retried until shortly before its attempt would
-count as abandoned, then the attempt is given back (see :meth:`Worker._write`). Failures are
+count as abandoned, then the attempt is given back (see :meth:`~qstore.runtime.core.WorkerCore.write`). Failures are
 logged as a few lines per outage (:class:`~qstore.outage.OutageLog`). A worker checks that
 its schema is installed before it starts, and stops by itself, with one ERROR line, when
 the schema disappears while it runs (:attr:`Worker.failure`).
@@ -40,18 +40,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import inspect
 import logging
-import math
 import queue as queue_module
 import signal
 import threading
 import time
-import traceback
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
-from datetime import timedelta
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -59,208 +54,35 @@ from sqlalchemy import Engine
 
 from qstore import migrate
 from qstore.errors import (
-    DatabaseError,
     QueueStorageError,
     SchemaNotInstalledError,
-    StaleAttemptError,
     ValidationError,
     translate_errors,
 )
 from qstore.outage import OutageLog, describe_failure
 from qstore.runtime.batcher import CompletionBatcher
-from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
-from qstore.runtime.tasks import (
-    App,
-    Cancel,
-    Fail,
-    JobContext,
-    JobOutcome,
-    RetryAfter,
-    Snooze,
-    Task,
-    WaitForCallback,
+from qstore.runtime.core import (
+    PARTIAL_RECHECK,
+    Attempt,
+    Capacity,
+    Procedure,
+    Sleep,
+    WorkerCore,
+    WorkerSettings,
+    WorkerStats,
+    drive,
+    schema_error,
 )
-from qstore.storage.jobs import validate_queue
+from qstore.runtime.maintainer import Maintainer
+from qstore.runtime.periodic import Planner
+from qstore.runtime.tasks import App, JobContext, JobOutcome
 from qstore.storage.listen import Listener
-from qstore.types import ClaimedRuntimeJob, JobRow, JobState
+from qstore.types import ClaimedRuntimeJob
 
 __all__ = ["Worker", "WorkerSettings", "WorkerStats"]
 
 log = logging.getLogger("qstore.worker")
 
-#: Longest error text a failed attempt records (the message and the raising frame).
-MAX_ERROR_CHARS = 2000
-#: How long a dispatcher waits for more free handlers before claiming for fewer than half
-#: of them (seconds).
-CLAIM_LINGER = 0.005
-#: How soon a dispatcher whose claim came back partly filled claims again without a
-#: notification (seconds; at most ``poll_interval``).
-PARTIAL_RECHECK = 0.05
-#: Retry delays of an outcome write or a give-back that failed (seconds): the first, doubled
-#: after each failure up to the cap. They go on until the attempt's lease ends (see
-#: :meth:`Worker._lease_end`) or a stop gives up.
-RETRY_FIRST, RETRY_CAP = 0.1, 5.0
-#: The part of an attempt's lease that a failing outcome write leaves for giving the attempt
-#: back instead: a third of the heartbeat staleness, at most this many seconds.
-HAND_BACK_RESERVE = 10.0
-#: SQLSTATEs of a statement that named an object which does not exist (schema, table,
-#: function): the worker then checks whether its schema is still installed.
-MISSING_OBJECT = frozenset({"3F000", "42P01", "42883"})
-
-
-def _number(value: object, name: str, *, minimum: float = 0.0, strict: bool = True,
-            integer: bool = False, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise ValidationError(name, value, "must be " + ("an integer" if integer else "a finite number"))
-    assert isinstance(value, int | float)
-    if value < minimum or (strict and value == minimum):
-        raise ValidationError(name, value, f"must be {'>' if strict else '>='} {minimum:g}")
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """How a :class:`Worker` runs. Durations are seconds.
-
-    ``queues``: logical queues to work (default: the queues of the app's tasks).
-    ``concurrency``: handlers running at once (the sync thread pool's size; async handlers
-    count against it too). ``claim_batch``: most attempts one claim call takes (never more
-    than the free capacity). ``prefetch``: claimed attempts that may wait for a free handler
-    (default: ``concurrency``, so the next claim overlaps the running handlers; 0: claim
-    only for free handlers, which lets an idle worker elsewhere take the rest). ``poll_interval``: how long a dispatcher whose queue
-    was empty waits before claiming again without a notification. ``listen``: use
-    ``LISTEN`` for wake-ups and cancels (off: polling only, and no cancel delivery).
-    ``heartbeat_interval``: attempts running longer than this are heartbeated this often
-    (keep it well under the maintainer's ``heartbeat_staleness``, 90 s by default).
-    ``claim_deadline``: the storage deadline of each attempt (``None``: none; the maintainer
-    rescues attempts past it). ``aging_interval``: claim with priority aging.
-    ``max_claimers``: claim through the queue's bounded claimer slots (at most this many
-    claimers per queue across workers) with ``claimer_lease_ttl`` / ``claimer_idle``.
-    ``shutdown_timeout``: how long stopping waits for running handlers before giving their
-    attempts back. ``completion_batch`` / ``completion_interval``: the batcher's flush size
-    and delay. ``maintain``: run a :class:`Maintainer` (with ``schedule``).
-    ``error_backoff``: wait after a failed claim.
-    """
-
-    queues: Sequence[str] | None = None
-    concurrency: int = 16
-    claim_batch: int = 32
-    prefetch: int | None = None
-    poll_interval: float = 1.0
-    listen: bool = True
-    heartbeat_interval: float = 30.0
-    claim_deadline: float | None = None
-    aging_interval: float | None = None
-    max_claimers: int | None = None
-    claimer_lease_ttl: float = 30.0
-    claimer_idle: float = 10.0
-    shutdown_timeout: float = 30.0
-    completion_batch: int = 500
-    completion_interval: float = 0.003
-    maintain: bool = True
-    schedule: MaintenanceSchedule | None = None
-    error_backoff: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.queues is not None:
-            if isinstance(self.queues, str):
-                raise ValidationError("queues", self.queues, "expected a list of queue names, not one string")
-            names = [validate_queue(q, "queues") for q in self.queues]
-            if not names:
-                raise ValidationError("queues", self.queues, "must name at least one queue (or be None)")
-            object.__setattr__(self, "queues", tuple(dict.fromkeys(names)))
-        _number(self.concurrency, "concurrency", minimum=1, strict=False, integer=True)
-        _number(self.claim_batch, "claim_batch", minimum=1, strict=False, integer=True)
-        _number(self.prefetch, "prefetch", strict=False, integer=True, optional=True)
-        if self.prefetch is None:  # default: as many claimed jobs waiting as handlers
-            object.__setattr__(self, "prefetch", self.concurrency)
-        _number(self.max_claimers, "max_claimers", minimum=1, strict=False, integer=True, optional=True)
-        _number(self.completion_batch, "completion_batch", minimum=1, strict=False, integer=True)
-        for name in ("poll_interval", "heartbeat_interval", "claimer_lease_ttl", "claimer_idle",
-                     "completion_interval", "error_backoff"):
-            _number(getattr(self, name), name)
-        _number(self.shutdown_timeout, "shutdown_timeout", strict=False)
-        _number(self.claim_deadline, "claim_deadline", optional=True)
-        _number(self.aging_interval, "aging_interval", optional=True)
-        if self.schedule is not None and not isinstance(self.schedule, MaintenanceSchedule):
-            raise ValidationError("schedule", self.schedule, "expected MaintenanceSchedule or None")
-        staleness = (self.schedule or MaintenanceSchedule()).heartbeat_staleness
-        if self.heartbeat_interval * 2 > staleness:
-            raise ValidationError("heartbeat_interval", self.heartbeat_interval,
-                                  f"must be at most half the heartbeat staleness ({staleness:g}s), "
-                                  "or running attempts are rescued while they run")
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    """What a worker did so far (a snapshot).
-
-    ``claimed``: attempts claimed; ``completed``: completions committed; ``stale_completions``:
-    completions of attempts closed elsewhere first; ``retried``: handler errors that left the
-    job retryable; ``failed``: jobs that ended failed (an error on the last attempt, whether the queue's
-    DLQ policy then moved it to the DLQ or not; ``Fail``; unknown kinds); ``dlq``: jobs a
-    handler sent to the DLQ (``Fail(..., dlq=True)``); ``snoozed``, ``retry_after``, ``cancelled``,
-    ``waiting_callback``: those outcomes; ``unknown_kind``: jobs no task handles;
-    ``closed_under_handler``: attempts closed while their handler ran (operator cancel,
-    deadline, give-back), whose result was dropped; ``deadline_exceeded``: attempts closed
-    by their task's deadline; ``handed_back``: attempts given back at shutdown;
-    ``stale_outcomes``: outcomes of attempts closed elsewhere first; ``outcome_errors``:
-    outcomes that could not be written; ``heartbeats``: attempts heartbeated;
-    ``claim_calls`` / ``empty_claims`` / ``claim_errors``: claim calls made, those that
-    found nothing, those that failed; ``completion_calls``: batcher calls; ``followups``:
-    follow-up jobs enqueued with completions; ``in_flight``: attempts held now.
-    """
-
-    claimed: int = 0
-    completed: int = 0
-    stale_completions: int = 0
-    retried: int = 0
-    failed: int = 0
-    dlq: int = 0
-    snoozed: int = 0
-    retry_after: int = 0
-    cancelled: int = 0
-    waiting_callback: int = 0
-    unknown_kind: int = 0
-    closed_under_handler: int = 0
-    deadline_exceeded: int = 0
-    handed_back: int = 0
-    stale_outcomes: int = 0
-    outcome_errors: int = 0
-    heartbeats: int = 0
-    claim_calls: int = 0
-    empty_claims: int = 0
-    claim_errors: int = 0
-    completion_calls: int = 0
-    followups: int = 0
-    in_flight: int = 0
-
-
-_COUNTERS = [f.name for f in fields(WorkerStats)
-             if f.name not in ("completed", "stale_completions", "completion_calls", "followups", "in_flight")]
-
-
-@dataclass(eq=False)
-class _Attempt:
-    """One claimed attempt this worker holds, from claim to outcome."""
-
-    claimed: ClaimedRuntimeJob
-    ctx: JobContext
-    task: Task[Any, Any] | None
-    claimed_at: float
-    last_beat: float
-    started_at: float | None = None
-    sent_progress: Any = None
-    atask: asyncio.Task[Any] | None = None
-    deadline_closed: bool = False
-    writing: bool = False  # an outcome write (or give-back) is under way: keep heartbeating
-    holds: int = 1  # who still needs the attempt: its handler, and a deadline's closure in flight
-
-    @property
-    def pair(self) -> tuple[int, int]:
-        return (self.claimed.job.id, self.claimed.job.run_lease)
 
 
 class _Pool:
@@ -339,17 +161,6 @@ class _EventLoop:
             self.loop.close()
 
 
-def describe_error(err: BaseException) -> str:
-    """``Type: message (at file:line in function)`` of the frame that raised, cut to
-    ``MAX_ERROR_CHARS``."""
-    text = f"{type(err).__name__}: {err}".rstrip(": ")
-    frames = traceback.extract_tb(err.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f" (at {last.filename}:{last.lineno} in {last.name})"
-    return text[:MAX_ERROR_CHARS]
-
-
 class Worker:
     """Runs ``app``'s tasks against ``engine`` (a synchronous ``Engine`` on the app's
     database) as ``settings`` say; see the module docstring."""
@@ -370,16 +181,10 @@ class Worker:
             raise ValidationError("queues", list(queues), "no queue to work: register a task or name queues")
         self.queues: tuple[str, ...] = tuple(queues)
         self.instance_id = uuid.uuid4()
-        self._claim_deadline = timedelta(seconds=self.settings.claim_deadline or 0)
-        self._aging = timedelta(seconds=self.settings.aging_interval or 0)
 
         self._lock = threading.Lock()
         self._capacity = threading.Condition(self._lock)
-        self._capacity_total = self.settings.concurrency + (self.settings.prefetch or 0)
-        self._free = self._capacity_total
-        self._batch_floor = max(1, self._free // 2)
-        self._attempts: dict[tuple[int, int], _Attempt] = {}
-        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._places = Capacity(self.settings.concurrency + (self.settings.prefetch or 0))
 
         self._wakes = {q: threading.Event() for q in self.queues}
         self._claiming = threading.Event()  # set while dispatchers may claim
@@ -393,14 +198,20 @@ class Worker:
         self._threads: list[threading.Thread] = []
         self._dispatchers: list[threading.Thread] = []
         self._failure: QueueStorageError | None = None
-        self._staleness = (self.settings.schedule or MaintenanceSchedule()).heartbeat_staleness
 
         self._outages = OutageLog(log, "qstore worker")
+        self.core = WorkerCore(app, self.settings, self, self._outages,
+                               {"give_up": self._give_up, "hurry": self._hurry}, self._lock)
+        self._attempts = self.core.attempts
         self.batcher = CompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
                                          interval=self.settings.completion_interval, outages=self._outages)
         self.maintainer: Maintainer | None = (
             Maintainer(self.storage, engine, self.settings.schedule, outages=self._outages)
             if self.settings.maintain else None)
+        # the app's periodic tasks: their ticks are enqueued by one worker at a time
+        self.planner: Planner | None = (
+            Planner(self.storage, engine, list(app.periodic_tasks.values()), outages=self._outages)
+            if app.periodic_tasks else None)
         self._pool: _Pool | None = None
         self._loop: _EventLoop | None = None
         self._outcomes: concurrent.futures.ThreadPoolExecutor | None = None
@@ -412,15 +223,37 @@ class Worker:
     def stats(self) -> WorkerStats:
         """A snapshot of what this worker did (see :class:`WorkerStats`)."""
         b = self.batcher.stats
-        with self._lock:
-            counts = dict(self._counts)
-            in_flight = len(self._attempts)
-        return WorkerStats(**counts, completed=b.completed, stale_completions=b.stale,
-                           completion_calls=b.calls, followups=b.followups, in_flight=in_flight)
+        return self.core.stats(b.completed, b.stale, b.calls, b.followups)
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
+        self.core.count(name, n)
+
+    # -- running the core's procedures ---------------------------------------------------------
+    def _run(self, proc: Procedure) -> Any:
+        """Run one of the core's procedures on this thread (storage calls on the engine)."""
+        return drive(proc, self.storage, self.engine, wait=self._sleep, probe=self._schema_gone)
+
+    def _sleep(self, effect: Sleep) -> bool:
+        flag = self._give_up if effect.until == "give_up" else self._hurry
+        return flag.wait(effect.seconds)
+
+    # -- the core's host -------------------------------------------------------------------------
+    def close_under_handler(self, a: Attempt, reason: str) -> None:
+        a.ctx.cancel(reason)
+        if a.atask is not None and self._loop is not None:
+            self._loop.cancel(a.atask)
+
+    def forget(self, a: Attempt) -> None:
+        """Let ``a`` go once neither its handler nor a deadline's closure needs it: until
+        then it keeps its place, is heartbeated, and a stop gives it back."""
+        if self.core.release(a):
+            self._release(1)
+
+    def complete(self, a: Attempt) -> None:
+        self.batcher.submit(a.claimed, a.ctx.followups)
+
+    def fatal(self, err: SchemaNotInstalledError) -> None:
+        self._fatal(err)
 
     @property
     def running(self) -> bool:
@@ -445,7 +278,7 @@ class Worker:
         s = self.settings
         self._started = True
         with self._lock:  # handlers a previous stop left running still hold their places
-            self._free = self._capacity_total - len(self._attempts)
+            self._places.free = self._places.total - len(self._attempts)
         self._stop_requested.clear()
         self._closing.clear()
         self._hurry.clear()
@@ -463,6 +296,8 @@ class Worker:
                 max_workers=min(8, s.concurrency), thread_name_prefix="qstore-outcome")
             if self.maintainer is not None:
                 self.maintainer.start()
+            if self.planner is not None:
+                self.planner.start()
         except BaseException:
             self._shutdown_threads()
             self._started = False
@@ -496,10 +331,9 @@ class Worker:
         """The error to stop with when ``err`` means that the schema is no longer installed:
         a :class:`SchemaNotInstalledError`, or a statement that named a missing object when a
         probe finds no install either. None otherwise (and when the probe fails)."""
-        if isinstance(err, SchemaNotInstalledError):
-            return err
-        if getattr(err, "sqlstate", None) not in MISSING_OBJECT:
-            return None
+        said = schema_error(err)
+        if said is None or isinstance(said, SchemaNotInstalledError):
+            return said
         try:
             return self._installed()
         except QueueStorageError:
@@ -630,6 +464,8 @@ class Worker:
         if self.maintainer is not None and self.maintainer.running:
             self.maintainer.stop()
             self._leading = False
+        if self.planner is not None and self.planner.running:
+            self.planner.stop()
         if self._outcomes is not None:
             self._outcomes.shutdown(wait=False, cancel_futures=False)
             self._outcomes = None
@@ -648,47 +484,28 @@ class Worker:
             self._capacity.notify_all()
 
     def _reserve(self, most: int) -> int:
-        """Take up to ``most`` free places; 0 when claiming has stopped. Waits until half the
-        capacity (or ``most``) is free, or until one place has been free for
-        ``CLAIM_LINGER`` seconds: one claim of many jobs instead of many claims of one."""
-        enough = min(most, self._batch_floor)
+        """Take up to ``most`` free places; 0 when claiming has stopped (see
+        :meth:`Capacity.take` for how long it waits)."""
         with self._capacity:
             free_since: float | None = None
-            while self._claiming.is_set() and self._free < enough:
-                if self._free <= 0:
-                    free_since = None
-                    self._capacity.wait(0.5)
-                    continue
-                now = time.monotonic()
-                if free_since is None:
-                    free_since = now
-                elif now - free_since >= CLAIM_LINGER:
-                    break
-                self._capacity.wait(CLAIM_LINGER - (now - free_since))
-            if not self._claiming.is_set():
-                return 0
-            n = min(most, self._free)
-            self._free -= n
-            return n
+            while self._claiming.is_set():
+                n, wait, free_since = self._places.take(most, free_since, time.monotonic())
+                if n:
+                    return n
+                self._capacity.wait(0.5 if wait is None else wait)
+            return 0
 
     def _release(self, n: int) -> None:
         if n:
             with self._capacity:
-                was = self._free
-                self._free += n
-                if was <= 0 or self._free >= self._batch_floor > was or not self._attempts:
+                if self._places.release(n, not self._attempts):
                     self._capacity.notify_all()
 
     # -- claiming --------------------------------------------------------------------------------
     def _claim(self, queue: str, n: int) -> list[ClaimedRuntimeJob]:
-        s, st, e = self.settings, self.storage, self.engine
-        if s.max_claimers is not None:
-            return st.claim_runtime_batch_with_aging_for_instance(
-                e, queue, n, self._claim_deadline, self._aging, self.instance_id, s.max_claimers,
-                s.claimer_lease_ttl, s.claimer_idle)
-        if s.aging_interval is not None:
-            return st.claim_runtime_batch_with_aging(e, queue, n, self._claim_deadline, self._aging)
-        return st.claim_runtime_batch(e, queue, n, self._claim_deadline)
+        call = self.core.claim_call(queue, n, self.instance_id)
+        result: list[ClaimedRuntimeJob] = getattr(self.storage, call.op)(self.engine, *call.args)
+        return result
 
     def _dispatch_loop(self, queue: str) -> None:
         wake = self._wakes[queue]
@@ -714,19 +531,10 @@ class Worker:
                 continue
             self._outages.ok(what)
             self._release(want - len(jobs))
-            now = time.monotonic()
-            with self._lock:
-                self._counts["claim_calls"] += 1
-                self._counts["claimed"] += len(jobs)
-                if not jobs:
-                    self._counts["empty_claims"] += 1
-                for j in jobs:
-                    task = self.app.get(j.job.kind)
-                    ctx = JobContext(j, self.storage, self.engine)
-                    a = _Attempt(j, ctx, task, now, now)
-                    self._attempts[a.pair] = a
-            if jobs:
-                self._launch([self._attempts[(j.job.id, j.job.run_lease)] for j in jobs])
+            attempts = self.core.claimed(jobs, lambda j: JobContext(j, self.storage, self.engine),
+                                         time.monotonic())
+            if attempts:
+                self._launch(attempts)
             if len(jobs) < want:
                 # The queue had no more for this claim. Claiming again at once would mostly
                 # come back empty (a round trip and a claim's server time for nothing); wait
@@ -734,7 +542,7 @@ class Worker:
                 # partial claim the rest may sit in lanes another claimer held: look again soon.
                 wake.wait(s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK))
 
-    def _launch(self, attempts: list[_Attempt]) -> None:
+    def _launch(self, attempts: list[Attempt]) -> None:
         """Hand claimed attempts to their handlers: sync ones to the thread pool, async
         ones to the event loop (all of one claim in one hop to the loop)."""
         on_loop = []
@@ -749,42 +557,31 @@ class Worker:
             self._loop.spawn([self._run_async(a) for a in on_loop])
 
     # -- running handlers ------------------------------------------------------------------------
-    def _call(self, a: _Attempt) -> Any:
+    def _call(self, a: Attempt) -> Any:
         assert a.task is not None
         args = a.claimed.job.args
         if isinstance(args, dict):
             return a.task.fn(a.ctx, **args)
         return a.task.fn(a.ctx, args)
 
-    def _unknown(self, a: _Attempt) -> Fail:
-        self._count("unknown_kind")
-        return Fail(f"unknown task kind {a.claimed.job.kind!r}: no task of this worker's app is "
-                    f"registered under it (known: {', '.join(sorted(self.app.tasks)) or 'none'})")
-
-    def _run_sync(self, a: _Attempt) -> None:
+    def _run_sync(self, a: Attempt) -> None:
         if a.ctx.is_cancelled:  # given back or cancelled before a handler took it
             self._forget(a)
             return
         a.started_at = time.monotonic()
         outcome: Any
         if a.task is None:
-            outcome = self._unknown(a)
+            outcome = self.core.unknown(a)
         else:
             try:
-                outcome = self._call(a)
-                if inspect.isawaitable(outcome):
-                    close = getattr(outcome, "close", None)
-                    if close is not None:
-                        close()
-                    outcome = TypeError(f"task {a.task.kind!r} is not declared async but returned an "
-                                        "awaitable; declare it with async def")
+                outcome = self.core.sync_result(a, self._call(a))
             except JobOutcome as raised:
                 outcome = raised
             except BaseException as err:
                 outcome = err
         self._finish(a, outcome)
 
-    async def _run_async(self, a: _Attempt) -> None:
+    async def _run_async(self, a: Attempt) -> None:
         if a.ctx.is_cancelled:
             self._forget(a)
             return
@@ -803,7 +600,7 @@ class Worker:
             outcome = err
         a.atask = None
         loop = asyncio.get_running_loop()
-        if self._outcomes is None or not self._writes(a, outcome):
+        if self._outcomes is None or not self.core.writes(a, outcome):
             self._finish(a, outcome)  # no database call: finish on the loop
             return
         try:
@@ -811,297 +608,34 @@ class Worker:
         except RuntimeError:  # the executor was shut down under us: finish here
             self._finish(a, outcome)
 
-    @staticmethod
-    def _writes(a: _Attempt, outcome: Any) -> bool:
-        """Whether finishing ``a`` with ``outcome`` calls the database right away (a
-        completion only goes to the batcher)."""
-        return not a.ctx.is_cancelled and isinstance(outcome, BaseException)
+    def _forget(self, a: Attempt) -> None:
+        self.forget(a)
 
-    def _forget(self, a: _Attempt) -> None:
-        """Let ``a`` go once neither its handler nor a deadline's closure needs it: until
-        then it keeps its place, is heartbeated, and a stop gives it back."""
-        with self._lock:
-            a.holds -= 1
-            if a.holds > 0 or self._attempts.pop(a.pair, None) is None:
-                return
-        self._release(1)
-
-    def _finish(self, a: _Attempt, outcome: Any) -> None:
+    def _finish(self, a: Attempt, outcome: Any) -> None:
         """Apply what the handler produced to its attempt, then let the attempt go."""
-        try:
-            if a.ctx.is_cancelled:
-                self._count("closed_under_handler")
-                log.debug("qstore worker: job %s: attempt closed while its handler ran (%s); "
-                          "result dropped", a.pair[0], a.ctx.cancel_reason)
-            else:
-                self._apply(a, outcome)
-        except Exception:  # a bug: the attempt must not stay running behind the worker's back
-            self._count("outcome_errors")
-            log.exception("qstore worker: job %s: outcome could not be applied; giving the attempt back",
-                          a.pair[0])
-            self._give_back([a], "outcome could not be applied", until_lease=True)
-        finally:
-            self._forget(a)
-
-    def _apply(self, a: _Attempt, outcome: Any) -> None:
-        job = a.claimed.job
-        st, e = self.storage, self.engine
-        progress = a.ctx.progress
-        if isinstance(outcome, JobOutcome):
-            self._apply_outcome(a, outcome)
-        elif isinstance(outcome, BaseException):
-            error = describe_error(outcome)
-            log.debug("qstore worker: job %s (%s) attempt %d raised %s", job.id, job.kind, job.attempt,
-                      error, exc_info=outcome)
-            row = self._write(a, "fail_retryable", lambda: st.fail_retryable(e, job.id, job.run_lease, error, progress))
-            if row is not None:
-                self._count_end(row, job)
-        else:
-            self.batcher.submit(a.claimed, a.ctx.followups)
-
-    def _count_end(self, row: JobRow, job: JobRow) -> None:
-        if row.state is JobState.RETRYABLE:
-            self._count("retried")
-        else:  # exhausted: failed history, or the DLQ when the queue's policy says so
-            self._count("failed")
-            log.warning("qstore worker: job %s (%s) failed for good after attempt %d", job.id, job.kind,
-                        job.attempt)
-
-    def _apply_outcome(self, a: _Attempt, o: JobOutcome) -> None:
-        job = a.claimed.job
-        st, e, p = self.storage, self.engine, a.ctx.progress
-        if isinstance(o, Snooze):
-            if self._write(a, "snooze", lambda: st.snooze(e, job.id, job.run_lease, o.seconds, p)) is not None:
-                self._count("snoozed")
-        elif isinstance(o, RetryAfter):
-            if self._write(a, "retry_after", lambda: st.retry_after(e, job.id, job.run_lease, o.seconds, p)) is not None:
-                self._count("retry_after")
-        elif isinstance(o, Cancel):
-            if self._write(a, "cancel_running", lambda: st.cancel_running(e, job.id, job.run_lease, o.reason, p)) is not None:
-                self._count("cancelled")
-        elif isinstance(o, Fail):
-            if o.dlq:
-                row = self._write(a, "fail_to_dlq",
-                                  lambda: st.fail_to_dlq(e, job.id, job.run_lease, o.dlq_reason, o.error, p))
-                name = "dlq"
-            else:
-                row = self._write(a, "fail_terminal", lambda: st.fail_terminal(e, job.id, job.run_lease, o.error, p))
-                name = "failed"
-            if row is not None:
-                self._count(name)
-        elif isinstance(o, WaitForCallback):
-            if self._write(a, "wait_for_callback", lambda: st.wait_for_callback(
-                    e, job.id, job.run_lease, o.timeout, callback_id=o.callback_id)) is not None:
-                self._count("waiting_callback")
-        else:  # a JobOutcome subclass of the application's own: treat as an error
-            self._apply(a, TypeError(f"unsupported outcome {type(o).__name__}"))
-
-    # -- writes that must land -------------------------------------------------------------------
-    def _lease_end(self, a: _Attempt) -> float:
-        """When ``a`` counts as abandoned (``time.monotonic()``): its last heartbeat (or its
-        claim) plus the heartbeat staleness, or its storage deadline if that comes first."""
-        end = a.last_beat + self._staleness
-        if self.settings.claim_deadline is not None:
-            end = min(end, a.claimed_at + self.settings.claim_deadline)
-        return end
-
-    def _write(self, a: _Attempt, name: str, call: Callable[[], Any], *, fallback: bool = True) -> Any:
-        """Run the outcome call ``name`` of ``a`` until it lands; returns its result, or None
-        (counted stale) when the attempt was closed elsewhere first.
-
-        A database error is retried with a growing delay (``RETRY_FIRST`` doubled up to
-        ``RETRY_CAP``) until a reserve before the attempt's lease ends (a third of the heartbeat
-        staleness, at most ``HAND_BACK_RESERVE`` seconds), or until a stop gives up; the
-        attempt is then given back (``snooze`` 0 s, retried until its lease ends). A call
-        refused for another reason (a bad value in the outcome) ends the attempt
-        ``fail_retryable`` with the refusal instead (``fallback``; a give-back would run the
-        same handler again at once, and again), and is given back if that is refused too.
-        Returns None in those cases. The attempt is heartbeated meanwhile."""
-        job = a.claimed.job
-        what = "outcome writes"
-        until = self._lease_end(a) - min(self._staleness / 3, HAND_BACK_RESERVE)
-        delay = RETRY_FIRST
-        a.writing = True
-        try:
-            while True:
-                try:
-                    result = call()
-                except StaleAttemptError:
-                    result = None  # the attempt was closed meanwhile (e.g. before its callback registered)
-                except ValidationError as err:
-                    return self._refused(a, name, err, fallback=fallback)
-                except DatabaseError as err:
-                    gone = self._schema_gone(err)
-                    if gone is not None:
-                        self._outages.forget(what, key=a.pair)
-                        self._fatal(gone)
-                        return None
-                    wait = min(delay, until - time.monotonic())
-                    if wait <= 0 or self._give_up.is_set() or self._hurry.is_set():
-                        self._outages.failed(what, err, None, key=a.pair,
-                                             detail=f"job {job.id}: {name}, giving the attempt back")
-                        self._outages.forget(what, key=a.pair)
-                        self._count("outcome_errors")
-                        self._give_back([a], f"{name} could not be written", until_lease=True)
-                        return None
-                    self._outages.failed(what, err, wait, key=a.pair, detail=f"job {job.id}: {name}")
-                    self._give_up.wait(wait)
-                    delay = min(delay * 2, RETRY_CAP)
-                    continue
-                except Exception as err:  # refused (a QueueStorageError), or a bug (logged with its traceback)
-                    return self._refused(a, name, err, fallback=fallback)
-                self._outages.ok(what, key=a.pair)
-                break
-        finally:
-            a.writing = False
-        if result is None or result is False:
-            self._count("stale_outcomes")
-            log.debug("qstore worker: job %s: outcome of a closed attempt ignored", job.id)
-            return None
-        return result
-
-    def _refused(self, a: _Attempt, name: str, err: Exception, *, fallback: bool) -> None:
-        """``name`` of ``a`` failed for a reason a retry cannot fix: say so, then end the
-        attempt ``fail_retryable`` with the reason (``fallback``) or give it back."""
-        self._count("outcome_errors")
-        text, sqlstate = describe_failure(err)
-        then = "failing the attempt with the reason" if fallback else "giving the attempt back"
-        log.warning("qstore worker: job %s: %s refused (%s): %s; %s", a.pair[0], name,
-                    f"SQLSTATE {sqlstate}" if sqlstate else "no SQLSTATE", text, then,
-                    exc_info=None if isinstance(err, QueueStorageError) else err)
-        if not fallback:
-            self._give_back([a], f"{name} refused", until_lease=True)
-            return
-        job = a.claimed.job
-        message = f"the outcome {name} was refused: {text}"[:MAX_ERROR_CHARS]
-        row = self._write(a, "fail_retryable", lambda: self.storage.fail_retryable(
-            self.engine, job.id, job.run_lease, message), fallback=False)
-        if row is not None:
-            self._count_end(row, job)
+        self._run(self.core.finish(a, outcome))
 
     # -- give back, cancel, deadline -------------------------------------------------------------
-    def _waiting_attempts(self) -> list[_Attempt]:
-        with self._lock:
-            return [a for a in self._attempts.values() if a.started_at is None]
+    def _waiting_attempts(self) -> list[Attempt]:
+        return self.core.waiting()
 
-    def _close_under_handler(self, a: _Attempt, reason: str) -> None:
-        a.ctx.cancel(reason)
-        if a.atask is not None and self._loop is not None:
-            self._loop.cancel(a.atask)
+    def _give_back(self, attempts: list[Attempt], reason: str, *, until_lease: bool = False) -> None:
+        """Hand ``attempts`` back to the queue (see :meth:`WorkerCore.give_back`)."""
+        self._run(self.core.give_back(attempts, reason, until_lease=until_lease))
 
-    def _give_back(self, attempts: list[_Attempt], reason: str, *, until_lease: bool = False) -> None:
-        """Hand ``attempts`` back to the queue (``snooze`` 0 s: due at once, the attempt does
-        not count); their handlers, if running, see ``ctx.cancelled``.
-
-        A database error is retried (``RETRY_FIRST`` doubled up to ``RETRY_CAP``) until the
-        attempt's lease ends or a hurried stop. With ``until_lease`` (an outcome write that
-        gave up) the retries also end when a stop gives up: the stop holds the attempt too and
-        gives it back itself. An attempt that cannot be given back is logged; the maintainer
-        rescues it once its heartbeat is stale."""
-        what = "give-backs"
-        for a in attempts:
-            self._close_under_handler(a, reason)
-        ends = self._give_up if until_lease else self._hurry
-        pending, delay = list(attempts), RETRY_FIRST
-        while pending:
-            failed = self._snooze_back(pending)
-            if not failed:
-                return
-            now = time.monotonic()
-            over = ends.is_set() or self._hurry.is_set()
-            retry = [] if over else [(a, err) for a, err in failed if self._lease_end(a) > now]
-            kept = {id(a) for a, _ in retry}
-            for a, err in failed:
-                if id(a) in kept:
-                    continue
-                if until_lease and self._give_up.is_set() and not self._hurry.is_set():
-                    a.writing = False
-                    continue  # the stop gives it back
-                self._outages.failed(what, err, None, key=a.pair,
-                                     detail=f"job {a.pair[0]} not given back; the maintainer rescues it "
-                                            "once its heartbeat is stale")
-                self._outages.forget(what, key=a.pair)
-                self._handed_back(a, None)
-            if not retry:
-                return
-            wait = max(0.0, min(delay, *(self._lease_end(a) - now for a, _ in retry)))
-            for a, err in retry:
-                self._outages.failed(what, err, wait, key=a.pair, detail=f"job {a.pair[0]}")
-            ends.wait(wait)
-            delay = min(delay * 2, RETRY_CAP)
-            pending = [a for a, _ in retry]
-
-    def _snooze_back(self, attempts: list[_Attempt]) -> list[tuple[_Attempt, DatabaseError]]:
-        """One ``snooze(0)`` of each attempt; returns those that met a database error."""
-        failed = []
-        for a in attempts:
-            job = a.claimed.job
-            a.writing = True
-            try:
-                row = self.storage.snooze(self.engine, job.id, job.run_lease, 0)
-            except DatabaseError as err:
-                failed.append((a, err))
-                continue
-            except QueueStorageError as err:
-                log.warning("qstore worker: job %s could not be given back (%s); the maintainer rescues "
-                            "it once its heartbeat is stale", job.id, describe_failure(err)[0])
-                row = None
-            self._outages.ok("give-backs", key=a.pair)
-            self._handed_back(a, row)
-        return failed
-
-    def _handed_back(self, a: _Attempt, row: JobRow | None) -> None:
-        a.writing = False
-        if row is not None:
-            self._count("handed_back")
-        if a.started_at is None:  # claimed, never started: no handler will let it go
-            self._forget(a)
     def _cancel_attempt(self, pair: tuple[int, int], reason: str) -> None:
-        with self._lock:
-            a = self._attempts.get(pair)
+        a = self.core.get(pair)
         if a is not None:
             log.debug("qstore worker: job %s: %s", pair[0], reason)
-            self._close_under_handler(a, reason)
-
-    @staticmethod
-    def _ran_past(a: _Attempt, now: float, deadline: float) -> bool:
-        """The handler ran (time waiting for its callback not counted) longer than
-        ``deadline``; never while it waits (the attempt is then ``waiting_external``, which
-        the callback's timeout bounds)."""
-        assert a.started_at is not None
-        waiting, waited = a.ctx.waited(now)
-        return not waiting and now - a.started_at - waited > deadline
+            self.close_under_handler(a, reason)
 
     def _check_deadlines(self, now: float) -> None:
         """Close the attempts whose handlers ran past their task's deadline: ``ctx.cancelled``
         at once, and ``fail_retryable`` written off the keeper's thread (it is retried like
         any outcome write, and must not hold up the heartbeats)."""
-        with self._lock:
-            late = [a for a in self._attempts.values()
-                    if a.task is not None and a.task.deadline is not None and a.started_at is not None
-                    and not a.deadline_closed and self._ran_past(a, now, a.task.deadline)]
-        for a in late:
-            a.deadline_closed = True
-            assert a.task is not None and a.task.deadline is not None
-            message = f"deadline of {a.task.deadline:g}s exceeded"
-            a.writing = True  # heartbeated while the closure is pending, though cancelled
-            with self._lock:
-                a.holds += 1  # held until the closure is written, whenever the handler returns
-            self._close_under_handler(a, message)
+        for a, message in self.core.past_deadline(now):
             assert self._outcomes is not None
-            self._outcomes.submit(self._close_past_deadline, a, message)
-
-    def _close_past_deadline(self, a: _Attempt, message: str) -> None:
-        job = a.claimed.job
-        st, e = self.storage, self.engine
-        try:
-            row = self._write(a, "fail_retryable (deadline)",
-                              lambda: st.fail_retryable(e, job.id, job.run_lease, message, a.ctx.progress))
-            if row is not None:
-                self._count("deadline_exceeded")
-                self._count_end(row, job)
-        finally:
-            self._forget(a)
+            self._outcomes.submit(self._run, self.core.close_past_deadline(a, message))
 
     # -- background loops ------------------------------------------------------------------------
     def _listen_loop(self) -> None:
@@ -1140,27 +674,8 @@ class Worker:
             self._watch_leadership()
 
     def _heartbeat(self, now: float) -> None:
-        """Heartbeat, in one call (two with progress), the attempts not heartbeated for
-        ``heartbeat_interval``: running ones, and closed ones whose write is still pending."""
-        interval = self.settings.heartbeat_interval
-        with self._lock:
-            due = [a for a in self._attempts.values()
-                   if now - a.last_beat >= interval and (a.writing or not a.ctx.is_cancelled)]
-        if not due:
-            self._outages.forget("heartbeats")  # nothing to heartbeat: nothing failing either
-            return
-        plain = [a for a in due if a.ctx.progress is None or a.ctx.progress == a.sent_progress]
-        moving = [a for a in due if a not in plain]
-        if plain:
-            self.storage.heartbeat_batch(self.engine, [a.pair for a in plain])
-        if moving:
-            self.storage.heartbeat_progress_batch(
-                self.engine, [(a.pair[0], a.pair[1], a.ctx.progress) for a in moving])
-        self._outages.ok("heartbeats")
-        for a in due:
-            a.last_beat = now
-            a.sent_progress = a.ctx.progress
-        self._count("heartbeats", len(due))
+        """Heartbeat the attempts that are due (see :meth:`WorkerCore.heartbeat`)."""
+        self._run(self.core.heartbeat(now))
 
     def _watch_leadership(self) -> None:
         m = self.maintainer

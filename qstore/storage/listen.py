@@ -68,6 +68,25 @@ class _Collected:
         return out
 
 
+def collect(pending: _Collected, channels: dict[str, str], cancel_channel: str | None, channel: str,
+            payload: str) -> None:
+    """Add one notification to ``pending``: a wake-up of the queue whose channel it came on
+    (``channels``: channel -> queue), or a cancel (a JSON ``{"job_id", "run_lease"}`` on
+    ``cancel_channel``); anything else is ignored."""
+    # A queue named "cancel" has the cancel channel's name: a wake-up carries no
+    # payload, a cancel always a JSON object, so the payload tells the two apart.
+    if payload and channel == cancel_channel:
+        try:
+            data = json.loads(payload)
+            pending.cancels.append((int(data["job_id"]), int(data["run_lease"])))
+        except (ValueError, KeyError, TypeError):
+            log.debug("qstore listener: ignored cancel payload %r", payload)
+        return
+    queue = channels.get(channel)
+    if queue is not None:
+        pending.queues.add(queue)
+
+
 class Listener:
     """``LISTEN`` on the channels of ``queues`` (and the cancel channel when ``cancel``) of
     one install, on a connection of its own taken from ``engine``.
@@ -153,18 +172,7 @@ class Listener:
         self._take(n.channel, n.payload)
 
     def _take(self, channel: str, payload: str) -> None:
-        # A queue named "cancel" has the cancel channel's name: a wake-up carries no
-        # payload, a cancel always a JSON object, so the payload tells the two apart.
-        if payload and channel == self.cancel_channel:
-            try:
-                data = json.loads(payload)
-                self._pending.cancels.append((int(data["job_id"]), int(data["run_lease"])))
-            except (ValueError, KeyError, TypeError):
-                log.debug("qstore listener: ignored cancel payload %r", payload)
-            return
-        queue = self.channels.get(channel)
-        if queue is not None:
-            self._pending.queues.add(queue)
+        collect(self._pending, self.channels, self.cancel_channel, channel, payload)
 
     def _drain(self, conn: psycopg.Connection[Any]) -> None:
         """Read whatever the server sent and collect its notifications (no waiting)."""

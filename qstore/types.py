@@ -27,6 +27,7 @@ __all__ = [
     "CallbackPollResult",
     "ClaimedEntry",
     "ClaimedRuntimeJob",
+    "CompletedAndClaimed",
     "DlqEntry",
     "InsertOpts",
     "InsertParams",
@@ -161,6 +162,15 @@ class ClaimedRuntimeJob:
     claim: ClaimedEntry
     job: JobRow
     unique_states: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletedAndClaimed:
+    """What one ``complete_and_claim`` call did: the ``(job_id, run_lease)`` pairs it
+    completed, in input order (stale attempts are absent), and the attempts it claimed."""
+
+    completed: list[tuple[int, int]]
+    claimed: list[ClaimedRuntimeJob]
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,9 @@ CASES: dict[str, Case] = {
     "complete_claimed_batch": Case(
         runnable, lambda s, t, g: s.complete_claimed_batch(t, [g["claimed"].claim]), _length(1)),
     "complete_batch": Case(runnable, lambda s, t, g: s.complete_batch(t, [g["claimed"].claim]), _equals(1)),
+    "complete_and_claim": Case(
+        available, lambda s, t, g: s.complete_and_claim(t, [g["claimed_before"]], "q", 5),
+        lambda r, g: r.completed == [(g["claimed_before"].job.id, 1)] and [c.job.id for c in r.claimed] == [g["job_id"]]),
     # reads
     "load_job": Case(runnable, lambda s, t, g: s.load_job(t, g["job_id"]), _row(_RUNNING), writes=False),
     "queue_counts": Case(available, lambda s, t, g: s.queue_counts(t, "q"),

@@ -115,6 +115,8 @@ class Operations:
     complete_job_batch_by_id_in_tx = complete_job_batch_by_id.alias()
     complete_claimed_batch = op(JOIN, complete.complete_claimed_batch, claimed=C.claimed_entries)
     complete_batch = op(JOIN, complete.complete_batch, claimed=C.claimed_entries)
+    complete_and_claim = op(UNITS, complete.complete_and_claim, completions=C.attempts, queue=C.queue,
+                            max_batch=C.batch, deadline_duration=C.duration, aging_interval=C.duration)
 
     # -- reads -----------------------------------------------------------------------------------
     load_job = op(SNAPSHOT, read.load_job_snapshot, job_id=C.job_id)

@@ -233,6 +233,21 @@ def claimed_jobs(value: object, field: str) -> list[ClaimedRuntimeJob]:
     return _typed_items(value, ClaimedRuntimeJob, field)
 
 
+def attempts(value: object, field: str) -> list[ClaimedRuntimeJob | tuple[int, int]]:
+    """Finished attempts: each a ``ClaimedRuntimeJob`` as the claim returned it, or a
+    ``(job_id, run_lease)`` pair (a tuple of two ids)."""
+    out: list[ClaimedRuntimeJob | tuple[int, int]] = []
+    for i, item in enumerate(items(value, field)):
+        if isinstance(item, ClaimedRuntimeJob):
+            out.append(item)
+        elif isinstance(item, tuple) and len(item) == 2:
+            out.append((validate_id(item[0], f"{field}[{i}].job_id"),
+                        validate_id(item[1], f"{field}[{i}].run_lease")))
+        else:
+            raise ValidationError(f"{field}[{i}]", item, "expected a ClaimedRuntimeJob or a (job_id, run_lease) pair")
+    return out
+
+
 def claimed_entries(value: object, field: str) -> list[ClaimedEntry]:
     return _typed_items(value, ClaimedEntry, field)
 

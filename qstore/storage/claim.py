@@ -19,6 +19,7 @@ import functools
 import logging
 import uuid
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -30,6 +31,8 @@ from sqlalchemy import (
     column,
     select,
 )
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import TableValuedAlias
 
 from qstore.errors import failure_line
 from qstore.schema import StorageSchema
@@ -50,21 +53,33 @@ __all__ = [
     "claim_runtime_batch",
     "claim_runtime_batch_with_aging",
     "claim_runtime_batch_with_aging_for_instance",
+    "claim_statement",
+    "claim_stripes",
     "mark_queue_claimer_active",
 ]
 
 log = logging.getLogger("qstore.storage")
 
 
-@functools.lru_cache(maxsize=64)
-def _claim_stmt(sch: StorageSchema) -> HotStatement:
+def claim_statement(sch: StorageSchema, max_batch: ColumnElement[Any] | None = None,
+                    ordinality: str | None = None) -> TableValuedAlias:
+    """``<schema>.claim_ready(:queue, :max_batch, :deadline_ms, :aging_ms, :receipts)`` as a
+    row source with the :data:`~qstore.storage.columns.CLAIMED` columns; ``max_batch``
+    replaces the ``:max_batch`` parameter by an expression; ``ordinality`` names a column
+    numbering the rows (``WITH ORDINALITY``)."""
     fn = schema_func(
         sch, "claim_ready",
-        bindparam("queue", type_=Text()), bindparam("max_batch", type_=Integer()),
+        bindparam("queue", type_=Text()),
+        bindparam("max_batch", type_=Integer()) if max_batch is None else max_batch,
         bindparam("deadline_ms", type_=BigInteger()), bindparam("aging_ms", type_=BigInteger()),
         bindparam("receipts", type_=Boolean()),
     )
-    return HotStatement(select(fn.table_valued(*(column(c.name, c.type) for c in CLAIMED))))
+    return fn.table_valued(*(column(c.name, c.type) for c in CLAIMED), with_ordinality=ordinality)
+
+
+@functools.lru_cache(maxsize=64)
+def _claim_stmt(sch: StorageSchema) -> HotStatement:
+    return HotStatement(select(claim_statement(sch)))
 
 
 def claim_physical(run: Runner, sch: StorageSchema, queue: str, max_batch: int,
@@ -80,9 +95,20 @@ def claim_physical(run: Runner, sch: StorageSchema, queue: str, max_batch: int,
 
 def _claim(ctx: StorageContext, tx: Transactions, queue: str, max_batch: int, deadline_ms: int,
            aging_ms: int) -> list[ClaimedRuntimeJob]:
+    stripes = stripes_for(queue, ctx.config.queue_stripe_count, next(ctx.stripe_probe))
+    return claim_stripes(ctx, tx, stripes, max_batch, deadline_ms, aging_ms, [])
+
+
+def claim_stripes(ctx: StorageContext, tx: Transactions, stripes: list[str], max_batch: int,
+                  deadline_ms: int, aging_ms: int, out: list[ClaimedRuntimeJob]) -> list[ClaimedRuntimeJob]:
+    """Claim stripe after stripe of ``stripes`` (one statement each, autocommitted with an
+    Engine) until ``out``, the attempts claimed so far, holds ``max_batch``; returns ``out``.
+    With an Engine, an error on a stripe after something was claimed is logged and what
+    was claimed is returned (it is committed); otherwise it is raised."""
     sch = ctx.schema
-    out: list[ClaimedRuntimeJob] = []
-    for q in stripes_for(queue, sch.config.queue_stripe_count, next(ctx.stripe_probe)):
+    for q in stripes:
+        if len(out) >= max_batch:
+            break
         try:
             with tx.hot() as run:
                 out += claim_physical(run, sch, q, max_batch - len(out), deadline_ms, aging_ms)
@@ -93,8 +119,6 @@ def _claim(ctx: StorageContext, tx: Transactions, queue: str, max_batch: int, de
             log.warning("qstore: claim of stripe %s failed after earlier stripes claimed: %s", q,
                         failure_line(err))
             log.debug("qstore: claim of stripe %s failed here:", q, exc_info=True)
-            break
-        if len(out) >= max_batch:
             break
     return out
 

@@ -12,24 +12,40 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, Integer, Text, column, select
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Integer,
+    Text,
+    bindparam,
+    case,
+    column,
+    func,
+    select,
+    true,
+)
 
 from qstore.errors import PartialCommitError
 from qstore.schema import StorageSchema
 from qstore.storage import destinations
 from qstore.storage.bodies import Body
+from qstore.storage.checks import ms
+from qstore.storage.claim import claim_physical, claim_statement, claim_stripes
+from qstore.storage.columns import CLAIMED, claimed
 from qstore.storage.context import StorageContext
 from qstore.storage.decide import Decision, Destination
 from qstore.storage.enqueue import enqueue_many
-from qstore.storage.jobs import InsertParams, holds_key
+from qstore.storage.jobs import InsertParams, holds_key, stripes_for
 from qstore.storage.planes.execution import Closure, take_attempts
 from qstore.storage.statements import HotStatement, packed_array_param, schema_func
 from qstore.storage.targets import Runner, Transactions
-from qstore.types import ClaimedEntry, ClaimedRuntimeJob, JobState
+from qstore.types import ClaimedEntry, ClaimedRuntimeJob, CompletedAndClaimed, JobState
 
 __all__ = [
+    "complete_and_claim",
     "complete_batch",
     "complete_claimed_batch",
     "complete_job_batch_by_id",
@@ -135,6 +151,146 @@ def complete_runtime_batch(ctx: StorageContext, tx: Transactions,
     except Exception as err:
         raise PartialCommitError(err, _in_input_order(done, claimed), rest) from err
     return _in_input_order(done, claimed)
+
+
+@functools.lru_cache(maxsize=64)
+def _fast_and_claim_stmt(sch: StorageSchema) -> HotStatement:
+    """One statement: ``complete_receipts`` over the fast attempts, then ``claim_ready``.
+
+    ``d`` aggregates the completion into one row (the pairs it completed); the claim is a
+    ``LATERAL`` call whose ``p_max`` is computed from ``d`` (``CASE WHEN d.n >= 0 THEN
+    :max_batch END``, always ``:max_batch``), so the claim cannot start before the
+    completion has returned all its rows: ``d`` is the outer side of the join and the claim
+    needs its value. The ``LEFT JOIN`` keeps ``d``'s row when nothing is claimed. The
+    completed pairs come back in the first row only (NULL in the others), so a batch's
+    arrays are sent and decoded once, not once per claimed job."""
+    fn = schema_func(sch, "complete_receipts", *(packed_array_param(n, t) for n, t in _ARRAYS.items()))
+    done = fn.table_valued(column("job_id", BigInteger()), column("run_lease", BigInteger())).alias("done")
+    d = select(func.array_agg(done.c.job_id).label("done_job_ids"),
+               func.array_agg(done.c.run_lease).label("done_run_leases"),
+               func.count().label("n")).select_from(done).subquery("d")
+    after_done = case((d.c.n >= 0, bindparam("max_batch", type_=Integer())))
+    claim = claim_statement(sch, after_done, ordinality="ordinality").lateral("c")
+    first = func.coalesce(claim.c.ordinality, 1) == 1
+    return HotStatement(select(case((first, d.c.done_job_ids)), case((first, d.c.done_run_leases)),
+                               *(claim.c[c.name] for c in CLAIMED))
+                        .select_from(d.outerjoin(claim, true())))
+
+
+_CLAIM_JOB_ID = 2 + [c.name for c in CLAIMED].index("job_id")  # where a claimed row's job id sits
+
+
+def _fast_and_claim(run: Runner, sch: StorageSchema, fast: dict[tuple[int, int], ClaimedRuntimeJob], queue: str,
+                    max_batch: int, deadline_ms: int, aging_ms: int
+                    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[ClaimedRuntimeJob]]:
+    """The statement of :func:`_fast_and_claim_stmt` through ``run``: the fast attempts it
+    completed (in ``fast``'s order), those it left to the general path, and what it claimed
+    from the physical ``queue``."""
+    e = [j.claim for j in fast.values()]
+    receipts = sch.config.lease_claim_receipts
+    rows = run.rows(_fast_and_claim_stmt(sch), {
+        "claim_slots": [x.claim_slot for x in e], "job_ids": [x.job_id for x in e],
+        "run_leases": [x.run_lease for x in e], "kinds": [j.job.kind for j in fast.values()],
+        "queue": queue, "max_batch": max_batch, "deadline_ms": deadline_ms, "aging_ms": aging_ms,
+        "receipts": receipts,
+    })
+    ids, leases = rows[0][0], rows[0][1]
+    finished = set(zip(ids, leases, strict=True)) if ids else set()
+    done = [pr for pr in fast if pr in finished]
+    left = [pr for pr in fast if pr not in finished]
+    jobs = [claimed(r[2:], receipts) for r in rows if r[_CLAIM_JOB_ID] is not None]
+    return done, left, jobs
+
+
+def complete_and_claim(ctx: StorageContext, tx: Transactions,
+                       completions: Sequence[ClaimedRuntimeJob | tuple[int, int]], queue: str, max_batch: int,
+                       deadline_duration: timedelta | float | None = None,
+                       aging_interval: timedelta | float | None = None) -> CompletedAndClaimed:
+    """Complete the finished attempts ``completions`` and claim up to ``max_batch`` attempts
+    of ``queue``: a worker's whole cycle, in one round trip when it can be.
+
+    Guarantees, as ``complete_job_batch_by_id`` followed by ``claim_runtime_batch_with_aging``
+    (``deadline_duration``, ``aging_interval``): each attempt completes at most once and only
+    while it is live (a stale ``(job_id, run_lease)`` is absent from ``completed`` and changes
+    nothing); each claimed attempt is handed to this call alone; ``completed`` lists exactly
+    the pairs this call completed, in input order. An item is a ``ClaimedRuntimeJob`` (as the
+    claim returned it) or a ``(job_id, run_lease)`` pair.
+
+    **One statement** when every attempt is a plain receipt-only ``ClaimedRuntimeJob`` (the
+    completion fast path of ``complete_runtime_batch``): ``SELECT … FROM (SELECT
+    array_agg(…) FROM complete_receipts(…)) d LEFT JOIN LATERAL claim_ready(…)``. The claim
+    takes its ``p_max`` from ``d``, so it runs after the completion returned. Both are
+    ``VOLATILE`` PL/pgSQL functions: each statement inside them takes a fresh snapshot and
+    sees what the transaction wrote before it, so the claim's statements see the
+    completion's closures and done rows exactly as a second statement of the same
+    transaction would (a claim never reads them: it reads lanes, ready rows and claim
+    ranges, and it locks only lane heads, which no completion locks). With an ``Engine``
+    that statement is autocommitted: one round trip, and the completion and the claim commit
+    together or not at all; the receipts it completed stay locked while the claim waits for
+    a busy lane (at most the claim's own 200 ms ``lock_timeout``). In a caller's transaction
+    it is one statement there, and a rollback undoes both parts.
+
+    The general path cannot join that statement: completing a materialised lease, a
+    receipts-off install's lease, a unique-key transition or a bare ``(job_id, run_lease)``
+    pair (no claim slot, no kind) takes several statements and decisions made in Python
+    (``take_attempts``, ``destinations``), and no server function of the schema does it.
+    When the batch holds such attempts from the start, the whole call is one transaction
+    (the fast completion, the general one, then the claim; one round trip per statement).
+    A fast attempt the statement did not finish (its receipt was materialised by a heartbeat
+    or callback since the claim) is completed by the general path afterwards: in the
+    caller's transaction, or with an ``Engine`` in a second transaction; if that one fails
+    the error is a :class:`~qstore.errors.PartialCommitError` whose ``committed`` lists the
+    completed pairs followed by the claimed ``ClaimedRuntimeJob``s (committed: work on them)
+    and whose ``pending`` lists the attempts not completed.
+
+    A striped queue claims its first stripe (of a rotating start) in the same statement and
+    further stripes one autocommitted statement each while fewer than ``max_batch`` were
+    claimed, as ``claim_runtime_batch`` does (an error on a later stripe returns what was
+    claimed, with an ``Engine``)."""
+    sch = ctx.schema
+    deadline_ms, aging_ms = ms(deadline_duration), ms(aging_interval)
+    stripes = stripes_for(queue, sch.config.queue_stripe_count, next(ctx.stripe_probe))
+    fast: dict[tuple[int, int], ClaimedRuntimeJob] = {}
+    rest: dict[tuple[int, int], None] = {}
+    order: dict[tuple[int, int], int] = {}  # each attempt's first place in the input
+    for item in completions:
+        if isinstance(item, ClaimedRuntimeJob):
+            pair = (item.job.id, item.job.run_lease)
+            if _fast_candidate(item):
+                fast.setdefault(pair, item)
+            else:
+                rest[pair] = None
+        else:
+            pair = item
+            rest[pair] = None
+        order.setdefault(pair, len(order))
+    general = [pr for pr in rest if pr not in fast]  # an attempt given twice completes once
+    if general:
+        with tx.unit() as conn:
+            run = Runner.on(conn)
+            done, left = _complete_fast(run, sch, list(fast.values())) if fast else ([], [])
+            done += complete_pairs(conn, ctx, left + general)
+            jobs = claim_physical(run, sch, stripes[0], max_batch, deadline_ms, aging_ms)
+    elif not fast:
+        done, left, jobs = [], [], []
+        with tx.hot() as run:
+            jobs = claim_physical(run, sch, stripes[0], max_batch, deadline_ms, aging_ms)
+    else:
+        with tx.hot() as run:
+            done, left, jobs = _fast_and_claim(run, sch, fast, stripes[0], max_batch, deadline_ms, aging_ms)
+        if left:
+            try:
+                with tx.unit() as conn:
+                    done += complete_pairs(conn, ctx, left)
+            except Exception as err:
+                if not tx.owned:
+                    raise
+                done.sort(key=order.__getitem__)
+                raise PartialCommitError(err, [*done, *jobs], left) from err
+    done.sort(key=order.__getitem__)
+    if len(jobs) < max_batch and len(stripes) > 1:
+        jobs = claim_stripes(ctx, tx, stripes[1:], max_batch, deadline_ms, aging_ms, jobs)
+    return CompletedAndClaimed(done, jobs)
 
 
 def complete_runtime_batch_with_followups(

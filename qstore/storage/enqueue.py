@@ -75,6 +75,8 @@ def _refuse_duplicate_keys(rows: Sequence[PreparedJob]) -> None:
 
 
 def _parameters(sch: StorageSchema, rows: Sequence[PreparedJob]) -> dict[str, Any]:
+    if len(rows) == 1:
+        return _one_row(sch, rows[0])
     return {
         "kinds": [r.kind for r in rows], "queues": [r.queue for r in rows],
         "logicals": [r.logical for r in rows], "args": [r.args for r in rows],
@@ -84,6 +86,19 @@ def _parameters(sch: StorageSchema, rows: Sequence[PreparedJob]) -> dict[str, An
         "takes_key": [r.unique_key is not None and holds_key(r.unique_states, r.state) for r in rows],
         "order_hashes": [None if r.ordering_key is None else ordering_hash(r.ordering_key) for r in rows],
         "channels": sorted({sch.config.notify_channel(r.logical) for r in rows if r.run_at is None}),
+    }
+
+
+def _one_row(sch: StorageSchema, r: PreparedJob) -> dict[str, Any]:
+    """:func:`_parameters` of a single row, without a comprehension per array."""
+    key = r.unique_key
+    return {
+        "kinds": [r.kind], "queues": [r.queue], "logicals": [r.logical], "args": [r.args],
+        "priorities": [r.priority], "max_attempts": [r.max_attempts], "run_ats": [r.run_at],
+        "unique_keys": [key], "unique_states": [r.unique_states], "payloads": [r.payload],
+        "takes_key": [key is not None and holds_key(r.unique_states, r.state)],
+        "order_hashes": [None if r.ordering_key is None else ordering_hash(r.ordering_key)],
+        "channels": [] if r.run_at is not None else [sch.config.notify_channel(r.logical)],
     }
 
 

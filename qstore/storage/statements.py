@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
@@ -128,16 +129,21 @@ class _PackedArray(TypeDecorator[Sequence[Any]]):
         super().__init__()
         self.item = item
         self._element = _element_literal(item)
-
-    def process_bind_param(self, value: Sequence[Any] | None, dialect: Dialect) -> str | None:
-        return self.pack(value)
+        self._ints = self._element is _int_element
 
     def pack(self, value: Sequence[Any] | None) -> str | None:
         """The array literal of ``value`` (the whole bind processing: the text it becomes
         needs no further processing by the driver dialect)."""
         if value is None:
             return None
+        if len(value) == 1:  # a single job: skip the map and join
+            return "{" + self._element(value[0]) + "}"
+        if self._ints and all(type(v) is int for v in value):  # ids and leases: nothing to check
+            return "{" + ",".join(map(str, value)) + "}"
         return "{" + ",".join(map(self._element, value)) + "}"
+
+    def process_bind_param(self, value: Sequence[Any] | None, dialect: Dialect) -> str | None:
+        return self.pack(value)
 
 
 def packed_array_param(name: str, item: TypeEngine[Any] | type[TypeEngine[Any]]) -> ColumnElement[Any]:
@@ -180,6 +186,9 @@ def attempt_leased(leases: FromClause, claims: FromClause) -> Exists:
     return select(le.job_id).where(le.job_id == c.job_id, le.run_lease == c.run_lease).exists()
 
 
+_NAMED = re.compile(r"%\(([^)]+)\)s")
+
+
 class HotStatement:
     """A Core statement of a hot path, compiled once per dialect and sent straight to the
     driver cursor by a :class:`~qstore.storage.targets.Runner`.
@@ -188,40 +197,53 @@ class HotStatement:
     still generates the statement's cache key, builds an execution context and a result
     object: more client CPU than the round trip's own cost for a claim that finds nothing.
     Here the SQL text and the bind processors are taken from SQLAlchemy's compilation once;
-    a call only applies the processors to its values. Only named, non-expanding parameters
-    are supported (what the hot statements use).
+    a call only applies the processors to its values. The text is turned from the
+    dialect's named placeholders (``%(name)s``) into positional ones (``%s``) once, so the
+    driver gets a tuple and has no names to match per call. Only named, non-expanding
+    parameters are supported (what the hot statements use).
     """
 
     __slots__ = ("_compiled", "statement")
 
     def __init__(self, statement: Any) -> None:
         self.statement = statement
-        self._compiled: dict[int, tuple[str, tuple[tuple[str, str, Any, Any], ...]]] = {}
+        self._compiled: dict[int, tuple[str, tuple[tuple[str, Any, Any], ...]]] = {}
 
-    def compiled(self, dialect: Dialect) -> tuple[str, tuple[tuple[str, str, Any, Any], ...]]:
-        """``(sql, binds)`` for ``dialect``: each bind is ``(compiled name, key, processor,
-        default value)``."""
+    def compiled(self, dialect: Dialect) -> tuple[str, tuple[tuple[str, Any, Any], ...]]:
+        """``(sql, binds)`` for ``dialect``: ``sql`` with positional placeholders, ``binds``
+        one ``(key, processor, default value)`` per placeholder, in placeholder order."""
         got = self._compiled.get(id(dialect))
         if got is None:
-            c = self.statement.compile(dialect=dialect)
-            processors = c._bind_processors
-            binds = []
-            for bind, name in c.bind_names.items():
-                if bind.expanding:  # pragma: no cover - a mistake in a hot statement
-                    raise TypeError(f"hot statements take no expanding parameter ({bind.key})")
-                processor = processors.get(name)
-                if isinstance(bind.type, _PackedArray):
-                    processor = bind.type.pack  # the same text, without SQLAlchemy's wrapping
-                binds.append((name, bind.key, processor, bind.value))
-            got = (c.string, tuple(binds))
+            got = self._compile(dialect)
             self._compiled[id(dialect)] = got
         return got
 
-    def parameters(self, dialect: Dialect, values: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    def _compile(self, dialect: Dialect) -> tuple[str, tuple[tuple[str, Any, Any], ...]]:
+        c = self.statement.compile(dialect=dialect)
+        processors = c._bind_processors
+        by_name: dict[str, tuple[str, Any, Any]] = {}
+        for bind, name in c.bind_names.items():
+            if bind.expanding:  # pragma: no cover - a mistake in a hot statement
+                raise TypeError(f"hot statements take no expanding parameter ({bind.key})")
+            processor = processors.get(name)
+            if isinstance(bind.type, _PackedArray):
+                processor = bind.type.pack  # the same text, without SQLAlchemy's wrapping
+            by_name[name] = (bind.key, processor, bind.value)
+        if dialect.paramstyle != "pyformat":  # pragma: no cover - qstore's dialects are psycopg's
+            raise TypeError(f"hot statements need the pyformat paramstyle, not {dialect.paramstyle}")
+        order: list[tuple[str, Any, Any]] = []
+
+        def positional(match: re.Match[str]) -> str:
+            order.append(by_name[match.group(1)])
+            return "%s"
+
+        return _NAMED.sub(positional, c.string), tuple(order)
+
+    def parameters(self, dialect: Dialect, values: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
         """The SQL text and the driver parameters for ``values`` (keyed by bind key)."""
         sql, binds = self.compiled(dialect)
-        out: dict[str, Any] = {}
-        for name, key, processor, default in binds:
+        out = []
+        for key, processor, default in binds:
             value = values.get(key, default)
-            out[name] = processor(value) if processor is not None else value
-        return sql, out
+            out.append(value if processor is None else processor(value))
+        return sql, tuple(out)

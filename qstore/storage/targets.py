@@ -92,11 +92,13 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import psycopg
+from psycopg.types.json import set_json_loads
 from sqlalchemy import Connection, Engine, Table, func, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
@@ -254,11 +256,24 @@ def _listened(dispatch: Any) -> bool:
     return bool(dispatch.before_cursor_execute or dispatch.after_cursor_execute)
 
 
+_JSON = json.JSONDecoder()
+
+
+def _loads(data: bytes | bytearray | memoryview | str) -> Any:
+    """``json.loads`` of a json/jsonb value as the driver hands it over (UTF-8 bytes):
+    decoded first, so ``json`` has no encoding to detect (which costs more than the parse
+    of a small job's args)."""
+    return _JSON.decode(data if isinstance(data, str) else bytes(data).decode())
+
+
 def _cursor(info: dict[str, Any], driver: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
-    """The driver connection's reused cursor (kept in its pool record's ``info``)."""
+    """The driver connection's reused cursor (kept in its pool record's ``info``). JSON
+    values it reads are parsed by :func:`_loads`; the connection's other cursors keep the
+    application's settings."""
     cur = info.get(_CURSOR)
     if cur is None or cur.closed or cur.connection is not driver:
         cur = info[_CURSOR] = driver.cursor()
+        set_json_loads(_loads, cur)
     return cur
 
 
@@ -301,33 +316,55 @@ class Runner:
         return cur.fetchall()
 
 
-@contextmanager
-def _own_hot_statement(engine: Engine) -> Iterator[Runner]:
-    """A runner for one autocommitted statement on a pooled connection of ``engine``."""
-    if _listened(engine.dispatch):
-        with _own_statement(engine) as conn:
-            yield Runner.on(conn)
-        return
-    raw = engine.raw_connection()
-    try:
-        driver = raw.driver_connection
-        if not isinstance(driver, psycopg.Connection):
+class _HotOnEngine:
+    """A runner for one autocommitted statement on a pooled connection of ``engine``.
+
+    A class rather than a generator context manager: this runs once per enqueue, claim and
+    fast completion on an ``Engine``, and a generator's set-up and tear-down cost more
+    client time than the few lines they wrap."""
+
+    __slots__ = ("_engine", "_fallback", "_raw")
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._raw: Any = None
+        self._fallback: Any = None
+
+    def __enter__(self) -> Runner:
+        engine = self._engine
+        if not _listened(engine.dispatch):
+            raw = engine.raw_connection()
+            driver = raw.driver_connection
+            if isinstance(driver, psycopg.Connection):
+                try:
+                    driver.autocommit = True
+                    cursor = _cursor(raw.info, driver)
+                except BaseException as err:
+                    self._release(raw, driver, err)
+                    raise
+                self._raw = raw
+                return Runner(engine.dialect, cursor)
             raw.close()
-            with _own_statement(engine) as conn:
-                yield Runner.on(conn)
+        # someone listens to cursor events, or the driver is not psycopg's sync one
+        self._fallback = _own_statement(engine)
+        return Runner.on(self._fallback.__enter__())
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        if self._fallback is not None:
+            self._fallback.__exit__(kind, err, tb)
             return
-        driver.autocommit = True
+        raw = self._raw
+        self._release(raw, raw.driver_connection, err)
+
+    @staticmethod
+    def _release(raw: Any, driver: Any, err: BaseException | None = None) -> None:
         try:
-            yield Runner(engine.dialect, _cursor(raw.info, driver))
-        finally:
-            if not driver.closed:
+            if isinstance(err, psycopg.OperationalError) and (driver is None or driver.closed):
+                raw.invalidate()  # as SQLAlchemy does on a disconnect
+            elif driver is not None and not driver.closed:
                 driver.autocommit = False
-    except psycopg.OperationalError:
-        if raw.driver_connection is None or raw.driver_connection.closed:
-            raw.invalidate()
-        raise
-    finally:
-        raw.close()
+        finally:
+            raw.close()
 
 
 #: ``lock_timeout`` of a guarded step (every ``ACCESS EXCLUSIVE`` request of prune and
@@ -399,15 +436,12 @@ class Transactions:
         else:
             yield _callers_connection(self._target)
 
-    @contextmanager
-    def hot(self) -> Iterator[Runner]:
+    def hot(self) -> AbstractContextManager[Runner]:
         """A :class:`Runner` for one hot statement: autocommitted with an Engine, in the
         caller's transaction otherwise."""
         if isinstance(self._target, Engine):
-            with _own_hot_statement(self._target) as run:
-                yield run
-        else:
-            yield Runner.on(_callers_connection(self._target))
+            return _HotOnEngine(self._target)
+        return nullcontext(Runner.on(_callers_connection(self._target)))
 
     @contextmanager
     def statement(self) -> Iterator[Connection]:
@@ -431,7 +465,7 @@ def run(policy: Policy, target: Target, body: Callable[[Any], R], operation: str
         return body(Transactions(target))
     if policy is Policy.STATEMENT:
         if isinstance(target, Engine):
-            with _own_hot_statement(target) as runner:
+            with _HotOnEngine(target) as runner:
                 return body(runner)
         return body(Runner.on(_callers_connection(target)))
     if isinstance(target, Engine):

@@ -1,0 +1,71 @@
+"""The worker's calls compile nothing once warm: hot statements are compiled once per
+dialect, and where they go through SQLAlchemy (cursor events listened to) and on the
+general completion path they hit its compiled cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, event
+
+from qstore import InsertOpts, InsertParams
+from qstore.storage import statements
+
+
+@pytest.fixture
+def own_engine(db_url: str) -> Iterator[Engine]:
+    eng = create_engine(db_url, pool_size=2)
+    yield eng
+    eng.dispose()
+
+
+def cycle(engine: Engine, storage: Any) -> None:
+    """One round of every hot call a worker and a producer make: enqueue, claim, fast and
+    general completion, ``complete_and_claim``."""
+    storage.enqueue(engine, InsertParams("k", {"n": 1}, InsertOpts(queue="q")))
+    storage.enqueue_many(engine, [InsertParams("k", {"n": n}, InsertOpts(queue="q")) for n in range(3)])
+    a, b = storage.claim_runtime_batch(engine, "q", 2)
+    storage.heartbeat_batch(engine, [(b.job.id, b.job.run_lease)])
+    assert len(storage.complete_runtime_batch(engine, [a, b])) == 2  # fast and general path
+    got = storage.complete_and_claim(engine, [], "q", 1)
+    assert len(storage.complete_and_claim(engine, got.claimed, "q", 1).completed) == 1
+    storage.complete_and_claim(engine, [(c.job.id, c.job.run_lease) for c in storage.claim_runtime_batch(
+        engine, "q", 5)], "q", 1)
+
+
+def compiled_entries(engine: Engine) -> int:
+    cache = engine._compiled_cache
+    return len(cache) if cache is not None else 0
+
+
+def test_hot_calls_compile_nothing_after_a_warm_up(own_engine, storage, monkeypatch):
+    compiles: list[object] = []
+    original = statements.HotStatement._compile
+
+    def counted(self: statements.HotStatement, dialect: Any) -> Any:
+        compiles.append(self.statement)
+        return original(self, dialect)
+
+    monkeypatch.setattr(statements.HotStatement, "_compile", counted)
+    cycle(own_engine, storage)
+    hot, cached = len(compiles), compiled_entries(own_engine)
+    for _ in range(3):
+        cycle(own_engine, storage)
+    assert len(compiles) == hot and compiled_entries(own_engine) == cached
+
+
+def test_with_cursor_events_listened_to_hot_calls_hit_the_compiled_cache(own_engine, storage):
+    seen: list[str] = []
+
+    @event.listens_for(own_engine, "before_cursor_execute")
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    cycle(own_engine, storage)
+    cached = compiled_entries(own_engine)
+    for _ in range(3):
+        cycle(own_engine, storage)
+    assert compiled_entries(own_engine) == cached
+    assert any("complete_receipts" in s and "claim_ready" in s for s in seen)  # the listener saw the cycle

@@ -47,9 +47,10 @@ from qstore.migrate import version_location
 # runs the long tier. CI runs both. A module below is slow as a whole; a test elsewhere is
 # slow when it carries ``@pytest.mark.slow``. Two families run in both tiers at different
 # depths: the input fuzz (a few examples per test in the fast tier, all of them in the slow
-# tier) and the two per-operation tables: the rollback table runs each operation once in the
-# fast tier (its caller's transaction on a Connection or a Session in turn; the other kind in
-# the slow tier), the missing-schema table every other operation (the rest in the slow tier).
+# tier) and the two per-operation tables: the fast tier runs the rollback check of every
+# other operation once (its caller's transaction on a Connection or a Session in turn) and
+# the missing-schema check of every fourth operation (one the rollback check skips); the
+# slow tier runs the rest.
 SLOW_MODULES = frozenset({
     "test_bench_scripts",    # runs the benchmark scripts end to end
     "test_chaos",            # the chaos harness at CI scale
@@ -59,7 +60,37 @@ SLOW_MODULES = frozenset({
     "test_worker_outage",    # workers across database outages
     "test_worker_process",   # worker processes started, signalled and killed
 })
-FUZZ_FAST_SCALE = "0.25"
+#: Tests elsewhere that take seconds each: alembic and CLI runs in subprocesses, install
+#: flows repeated for every shape or refusal, races run for seconds. The fast tier keeps a
+#: representative of each family (the host-app recipe, the drift check, one refusal).
+SLOW_TESTS = frozenset({
+    "test_host_app.py::test_a_bare_relative_downgrade_is_refused_naming_the_command_to_run",
+    "test_host_app.py::test_upgrade_head_singular_is_alembics_multiple_heads_error",
+    "test_host_app.py::test_the_cli_and_the_maintainer_work_on_the_hosts_install",
+    "test_host_app.py::test_a_second_schema_through_the_hosts_alembic_is_refused_with_the_alternative",
+    "test_host_app.py::test_check_reports_no_drift_and_sees_a_change_of_the_hosts_own",
+    "test_host_app.py::test_install_behind_head_says_the_hosts_alembic_upgrades_it",
+    "test_host_app.py::test_autogenerate_continues_the_hosts_branch_never_qstores",
+    "test_least_privilege.py::test_the_runtime_role_is_refused_ddl_and_writes_to_the_recorded_shape",
+    "test_maintenance_race.py::test_rotate_prune_race_loses_and_duplicates_nothing",
+    "test_migrations.py::test_create_all_and_the_migrations_install_identical_catalogs",
+    "test_migrations.py::test_host_app_can_upgrade_only_the_qstore_branch",
+    "test_migrations.py::test_two_storage_schemas_coexist_each_with_its_own_version_table",
+    "test_migrations.py::test_host_app_check_does_not_see_the_qstore_schema_as_drift",
+    "test_migrations.py::test_alembic_check_fails_when_an_index_is_dropped",
+    "test_migrations.py::test_alembic_check_fails_when_a_partitioned_parent_index_is_dropped",
+    "test_migrations.py::test_upgrade_0004_leaves_receipts_one_btree_and_a_ready_slot_brin",
+    "test_shape_and_cli_errors.py::test_cli_maintain_exits_1_with_one_line_when_its_schema_is_dropped",
+    "test_shape_and_cli_errors.py::test_standalone_alembic_with_a_conflicting_x_shape_is_one_failed_line",
+    "test_shape_and_cli_errors.py::test_standalone_alembic_against_a_refused_connection_is_one_failed_line",
+    "test_lifecycle.py::test_prepare_schema_is_idempotent",
+    "test_lifecycle.py::test_prepare_schema_after_reset_reinstalls",
+    "test_lifecycle.py::test_cli_install_installs_and_activates_the_schema",
+    "test_periodic.py::test_async_workers_beside_a_thread_worker_enqueue_each_tick_once",
+    "test_periodic.py::test_several_workers_in_one_process_enqueue_each_tick_once",
+    "test_worker.py::test_a_resume_after_the_waiting_worker_stopped_is_rescued_and_runs_the_handler_afresh",
+})
+FUZZ_FAST_SCALE = "0.1"
 
 
 def _slow_tier(config: pytest.Config) -> bool:
@@ -82,15 +113,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                          if getattr(item, "originalname", "") in (ROLLBACK_TABLE, MISSING_SCHEMA_TABLE)})
     for item in items:
         module = item.path.stem
-        if module in SLOW_MODULES or (module == "test_input_fuzz" and slow_tier):
+        named = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+        if module in SLOW_MODULES or named in SLOW_TESTS or (module == "test_input_fuzz" and slow_tier):
             item.add_marker(pytest.mark.slow)
         elif getattr(item, "originalname", "") == ROLLBACK_TABLE:
             params = item.callspec.params  # type: ignore[attr-defined]
-            fast_kind = ("connection", "session")[operations.index(params["name"]) % 2]
-            if params["kind"] != fast_kind:
+            turn = operations.index(params["name"]) % 4  # 0, 1: one kind each; 2, 3: slow tier
+            if turn > 1 or params["kind"] != ("connection", "session")[turn]:
                 item.add_marker(pytest.mark.slow)
         elif (getattr(item, "originalname", "") == MISSING_SCHEMA_TABLE
-              and operations.index(item.callspec.params["name"]) % 2):  # type: ignore[attr-defined]
+              and operations.index(item.callspec.params["name"]) % 4 != 2):  # type: ignore[attr-defined]
             item.add_marker(pytest.mark.slow)
 
 

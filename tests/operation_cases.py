@@ -298,6 +298,8 @@ CASES: dict[str, Case] = {
                          lambda r, g: (r.available, r.running) == (1, 1), writes=False),
     "queue_counts_fast": Case(available, lambda s, t, g: s.queue_counts_fast(t, "q"),
                               lambda r, g: r.available >= 1, writes=False),
+    "scheduled_count": Case(retryable_due, lambda s, t, g: s.scheduled_count(t, "q"),
+                            lambda r, g: r == 1, writes=False),
     # worker outcomes
     "retry_after": Case(runnable, lambda s, t, g: s.retry_after(t, *_pair(g), 60), _row(JobState.RETRYABLE)),
     "snooze": Case(runnable, lambda s, t, g: s.snooze(t, *_pair(g), 60), _row(JobState.SCHEDULED)),

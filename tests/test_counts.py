@@ -140,3 +140,17 @@ def test_load_job_finds_a_completed_job(engine, storage):
 def test_load_job_returns_none_for_unknown_id(engine, storage):
     storage.enqueue_params_batch(engine, [job()])
     assert storage.load_job(engine, 424242) is None
+
+
+def test_scheduled_count_is_the_queues_deferred_backlog(engine, st):  # type: ignore[no-untyped-def]
+    from datetime import datetime, timedelta, timezone
+
+    from qstore import InsertOpts, InsertParams
+
+    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    for queue in ("q", "q", "other"):
+        st.enqueue(engine, InsertParams("k", {}, InsertOpts(queue=queue, run_at=later)))
+    st.enqueue(engine, InsertParams("k", {}, InsertOpts(queue="q")))  # available, not scheduled
+    assert st.scheduled_count(engine, "q") == 2
+    assert st.scheduled_count(engine, "other") == 1
+    assert st.scheduled_count(engine, "unknown") == 0

@@ -22,9 +22,9 @@ What is recorded (instrument names; attributes ``queue`` and ``kind`` on each):
 ``qstore.job.pickup_latency``   seconds from the moment a job could run (its enqueue, or its
                                 ``run_at`` when later) to its handler's start (histogram)
 ``qstore.job.run_time``         seconds a handler ran (histogram)
-``qstore.queue.jobs``           jobs per queue and ``state`` (``available``, ``running``; a
-                                reader of its own may add ``scheduled``), observed when a
-                                metric reader collects (gauge; no ``kind``)
+``qstore.queue.jobs``           jobs per queue and ``state`` (``available``, ``running``,
+                                ``scheduled``), observed when a metric reader collects
+                                (gauge; no ``kind``)
 ==============================  ===============================================================
 
 Traces: deferring a job through a task opens a PRODUCER span ``qstore defer <kind>`` and
@@ -113,13 +113,15 @@ def _nothing() -> None:
 def fast_counts(storage: QueueStorage, engine: Engine, queues: Sequence[str]
                 ) -> Callable[[], dict[str, QueueGauge]]:
     """A gauge reader for :meth:`Telemetry.watch`: ``available`` and ``running`` of each of
-    ``queues`` from ``QueueStorage.queue_counts_fast`` (head-table arithmetic, one cheap
-    statement per queue per collection; ``available`` is its upper bound)."""
+    ``queues`` from ``QueueStorage.queue_counts_fast`` (head-table arithmetic; ``available``
+    is its upper bound) and ``scheduled`` from ``QueueStorage.scheduled_count`` (the
+    deferred backlog): two statements per queue per collection."""
     def read() -> dict[str, QueueGauge]:
         out = {}
         for queue in queues:
             c = storage.queue_counts_fast(engine, queue)
-            out[queue] = QueueGauge(available=c.available, running=c.running)
+            out[queue] = QueueGauge(available=c.available, running=c.running,
+                                    scheduled=storage.scheduled_count(engine, queue))
         return out
 
     return read

@@ -122,6 +122,7 @@ class Operations:
     load_job = op(SNAPSHOT, read.load_job_snapshot, job_id=C.job_id)
     queue_counts = op(SNAPSHOT, read.queue_counts, queue=C.queue)
     queue_counts_fast = op(SNAPSHOT, read.queue_counts_fast, queue=C.queue)
+    scheduled_count = op(SNAPSHOT, read.scheduled_count, queue=C.queue)
 
     # -- worker outcomes of a live attempt (stale -> None, nothing changed) -------------------
     retry_after = op(ATOMIC, outcomes.retry_after, job_id=C.job_id, run_lease=C.job_id,

@@ -48,6 +48,7 @@ class ReadStatements:
     terminal: Select[Any]
     counts: Select[Any]
     fast_counts: Select[Any]
+    scheduled: Select[Any]
 
 
 @functools.lru_cache(maxsize=64)
@@ -102,6 +103,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
             + count(select(c.c.job_id).where(c.c.queue.in_(queues), ~closed, ~leased)),
             case((func.coalesce(trusted, False), pruned + live + deltas), else_=pruned + scanned),
         ),
+        scheduled=select(func.count()).select_from(sch.deferred).where(sch.deferred.c.queue.in_(queues)),
         fast_counts=select(
             select(func.coalesce(func.sum(func.greatest(last(h.c.enqueue_seq) - last(h.c.claim_seq), 0)), 0))
             .where(h.c.queue.in_(queues)).scalar_subquery(),
@@ -173,6 +175,15 @@ def queue_counts(ctx: StorageContext, conn: Connection, queue: str) -> QueueCoun
     queues = stripes_for(queue, ctx.config.queue_stripe_count)
     available, running, terminal = conn.execute(_statements(ctx.schema).counts, {"queues": queues}).one()
     return QueueCounts(available=int(available), running=int(running), terminal=int(terminal))
+
+
+def scheduled_count(ctx: StorageContext, conn: Connection, queue: str) -> int:
+    """Jobs of ``queue`` waiting for their time in the deferred backlog (scheduled and
+    retryable), exact in one statement; it scans the queue's part of the backlog's index,
+    so it costs in proportion to the backlog (meant for a metrics collection, not a hot
+    path)."""
+    queues = stripes_for(queue, ctx.config.queue_stripe_count)
+    return int(conn.execute(_statements(ctx.schema).scheduled, {"queues": queues}).scalar_one())
 
 
 def queue_counts_fast(ctx: StorageContext, conn: Connection, queue: str) -> QueueCounts:

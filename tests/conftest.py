@@ -89,6 +89,11 @@ SLOW_TESTS = frozenset({
     "test_periodic.py::test_async_workers_beside_a_thread_worker_enqueue_each_tick_once",
     "test_periodic.py::test_several_workers_in_one_process_enqueue_each_tick_once",
     "test_worker.py::test_a_resume_after_the_waiting_worker_stopped_is_rescued_and_runs_the_handler_afresh",
+    "test_worker.py::test_an_idle_worker_stops_at_once_even_while_its_maintainer_reclaims_history",
+    "test_input_fuzz.py::test_a_batch_of_20000_tiny_jobs_is_written_whole",
+    "test_migrations.py::test_upgrade_head_installs_default_shape_with_sixteen_queue_slots",
+    "test_host_app.py::test_install_recognises_the_hosts_version_row",
+    "test_shape_and_cli_errors.py::test_install_with_a_conflicting_config_names_both_values",
 })
 FUZZ_FAST_SCALE = "0.1"
 

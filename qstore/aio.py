@@ -39,13 +39,13 @@ from qstore.config import QueueStorageConfig
 from qstore.errors import QueueStorageError, ValidationError
 from qstore.outage import OutageLog
 from qstore.storage import Naming, Operations, QueueStorage
-from qstore.storage.jobs import validate_queue
 from qstore.storage.listen import (
     KEEPALIVE_EVERY,
     RECONNECT_CAP,
     RECONNECT_FIRST,
     _Collected,
     collect,
+    listen_channels,
 )
 from qstore.storage.operations import AsyncFace, Operation
 from qstore.storage.targets import AsyncTarget, sync_target
@@ -125,14 +125,10 @@ class AsyncListener:
 
         if not isinstance(engine, AsyncEngine):
             raise ValidationError("engine", engine, "the async listener needs an AsyncEngine")
-        if isinstance(queues, str):
-            raise ValidationError("queues", queues, "expected a list of queue names, not one string")
-        names = [validate_queue(q, "queues") for q in queues]
         self.engine = engine
         self.config = config
         #: channel -> logical queue it wakes
-        self.channels: dict[str, str] = {config.notify_channel(q): q for q in names}
-        self.cancel_channel: str | None = config.cancel_channel if cancel else None
+        self.channels, self.cancel_channel = listen_channels(config, queues, cancel)
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._pending = _Collected()
         self._idle_since = time.monotonic()

@@ -87,6 +87,17 @@ def collect(pending: _Collected, channels: dict[str, str], cancel_channel: str |
         pending.queues.add(queue)
 
 
+def listen_channels(config: QueueStorageConfig, queues: Iterable[str], cancel: bool
+                    ) -> tuple[dict[str, str], str | None]:
+    """What a listener LISTENs on: each of ``queues``' notify channel mapped to its queue
+    (names validated; one string instead of a list is refused) and the cancel channel when
+    ``cancel``. Shared by the sync and the async listener."""
+    if isinstance(queues, str):
+        raise ValidationError("queues", queues, "expected a list of queue names, not one string")
+    names = [validate_queue(q, "queues") for q in queues]
+    return {config.notify_channel(q): q for q in names}, config.cancel_channel if cancel else None
+
+
 class Listener:
     """``LISTEN`` on the channels of ``queues`` (and the cancel channel when ``cancel``) of
     one install, on a connection of its own taken from ``engine``.
@@ -102,14 +113,10 @@ class Listener:
                  *, cancel: bool = True, outages: OutageLog | None = None) -> None:
         if not isinstance(engine, Engine):
             raise ValidationError("engine", engine, "the listener needs a synchronous Engine")
-        if isinstance(queues, str):
-            raise ValidationError("queues", queues, "expected a list of queue names, not one string")
-        names = [validate_queue(q, "queues") for q in queues]
         self.engine = engine
         self.config = config
         #: channel -> logical queue it wakes
-        self.channels: dict[str, str] = {config.notify_channel(q): q for q in names}
-        self.cancel_channel: str | None = config.cancel_channel if cancel else None
+        self.channels, self.cancel_channel = listen_channels(config, queues, cancel)
         self._conn: psycopg.Connection[Any] | None = None
         self._pending = _Collected()
         self._idle_since = time.monotonic()

@@ -470,11 +470,13 @@ def _tables(family: Any) -> list[Table]:
 def family_of_tables(sch: StorageSchema) -> dict[str, str]:
     """Relation name → family (:data:`FAMILIES`) of every table the install declares;
     a table of the schema missing here (e.g. the version table) is ``other``."""
+    receipts = sch.config.lease_claim_receipts
     members: dict[str, Sequence[Any]] = {
         "queue_ready": (sch.ready, sch.tombstones, sch.claim_ranges),
         "queue_done": (sch.done, sch.deltas),
-        "lease_ring": (sch.leases,),
-        "claim_ring": (sch.claims, sch.closures),
+        # heartbeat and progress rows live in the ring that holds the attempts
+        "lease_ring": (sch.leases,) if receipts else (sch.leases, sch.progress),
+        "claim_ring": (sch.claims, sch.closures, sch.progress) if receipts else (sch.claims, sch.closures),
         "hot": (sch.lanes, sch.enqueue_heads, sch.claim_heads, sch.attempt_state,
                 sch.claimer_leases, sch.claimer_state),
         "counters": (sch.live_counts, sch.rollups, sch.rollup_ledger, sch.counter_state),

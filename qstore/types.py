@@ -196,12 +196,13 @@ class BusyCounts:
     claims: int = 0
     closures: int = 0
     queue_claim_ranges: int = 0  # qstore addition: claim-range evidence rows of the slot
+    progress: int = 0  # qstore addition: heartbeat and progress rows of the slot
 
     def total(self) -> int:
         """Sum of every field (> 0 ⇔ the slot is not empty)."""
         return (self.queue_ready + self.queue_done + self.queue_tombstones
                 + self.queue_terminal_deltas + self.leases + self.claims + self.closures
-                + self.queue_claim_ranges)
+                + self.queue_claim_ranges + self.progress)
 
 
 class SkipReason(str, enum.Enum):

@@ -91,6 +91,10 @@ class StorageSchema:
     deferred: Table
     dlq: Table
     attempt_state: Table
+    #: Append-only heartbeats and progress, in the ring that holds the live attempts (the
+    #: claim ring with receipts, the lease ring without; ``progress_ring`` names it).
+    progress: RingFamily
+    progress_seq: Sequence
     queue_ring: Ring
     lease_ring: Ring
     claim_ring: Ring
@@ -151,10 +155,13 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     claims = execution_plane.declare_lease_claims(md, config)
     closures = execution_plane.declare_lease_claim_closures(md, config)
     attempt_state = execution_plane.declare_attempt_state(md, config)
+    progress, progress_seq = execution_plane.declare_attempt_progress(md, config)
     record("execution")
     cursors = {r: control_plane.declare_ring_cursor(md, config, r) for r in ("queue", "lease", "claim")}
-    families = {"queue": (ready, tombstones, claim_ranges, done, deltas), "lease": (leases,),
-                "claim": (claims, closures)}
+    families: dict[str, tuple[RingFamily, ...]] = {
+        "queue": (ready, tombstones, claim_ranges, done, deltas), "lease": (leases,),
+        "claim": (claims, closures)}
+    families[execution_plane.progress_ring(config)] += (progress,)
     rings = {r: Ring(r, cursors[r][0], cursors[r][1], families[r]) for r in families}
     lanes, enqueue_heads, claim_heads = control_plane.declare_lanes(md, config)
     live_counts, rollups, rollup_ledger, counter_state = control_plane.declare_counters(md, config)
@@ -170,6 +177,7 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
         config=config, metadata=md, ready=ready, tombstones=tombstones,
         claim_ranges=claim_ranges, done=done, deltas=deltas, leases=leases, claims=claims,
         closures=closures, deferred=deferred, dlq=dlq, attempt_state=attempt_state,
+        progress=progress, progress_seq=progress_seq,
         queue_ring=rings["queue"], lease_ring=rings["lease"], claim_ring=rings["claim"],
         lanes=lanes, enqueue_heads=enqueue_heads, claim_heads=claim_heads,
         live_counts=live_counts, rollups=rollups, rollup_ledger=rollup_ledger,

@@ -3,7 +3,7 @@ per-attempt mutable state."""
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Index, MetaData, PrimaryKeyConstraint, Table, text
+from sqlalchemy import Column, Index, MetaData, PrimaryKeyConstraint, Sequence, Table, text
 from sqlalchemy.types import TypeEngine
 
 from qstore.config import QueueStorageConfig
@@ -107,8 +107,45 @@ def declare_lease_claim_closures(md: MetaData, cfg: QueueStorageConfig) -> RingF
     )
 
 
+def progress_ring(cfg: QueueStorageConfig) -> str:
+    """The ring whose slots hold the attempts' progress rows: the claim ring when the
+    install claims with receipts (an attempt's receipt stays open in its claim slot until
+    the attempt ends), the lease ring otherwise (its lease stays in its lease slot)."""
+    return "claim" if cfg.lease_claim_receipts else "lease"
+
+
+def declare_attempt_progress(md: MetaData, cfg: QueueStorageConfig) -> tuple[RingFamily, Sequence]:
+    """Append-only heartbeats and progress: one row per heartbeat or progress report.
+
+    A row lives in the slot that holds its attempt (``ring_slot``: the receipt's claim slot,
+    or the lease's lease slot on a receipts-off install, see :func:`progress_ring`), so the
+    ring's prune gate (open receipts, live leases) keeps it while the attempt lives and
+    ``TRUNCATE`` reclaims it with the slot. Each row carries the attempt's whole state
+    (``heartbeat_at`` and ``progress``, carried over from the attempt's previous row when a
+    report sets only one of them); ``seq`` (from ``attempt_progress_seq``) orders an
+    attempt's rows, and readers take the row with the greatest ``seq`` (the primary key
+    serves that lookup)."""
+    seq = Sequence("attempt_progress_seq", schema=cfg.schema, metadata=md, start=1)
+    slots = cfg.claim_slot_count if cfg.lease_claim_receipts else cfg.lease_slot_count
+    family = ring_table(
+        md, "attempt_progress", "ring_slot", slots,
+        Column("ring_slot", INT, nullable=False),
+        Column("job_id", BIGINT, nullable=False),
+        Column("run_lease", BIGINT, nullable=False),
+        Column("seq", BIGINT, nullable=False),
+        Column("written_at", TS, nullable=False, server_default=NOW),
+        Column("heartbeat_at", TS),
+        Column("progress", JSON),
+        PrimaryKeyConstraint("job_id", "run_lease", "seq", "ring_slot", name="attempt_progress_pkey"),
+        schema=cfg.schema,
+    )
+    return family, seq
+
+
 def declare_attempt_state(md: MetaData, cfg: QueueStorageConfig) -> Table:
-    """Optional mutable state of a live attempt (heartbeat, progress, callback data)."""
+    """Optional mutable state of a live attempt: its callback data. Heartbeats and progress
+    go to ``attempt_progress``; ``heartbeat_at`` and ``progress`` here are written only by a
+    previous release's processes during a rolling deploy (readers take them into account)."""
     return Table(
         "attempt_state", md,
         Column("job_id", BIGINT, nullable=False),

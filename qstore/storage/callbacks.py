@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, BindParameter, Connection, Select, and_, bindparam, select
+from sqlalchemy import BigInteger, BindParameter, Connection, Select, and_, bindparam, select, true
 
 from qstore.errors import CallbackNotFoundError, StaleAttemptError, ValidationError
 from qstore.schema import StorageSchema
@@ -27,6 +27,7 @@ from qstore.storage.context import StorageContext
 from qstore.storage.decide import Decision, Destination
 from qstore.storage.planes import execution
 from qstore.storage.planes.execution import LIVE, Closure
+from qstore.storage.statements import AttemptProgress, attempt_progress
 from qstore.types import CallbackConfig, CallbackPollKind, CallbackPollResult, JobRow, JobState
 
 __all__ = [
@@ -61,15 +62,19 @@ def _reads(sch: StorageSchema) -> CallbackReads:
     le, st, r = sch.leases.parent, sch.attempt_state, sch.ready.parent
     job, lease = bindparam("b_job", type_=BigInteger()), bindparam("b_lease", type_=BigInteger())
     token: BindParameter[Any] = bindparam("b_token")
+    lp = attempt_progress(sch, "lp", le.c.job_id, le.c.run_lease,
+                          None if sch.config.lease_claim_receipts else le.c.lease_slot)
+    merged = AttemptProgress(lp, st)
     body_join = and_(r.c.ready_slot == le.c.ready_slot, r.c.queue == le.c.queue, r.c.priority == le.c.priority,
                      r.c.enqueue_shard == le.c.enqueue_shard, r.c.lane_seq == le.c.lane_seq)
     lease_view = (select(le, r.c.kind, r.c.args, r.c.payload, r.c.run_at, r.c.created_at, r.c.unique_key,
-                         r.c.unique_states, st.c.progress, st.c.callback_filter, st.c.callback_on_complete,
-                         st.c.callback_on_fail, st.c.callback_transform, st.c.callback_result,
-                         st.c.callback_result.isnot(None).label("has_result"),
-                         st.c.heartbeat_at.label("state_heartbeat_at"))
+                         r.c.unique_states, merged.progress.label("progress"), st.c.callback_filter,
+                         st.c.callback_on_complete, st.c.callback_on_fail, st.c.callback_transform,
+                         st.c.callback_result, st.c.callback_result.isnot(None).label("has_result"),
+                         merged.heartbeat_at.label("state_heartbeat_at"))
                   .select_from(le.join(r, body_join).outerjoin(
-                      st, and_(st.c.job_id == le.c.job_id, st.c.run_lease == le.c.run_lease))))
+                      st, and_(st.c.job_id == le.c.job_id, st.c.run_lease == le.c.run_lease))
+                      .outerjoin(lp, true())))
     return CallbackReads(
         by_token=lease_view.where(le.c.callback_id == token, le.c.state.in_(LIVE)).order_by(le.c.run_lease.desc()),
         active=lease_view.where(le.c.job_id == job, le.c.run_lease == lease, le.c.state.in_(LIVE)),

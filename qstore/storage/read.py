@@ -15,14 +15,31 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Select, Table, and_, bindparam, case, column, func, select, table
+from sqlalchemy import (
+    Connection,
+    Select,
+    Table,
+    and_,
+    bindparam,
+    case,
+    column,
+    func,
+    select,
+    table,
+    true,
+)
 from sqlalchemy.types import BigInteger, Text
 
 from qstore.schema import StorageSchema
 from qstore.storage.columns import BODY, ORIGINAL_PRIORITY_KEY, body_job, payload_fields
 from qstore.storage.context import StorageContext
 from qstore.storage.jobs import stripes_for
-from qstore.storage.statements import attempt_leased, receipt_closed
+from qstore.storage.statements import (
+    AttemptProgress,
+    attempt_leased,
+    attempt_progress,
+    receipt_closed,
+)
 from qstore.storage.targets import holding
 from qstore.types import JobRow, JobState, QueueCounts
 
@@ -69,6 +86,10 @@ def _statements(sch: StorageSchema) -> ReadStatements:
     closed = receipt_closed(cl, c)
     leased = attempt_leased(le, c)
     h = sch.claim_heads
+    receipts = sch.config.lease_claim_receipts
+    lp = attempt_progress(sch, "lp", le.c.job_id, le.c.run_lease, None if receipts else le.c.lease_slot)
+    cp = attempt_progress(sch, "cp", c.c.job_id, c.c.run_lease, c.c.claim_slot)
+    lease_progress, claim_progress = AttemptProgress(lp, st), AttemptProgress(cp, st)
 
     def total(col: Any) -> Any:
         return func.coalesce(select(func.sum(col)).where(col.table.c.queue.in_(queues)).scalar_subquery(), 0)
@@ -89,11 +110,15 @@ def _statements(sch: StorageSchema) -> ReadStatements:
         .where(t.c.job_id == job),
         deferred=select(sch.deferred).where(sch.deferred.c.job_id == job),
         dlq=select(sch.dlq).where(sch.dlq.c.job_id == job),
-        leases=select(le, st.c.progress, st.c.heartbeat_at.label("state_heartbeat_at"))
-        .select_from(le.outerjoin(st, and_(st.c.job_id == le.c.job_id, st.c.run_lease == le.c.run_lease)))
+        leases=select(le, lease_progress.progress.label("progress"),
+                      lease_progress.heartbeat_at.label("state_heartbeat_at"))
+        .select_from(le.outerjoin(st, and_(st.c.job_id == le.c.job_id, st.c.run_lease == le.c.run_lease))
+                     .outerjoin(lp, true()))
         .where(le.c.job_id == job),
-        open_claims=select(c, st.c.progress, st.c.heartbeat_at.label("state_heartbeat_at"))
-        .select_from(c.outerjoin(st, and_(st.c.job_id == c.c.job_id, st.c.run_lease == c.c.run_lease)))
+        open_claims=select(c, claim_progress.progress.label("progress"),
+                           claim_progress.heartbeat_at.label("state_heartbeat_at"))
+        .select_from(c.outerjoin(st, and_(st.c.job_id == c.c.job_id, st.c.run_lease == c.c.run_lease))
+                     .outerjoin(cp, true()))
         .where(c.c.job_id == job, ~closed, ~leased),
         terminal=select(tj).where(tj.c.job_id == job),
         # one statement, so the three counts come from one snapshot
@@ -200,8 +225,9 @@ def _job_tables(ctx: StorageContext) -> tuple[Table, ...]:
     sch = ctx.schema
     # what load_job reads of the rings (terminal_jobs is done rows joined to ready rows), in
     # the rings' order, as prune locks them
-    return (sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent, sch.done.parent,
-            sch.leases.parent, sch.claims.parent, sch.closures.parent)
+    rings = {sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent, sch.done.parent,
+             sch.leases.parent, sch.claims.parent, sch.closures.parent, sch.progress.parent}
+    return tuple(f.parent for ring in sch.rings for f in ring.families if f.parent in rings)
 
 
 #: :func:`load_job` as the ``SNAPSHOT`` operation runs it: the ring tables it reads are held

@@ -36,8 +36,8 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from qstore.schema import StorageSchema
 
-__all__ = ["HotStatement", "array_param", "attempt_leased", "packed_array_param", "receipt_closed", "schema_func",
-           "unnest_rows"]
+__all__ = ["AttemptProgress", "HotStatement", "array_param", "attempt_leased", "attempt_progress",
+           "packed_array_param", "receipt_closed", "schema_func", "unnest_rows"]
 
 
 def array_param(name: str, item_type: TypeEngine[Any]) -> BindParameter[Any]:
@@ -184,6 +184,36 @@ def attempt_leased(leases: FromClause, claims: FromClause) -> Exists:
     receipt alone."""
     le, c = leases.c, claims.c
     return select(le.job_id).where(le.job_id == c.job_id, le.run_lease == c.run_lease).exists()
+
+
+class AttemptProgress:
+    """What readers know of a live attempt's heartbeats and progress: the latest
+    ``attempt_progress`` row of the attempt (a ``LATERAL`` subquery, ``row``) merged with
+    its ``attempt_state`` row (``state``, joined by the caller).
+
+    * ``heartbeat_at``: the later of the two (``greatest`` skips NULLs);
+    * ``progress``: ``attempt_state``'s when it holds one, else the latest row's. Only a
+      process of the previous release writes progress to ``attempt_state`` (a rolling
+      deploy; the upgrade moved what was there into ``attempt_progress``), and it writes
+      there for the attempts it runs itself, so what it holds is the newer report.
+    """
+
+    def __init__(self, row: Any, state: FromClause) -> None:
+        self.row = row
+        self.heartbeat_at = func.greatest(row.c.heartbeat_at, state.c.heartbeat_at)
+        self.progress = func.coalesce(state.c.progress, row.c.progress)
+
+
+def attempt_progress(sch: StorageSchema, name: str, job_id: Any, run_lease: Any, slot: Any = None) -> Any:
+    """``LATERAL`` subquery ``name``: the latest ``attempt_progress`` row (greatest ``seq``)
+    of the attempt ``(job_id, run_lease)``, its ``heartbeat_at`` and ``progress``; ``slot``,
+    when given, is the ring slot that holds the attempt (only that child is probed)."""
+    p = sch.progress.parent
+    cond = [p.c.job_id == job_id, p.c.run_lease == run_lease]
+    if slot is not None:
+        cond.append(p.c.ring_slot == slot)
+    return (select(p.c.heartbeat_at, p.c.progress).where(*cond).order_by(p.c.seq.desc()).limit(1)
+            .lateral(name))
 
 
 _NAMED = re.compile(r"%\(([^)]+)\)s")

@@ -1,5 +1,6 @@
-"""Execution plane: the only Python writer of leases, claim receipts and closures, and the
-per-attempt mutable state (``attempt_state``).
+"""Execution plane: the only Python writer of leases, claim receipts and closures, the
+attempts' heartbeats and progress (``attempt_progress``) and their callback state
+(``attempt_state``).
 
 Every way of ending an attempt (complete, retry, snooze, cancel, fail, DLQ, rescue, callback
 resolution) goes through :func:`take_attempts`. Order of locks: claim rows (``FOR UPDATE``,
@@ -8,9 +9,12 @@ run_lease)``; every lease deletion closes the attempt's receipt in the same tran
 a receipt is closed without a lease only when no lease exists for the attempt. The closure
 primary key makes finishing an attempt at-most-once; anything stale is simply not returned.
 
-Mutable per-attempt state is created only when an attempt heartbeats, reports progress or
-waits for a callback; a heartbeat sets the receipt's ``materialized_at`` at most once and
-never rewrites it.
+A heartbeat or progress report appends one ``attempt_progress`` row in the ring slot that
+holds its attempt (the receipt's claim slot, or the lease's slot on a receipts-off install):
+no row is updated or deleted, and the slot is reclaimed by ``TRUNCATE`` once the ring's prune
+gate finds no live attempt in it. A heartbeat sets the receipt's ``materialized_at`` at most
+once and never rewrites it. Mutable per-attempt state (``attempt_state``) is created only
+when an attempt waits for a callback.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from sqlalchemy import (
     literal,
     null,
     select,
+    true,
     update,
 )
 from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
@@ -85,6 +90,7 @@ class ExecutionStatements:
     close: Insert
     bodies: Select[Any]
     drop_state: ReturningDelete[Any]
+    latest_progress: Select[Any]
     hb_lock: Select[Any]
     hb_open: Select[Any]
     hb_leased: Select[Any]
@@ -107,6 +113,7 @@ class ExecutionStatements:
 def statements(sch: StorageSchema) -> ExecutionStatements:
     c, le, cl = sch.claims.parent, sch.leases.parent, sch.closures.parent
     r, st, lrs = sch.ready.parent, sch.attempt_state, sch.lease_ring.state
+    ap = sch.progress.parent
     p = unnest_rows("p", **PAIR)
     on_pair = lambda t: and_(t.c.job_id == p.c.job_id, t.c.run_lease == p.c.run_lease)  # noqa: E731
     no_lease = ~select(le.c.job_id).where(le.c.job_id == c.c.job_id, le.c.run_lease == c.c.run_lease).exists()
@@ -137,6 +144,9 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
             r.c.enqueue_shard == k.c.enqueue_shard, r.c.lane_seq == k.c.lane_seq))),
         drop_state=delete(st).where(on_pair(st)).returning(st.c.job_id, st.c.run_lease, st.c.progress,
                                                            st.c.heartbeat_at),
+        # the latest progress row of each attempt (greatest seq first per pair)
+        latest_progress=select(ap.c.job_id, ap.c.run_lease, ap.c.progress).select_from(ap.join(p, on_pair(ap)))
+        .order_by(ap.c.job_id, ap.c.run_lease, ap.c.seq.desc()).distinct(ap.c.job_id, ap.c.run_lease),
         # lock open receipts first, so the later statements see every committed closure
         hb_lock=select(c.c.claim_slot, c.c.job_id, c.c.run_lease, c.c.materialized_at)
         .select_from(c.join(hp, on_c)).where(~closed).order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),
@@ -145,7 +155,7 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
         # them in): a transaction ending the attempt deletes its lease, so the heartbeat waits
         # for it and then finds the lease gone; updates of the lease's other columns
         # (callback token, wait state) and other heartbeats are not held up.
-        hb_leased=select(le.c.job_id, le.c.run_lease).select_from(
+        hb_leased=select(le.c.job_id, le.c.run_lease, le.c.lease_slot).select_from(
             le.join(hp, and_(le.c.job_id == hp.c.job_id, le.c.run_lease == hp.c.run_lease)))
         .where(le.c.state.in_(bindparam("states", expanding=True)))
         .order_by(le.c.job_id, le.c.run_lease).with_for_update(of=le, read=True, key_share=True),
@@ -224,8 +234,9 @@ def take_attempts(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[in
             "lane_seq": [x.lane_seq for x in refs.values()],
         })
     }
-    state = {(row.job_id, row.run_lease): row for row in conn.execute(s.drop_state, {
-        "job_id": [j for j, _ in taken_keys], "run_lease": [r for _, r in taken_keys]})}
+    taken_arg = {"job_id": [j for j, _ in taken_keys], "run_lease": [r for _, r in taken_keys]}
+    state = {(row.job_id, row.run_lease): row for row in conn.execute(s.drop_state, taken_arg)}
+    reported = {(row.job_id, row.run_lease): row.progress for row in conn.execute(s.latest_progress, taken_arg)}
     out = []
     for pr in taken_keys:
         ref = refs[pr]
@@ -234,6 +245,8 @@ def take_attempts(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[in
             raise InvariantError(f"the ready body of job {pr[0]} is missing while its attempt is live")
         lease = leases.get(pr)
         st = state.get(pr)
+        # attempt_state's progress (a previous release's report) first, as readers merge them
+        progress = st.progress if st is not None and st.progress is not None else reported.get(pr)
         job = JobRow(
             id=pr[0], kind=body.kind, queue=ref.queue, args=body.args,
             state=JobState(lease.state) if lease is not None else JobState.RUNNING,
@@ -242,7 +255,7 @@ def take_attempts(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[in
             attempted_at=lease.attempted_at if lease is not None else ref.claimed_at,
             unique_key=body.unique_key, unique_states=body.unique_states,
             # the attempt's progress, not the one the ready row was written with
-            **{**payload_fields(body.payload), "progress": st.progress if st is not None else None},
+            **{**payload_fields(body.payload), "progress": progress},
         )
         ready = ReadyKey(ref.ready_slot, ref.ready_generation, ref.enqueue_shard, ref.lane_seq)
         out.append(Taken(Body(job, ready), body.payload))
@@ -250,21 +263,34 @@ def take_attempts(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[in
 
 
 # -- heartbeats and progress ----------------------------------------------------------------------
-def _upsert_state(conn: Connection, sch: StorageSchema, rows: Sequence[tuple[int, int, Any]],
-                  *, heartbeat: bool, progress: bool) -> None:
-    st = sch.attempt_state
-    now = func.clock_timestamp()
-    stmt = pg_insert(st).values([
-        {"job_id": j, "run_lease": r, **({"heartbeat_at": now} if heartbeat else {}),
-         **({"progress": pg} if progress else {}), "updated_at": now}
-        for j, r, pg in rows
-    ])
-    sets: dict[str, Any] = {"updated_at": stmt.excluded.updated_at}
-    if heartbeat:
-        sets["heartbeat_at"] = stmt.excluded.heartbeat_at
-    if progress:
-        sets["progress"] = stmt.excluded.progress
-    conn.execute(stmt.on_conflict_do_update(index_elements=[st.c.job_id, st.c.run_lease], set_=sets))
+@functools.lru_cache(maxsize=256)
+def _append(sch: StorageSchema, with_heartbeat: bool, with_progress: bool) -> Insert:
+    """``INSERT … SELECT`` of one ``attempt_progress`` row per attempt of the bound arrays
+    (``ring_slot, job_id, run_lease, progress``): the heartbeat time and/or the progress
+    given, the other carried over from the attempt's latest row in the same slot."""
+    ap = sch.progress.parent
+    rows = unnest_rows("p", ring_slot=Integer(), job_id=BigInteger(), run_lease=BigInteger(), progress=JSONB())
+    prev = (select(ap.c.heartbeat_at, ap.c.progress)
+            .where(ap.c.ring_slot == rows.c.ring_slot, ap.c.job_id == rows.c.job_id,
+                   ap.c.run_lease == rows.c.run_lease)
+            .order_by(ap.c.seq.desc()).limit(1).lateral("prev"))
+    at = select(func.clock_timestamp().label("at")).subquery("at")
+    return pg_insert(ap).from_select(
+        ["ring_slot", "job_id", "run_lease", "seq", "written_at", "heartbeat_at", "progress"],
+        select(rows.c.ring_slot, rows.c.job_id, rows.c.run_lease, sch.progress_seq.next_value(),
+               at.c.at, at.c.at if with_heartbeat else prev.c.heartbeat_at,
+               rows.c.progress if with_progress else prev.c.progress)
+        .select_from(rows.join(at, true()).outerjoin(prev, true()))
+        .order_by(rows.c.job_id, rows.c.run_lease),
+    )
+
+
+def _append_progress(conn: Connection, sch: StorageSchema, rows: Sequence[tuple[int, int, int, Any]],
+                     *, heartbeat: bool, progress: bool) -> None:
+    """Append a progress row for each ``(ring_slot, job_id, run_lease, progress)``."""
+    conn.execute(_append(sch, heartbeat, progress), {
+        "ring_slot": [r[0] for r in rows], "job_id": [r[1] for r in rows],
+        "run_lease": [r[2] for r in rows], "progress": [r[3] for r in rows]})
 
 
 def heartbeat(conn: Connection, sch: StorageSchema, items: Sequence[tuple[int, int, Any]], *,
@@ -286,7 +312,7 @@ def heartbeat(conn: Connection, sch: StorageSchema, items: Sequence[tuple[int, i
     arg = {"job_id": [i[0] for i in items], "run_lease": [i[1] for i in items],
            "progress": [i[2] for i in items]}
     locked = conn.execute(s.hb_lock, arg).all()
-    leased = {(r[0], r[1]) for r in conn.execute(s.hb_leased, {**arg, "states": list(lease_states)})}
+    leased = {(r[0], r[1]): r.lease_slot for r in conn.execute(s.hb_leased, {**arg, "states": list(lease_states)})}
     open_now = {(r[0], r[1]) for r in conn.execute(s.hb_open, arg)} if locked else set()
     # receipts-off installs have no claims: the lease alone identifies the live attempt
     live = [i for i in items if (i[0], i[1]) in open_now or (i[0], i[1]) in leased]
@@ -296,7 +322,17 @@ def heartbeat(conn: Connection, sch: StorageSchema, items: Sequence[tuple[int, i
         if r.materialized_at is None and (r.job_id, r.run_lease) in open_now:
             conn.execute(s.hb_materialize, {"b_job_id": r.job_id, "b_run_lease": r.run_lease,
                                             "b_claim_slot": r.claim_slot})
-    _upsert_state(conn, sch, live, heartbeat=with_heartbeat, progress=with_progress)
+    # The row goes to the slot that holds the attempt, read under the locks above: the
+    # receipt's claim slot (a receipt stays open while its attempt lives, lease or not), or
+    # the lease's slot on a receipts-off install. The ring's prune gate keeps that slot
+    # while the attempt lives.
+    if sch.config.lease_claim_receipts:
+        slot_of = {(r.job_id, r.run_lease): r.claim_slot for r in locked if (r.job_id, r.run_lease) in open_now}
+    else:
+        slot_of = leased
+    rows = [(slot_of[(j, r)], j, r, pg) for j, r, pg in live if (j, r) in slot_of]
+    if rows:
+        _append_progress(conn, sch, rows, heartbeat=with_heartbeat, progress=with_progress)
     return len(live)
 
 

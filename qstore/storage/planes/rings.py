@@ -62,6 +62,7 @@ _BUSY_FIELD = {
     "leases": "leases",
     "lease_claims": "claims",
     "lease_claim_closures": "closures",
+    "attempt_progress": "progress",
 }
 _PG = postgresql.dialect()
 

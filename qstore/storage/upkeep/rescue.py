@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Integer, Select, and_, bindparam, func, select
+from sqlalchemy import Connection, Integer, Select, and_, bindparam, func, select, true
 from sqlalchemy.dialects.postgresql import INTERVAL
 
 from qstore.schema import StorageSchema
@@ -28,7 +28,12 @@ from qstore.storage.decide import Decision, Destination, exhausted, rescue_decis
 from qstore.storage.destinations import UniqueConflicts
 from qstore.storage.planes import execution, queue
 from qstore.storage.planes.execution import Closure
-from qstore.storage.statements import attempt_leased, receipt_closed
+from qstore.storage.statements import (
+    AttemptProgress,
+    attempt_leased,
+    attempt_progress,
+    receipt_closed,
+)
 from qstore.types import JobRow, JobState
 
 __all__ = ["RESCUE_LIMIT", "promote_due", "rescue_expired_callbacks", "rescue_expired_deadlines",
@@ -55,16 +60,23 @@ def _statements(sch: StorageSchema) -> RescueStatements:
     leased = attempt_leased(le, c)
     st_c = st.alias("st_c")
     st_l = st.alias("st_l")
+    # the effective heartbeat: the latest progress row's or attempt_state's (see AttemptProgress)
+    lp = attempt_progress(sch, "lp", le.c.job_id, le.c.run_lease,
+                          None if sch.config.lease_claim_receipts else le.c.lease_slot)
+    cp = attempt_progress(sch, "cp", c.c.job_id, c.c.run_lease, c.c.claim_slot)
+    lease_beat, claim_beat = AttemptProgress(lp, st_l).heartbeat_at, AttemptProgress(cp, st_c).heartbeat_at
     limit = bindparam("limit", type_=Integer())
     return RescueStatements(
         stale_leases=select(le.c.job_id, le.c.run_lease).select_from(
-            le.outerjoin(st_l, and_(st_l.c.job_id == le.c.job_id, st_l.c.run_lease == le.c.run_lease)))
+            le.outerjoin(st_l, and_(st_l.c.job_id == le.c.job_id, st_l.c.run_lease == le.c.run_lease))
+            .outerjoin(lp, true()))
         .where(le.c.state == JobState.RUNNING,
-               func.coalesce(st_l.c.heartbeat_at, le.c.heartbeat_at, le.c.attempted_at) < cutoff)
+               func.coalesce(lease_beat, le.c.heartbeat_at, le.c.attempted_at) < cutoff)
         .limit(limit).with_for_update(of=le, skip_locked=True),
         stale_claims=select(c.c.job_id, c.c.run_lease).select_from(
-            c.outerjoin(st_c, and_(st_c.c.job_id == c.c.job_id, st_c.c.run_lease == c.c.run_lease)))
-        .where(~closed, ~leased, func.coalesce(st_c.c.heartbeat_at, c.c.claimed_at) < cutoff)
+            c.outerjoin(st_c, and_(st_c.c.job_id == c.c.job_id, st_c.c.run_lease == c.c.run_lease))
+            .outerjoin(cp, true()))
+        .where(~closed, ~leased, func.coalesce(claim_beat, c.c.claimed_at) < cutoff)
         .limit(limit).with_for_update(of=c, skip_locked=True),
         overdue_leases=select(le.c.job_id, le.c.run_lease).where(le.c.state == JobState.RUNNING, le.c.deadline_at < now)
         .limit(limit).with_for_update(skip_locked=True),

@@ -18,14 +18,15 @@ from qstore.types import JobState
 
 @pytest.fixture
 def refuse_attempt_state_deletes(engine, st):
-    """Make the general completion path fail: it deletes the attempt's ``attempt_state``
-    row, the fast path never does."""
+    """Make the general completion path fail: it deletes the attempts' ``attempt_state``
+    rows (a statement-level trigger fires even when there are none), the fast path never
+    does."""
     s = st.schema()
     with engine.begin() as c:
         c.execute(text(f'CREATE FUNCTION "{s}".refuse() RETURNS trigger LANGUAGE plpgsql AS '
                        "$$ BEGIN RAISE EXCEPTION 'refused by test'; END $$"))
         c.execute(text(f'CREATE TRIGGER refuse BEFORE DELETE ON "{s}".attempt_state '
-                       f'FOR EACH ROW EXECUTE FUNCTION "{s}".refuse()'))
+                       f'FOR EACH STATEMENT EXECUTE FUNCTION "{s}".refuse()'))
     yield
     with engine.begin() as c:
         c.execute(text(f'DROP TRIGGER refuse ON "{s}".attempt_state'))

@@ -7,7 +7,7 @@ SQL only observes state, holds a lock or plays the racing writer).
 * queue-, claim- and lease-ring prune re-check their gates once the exclusive lock is
   granted, so a writer that committed while prune waited keeps its row;
 * without receipts, aged claims complete, stale cancels leave the live lease alone and a
-  heartbeat kept in ``attempt_state`` protects the lease from stale rescue;
+  heartbeat row in ``attempt_progress`` protects the lease from stale rescue;
 * prune releases a unique key only for the job that still owns it;
 * queue-ring prune sees a claim that commits between two of its gate statements;
 * with an ``Engine`` every stripe's claim commits on its own, and promotion's pause gate
@@ -262,14 +262,14 @@ def test_stale_cancel_without_receipts_leaves_the_live_lease(
     assert st.complete_runtime_batch(engine, [live]) == [(live.job.id, live.job.run_lease)]
 
 
-def test_heartbeat_in_attempt_state_protects_a_lease_from_stale_rescue(
+def test_heartbeat_row_protects_a_lease_from_stale_rescue(
         engine: Engine, make_storage: MakeStorage) -> None:
     st = make_storage(lease_claim_receipts=False)
     st.enqueue_params_batch(engine, [job()])
     c = claim_one(st, engine)
     time.sleep(0.5)  # the lease's own heartbeat (its claim) is now stale for 0.4 s ...
     assert st.heartbeat_batch(engine, [(c.job.id, c.job.run_lease)]) == 1  # ... this one is fresh
-    assert rows(engine, st, "attempt_state", "job_id = :j AND heartbeat_at IS NOT NULL", j=c.job.id) == 1
+    assert rows(engine, st, "attempt_progress", "job_id = :j AND heartbeat_at IS NOT NULL", j=c.job.id) == 1
 
     assert st.rescue_stale_heartbeats(engine, 0.4) == []
 

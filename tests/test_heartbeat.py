@@ -1,6 +1,6 @@
-"""Heartbeats and progress: per-attempt mutable state is created only
-when an attempt heartbeats or reports progress, removed when the attempt ends, and a
-heartbeat never rewrites an append-only claim row.
+"""Heartbeats and progress: a heartbeat or progress report appends one ``attempt_progress``
+row (no mutable per-attempt state is written), an attempt that never reports writes none,
+and a heartbeat never rewrites an append-only claim row.
 
 Every test runs twice: on an install with receipts, and on one without, where each claim
 writes a lease."""
@@ -39,11 +39,12 @@ def claim_row(engine, s, job_id: int) -> tuple:
             f'WHERE job_id = {job_id}')).one())
 
 
-def attempt_state(engine, s, job_id: int) -> list[tuple]:
+def reports(engine, s, job_id: int) -> list[tuple]:
+    """``(run_lease, heartbeat_at, progress)`` of the job's latest progress row per attempt."""
     with engine.connect() as c:
         return [tuple(r) for r in c.execute(text(
-            f'SELECT run_lease, heartbeat_at, progress FROM "{s.schema()}".attempt_state '
-            f'WHERE job_id = {job_id}'))]
+            f'SELECT DISTINCT ON (run_lease) run_lease, heartbeat_at, progress '
+            f'FROM "{s.schema()}".attempt_progress WHERE job_id = {job_id} ORDER BY run_lease, seq DESC'))]
 
 
 # -- short jobs stay light ------------------------------------------------------------------
@@ -54,6 +55,7 @@ def test_short_job_creates_no_attempt_state_and_no_lease_beyond_its_claim(engine
     claimed_leases = count(engine, st, "leases")  # without receipts the claim wrote one
     assert st.complete_runtime_batch(engine, [c]) == [(c.job.id, 1)]
     assert count(engine, st, "attempt_state") == 0
+    assert count(engine, st, "attempt_progress") == 0
     assert count(engine, st, "leases") == 0
     assert claimed_leases == (0 if st.lease_claim_receipts() else 1)
     if st.lease_claim_receipts():
@@ -63,19 +65,20 @@ def test_short_job_creates_no_attempt_state_and_no_lease_beyond_its_claim(engine
 # -- heartbeat_batch ---------------------------------------------------------------------------
 
 
-def test_heartbeat_creates_attempt_state_and_counts_the_live_attempts(engine, st):
+def test_heartbeat_appends_one_progress_row_per_live_attempt_and_counts_them(engine, st):
     a, b = running(engine, st), running(engine, st)
     leases = count(engine, st, "leases")
     assert st.heartbeat_batch(engine, [(a.job.id, 1), (b.job.id, 1)]) == 2
-    assert count(engine, st, "attempt_state") == 2
-    assert attempt_state(engine, st, a.job.id)[0][1] is not None
+    assert count(engine, st, "attempt_progress") == 2
+    assert count(engine, st, "attempt_state") == 0
+    assert reports(engine, st, a.job.id)[0][1] is not None
     assert count(engine, st, "leases") == leases  # a heartbeat does not materialise a lease
 
 
 def test_heartbeat_is_visible_in_load_job(engine, st):
     c = running(engine, st)
     st.heartbeat_batch(engine, [(c.job.id, 1)])
-    (_, hb, _), = attempt_state(engine, st, c.job.id)
+    (_, hb, _), = reports(engine, st, c.job.id)
     assert st.load_job(engine, c.job.id).heartbeat_at == hb
 
 
@@ -92,9 +95,9 @@ def test_heartbeat_sets_materialized_at_once_and_never_rewrites_the_claim_row(en
 def test_second_heartbeat_advances_heartbeat_at(engine, st):
     c = running(engine, st)
     st.heartbeat_batch(engine, [(c.job.id, 1)])
-    (_, first, _), = attempt_state(engine, st, c.job.id)
+    (_, first, _), = reports(engine, st, c.job.id)
     st.heartbeat_batch(engine, [(c.job.id, 1)])
-    (_, second, _), = attempt_state(engine, st, c.job.id)
+    (_, second, _), = reports(engine, st, c.job.id)
     assert second > first
 
 
@@ -107,7 +110,7 @@ def test_heartbeat_with_a_stale_run_lease_counts_zero_and_writes_nothing(engine,
     c = running(engine, st)
     before = claim_row(engine, st, c.job.id)
     assert st.heartbeat_batch(engine, [(c.job.id, 2), (c.job.id, 0), (999999, 1)]) == 0
-    assert count(engine, st, "attempt_state") == 0
+    assert count(engine, st, "attempt_progress") == 0
     assert claim_row(engine, st, c.job.id) == before
 
 
@@ -115,7 +118,7 @@ def test_heartbeat_of_a_completed_attempt_counts_zero_and_writes_nothing(engine,
     c = running(engine, st)
     st.complete_runtime_batch(engine, [c])
     assert st.heartbeat_batch(engine, [(c.job.id, 1)]) == 0
-    assert count(engine, st, "attempt_state") == 0
+    assert count(engine, st, "attempt_progress") == 0
 
 
 def test_heartbeat_of_a_lease_backed_attempt_counts_it(engine, st):
@@ -123,7 +126,7 @@ def test_heartbeat_of_a_lease_backed_attempt_counts_it(engine, st):
     st.register_callback(engine, c.job.id, 1, 60)  # materialises the lease
     assert count(engine, st, "leases") == 1
     assert st.heartbeat_batch(engine, [(c.job.id, 1)]) == 1
-    assert len(attempt_state(engine, st, c.job.id)) == 1
+    assert len(reports(engine, st, c.job.id)) == 1
 
 
 def test_heartbeat_of_a_waiting_attempt_keeps_it_waiting(engine, st):
@@ -159,7 +162,7 @@ def test_heartbeat_progress_stores_progress_visible_in_load_job(engine, st):
 def test_flush_progress_stores_progress_without_a_heartbeat(engine, st):
     c = running(engine, st)
     st.flush_progress(engine, c.job.id, 1, {"pct": 10})
-    [(_, hb, progress)] = attempt_state(engine, st, c.job.id)
+    [(_, hb, progress)] = reports(engine, st, c.job.id)
     assert (hb, progress) == (None, {"pct": 10})
     assert st.load_job(engine, c.job.id).progress == {"pct": 10}
 
@@ -185,7 +188,7 @@ def test_flush_progress_of_a_stale_attempt_is_a_silent_no_op(engine, st):
     st.complete_runtime_batch(engine, [c])
     assert st.flush_progress(engine, c.job.id, 1, {"pct": 1}) is None
     assert st.flush_progress(engine, c.job.id, 7, {"pct": 1}) is None
-    assert count(engine, st, "attempt_state") == 0
+    assert count(engine, st, "attempt_progress") == 0
 
 
 def test_stored_progress_is_persisted_into_the_retry(engine, st):
@@ -212,7 +215,7 @@ def test_progress_is_cleared_on_successful_completion(engine, st):
     assert st.load_job(engine, c.job.id).progress is None
 
 
-# -- attempt_state lives exactly as long as the attempt ---------------------------------------
+# -- an ended attempt leaves no mutable state -----------------------------------------------
 
 ENDINGS = {
     "complete": lambda s, e, j: s.complete_job_batch_by_id(e, [(j, 1)]),
@@ -228,10 +231,12 @@ ENDINGS = {
 
 
 @pytest.mark.parametrize("ending", sorted(ENDINGS))
-def test_attempt_state_is_removed_when_the_attempt_ends(engine, st, ending):
+def test_an_ended_attempt_leaves_no_attempt_state_and_no_lease(engine, st, ending):
+    """Its progress rows stay until the ring's prune truncates their slot (see
+    ``tests/test_attempt_progress.py``); nothing of it is left to update or delete."""
     c = running(engine, st)
     st.heartbeat_progress_batch(engine, [(c.job.id, 1, {"pct": 5})])
-    assert count(engine, st, "attempt_state") == 1
+    assert count(engine, st, "attempt_progress") == 1
     assert ENDINGS[ending](st, engine, c.job.id)
     assert count(engine, st, "attempt_state") == 0
     assert count(engine, st, "leases") == 0
@@ -302,7 +307,7 @@ def blocked_by(engine, pid: int, done: threading.Event, timeout: float = 20) -> 
 @pytest.mark.parametrize("ender", sorted(ENDERS))
 def test_a_heartbeat_waits_for_the_transaction_ending_its_attempt_and_then_writes_nothing(engine, st, ender, beat):
     """While a completion or rescue of the attempt is uncommitted, a heartbeat (or progress)
-    of it waits; once the attempt has ended it counts zero and leaves no attempt state."""
+    of it waits; once the attempt has ended it counts zero and appends no progress row."""
     end, final = ENDERS[ender]
     c = overdue(engine, st)
     pair = (c.job.id, c.job.run_lease)
@@ -326,7 +331,7 @@ def test_a_heartbeat_waits_for_the_transaction_ending_its_attempt_and_then_write
             ending.commit()
             worker.join(30)
     assert result == [None if beat == "flush_progress" else 0]
-    assert attempt_state(engine, st, c.job.id) == []
+    assert reports(engine, st, c.job.id) == []
     assert state(engine, st, c.job.id) == final
 
 

@@ -46,7 +46,7 @@ from sqlalchemy import (
     true,
     update,
 )
-from sqlalchemy.dialects.postgresql import INTERVAL, JSONB
+from sqlalchemy.dialects.postgresql import INTERVAL, JSONB, distinct_on
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.postgresql.dml import Insert as PgInsert
 from sqlalchemy.sql.dml import ReturningDelete, Update
@@ -146,7 +146,7 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
                                                            st.c.heartbeat_at),
         # the latest progress row of each attempt (greatest seq first per pair)
         latest_progress=select(ap.c.job_id, ap.c.run_lease, ap.c.progress).select_from(ap.join(p, on_pair(ap)))
-        .order_by(ap.c.job_id, ap.c.run_lease, ap.c.seq.desc()).distinct(ap.c.job_id, ap.c.run_lease),
+        .order_by(ap.c.job_id, ap.c.run_lease, ap.c.seq.desc()).ext(distinct_on(ap.c.job_id, ap.c.run_lease)),
         # lock open receipts first, so the later statements see every committed closure
         hb_lock=select(c.c.claim_slot, c.c.job_id, c.c.run_lease, c.c.materialized_at)
         .select_from(c.join(hp, on_c)).where(~closed).order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),

@@ -104,6 +104,8 @@ SLOW_TESTS = frozenset({
     "test_install_pool.py::test_an_install_whose_definitions_changed_is_installed_again_by_the_next_reset",
     "test_lifecycle.py::test_prepare_schema_returns_true_when_it_installs",
     "test_lifecycle.py::test_most_recently_activated_schema_wins",
+    "test_attempt_progress.py::test_a_long_attempt_heartbeating_across_ring_turns_keeps_its_latest_progress",
+    "test_attempt_progress.py::test_prunes_racing_heartbeats_never_lose_a_live_attempts_progress",
 })
 FUZZ_FAST_SCALE = "0.1"
 

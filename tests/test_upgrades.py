@@ -33,6 +33,10 @@ WORKER = HERE / "previous_release_worker.py"
 #: the revisions the previous release shipped (it can write data at any of them)
 PREVIOUS_REVISIONS = REVISIONS[:-1]
 MODES = ("receipts", "leases")
+#: the revision that moved heartbeats and progress from ``attempt_state`` into
+#: ``attempt_progress``, and the revision below it (whatever it is)
+PROGRESS_REVISION = "0012"
+BEFORE_PROGRESS = REVISIONS[REVISIONS.index(PROGRESS_REVISION) - 1]
 Q = "upgrade"
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}
 
@@ -252,7 +256,10 @@ def test_downgrade_to_every_revision_and_back_loses_no_row(module_engine):
         now = table_rows(engine, cfg.schema)
         for table, n in before_rows.items():
             if table in now and "rollup" not in table:  # the ledger folds into the rollups
-                assert now[table] == n, (rev, table)
+                # below the progress revision the heartbeated attempt's latest report is
+                # its attempt_state row again
+                moved = 1 if table == "attempt_state" and rev < PROGRESS_REVISION else 0
+                assert now[table] == n + moved, (rev, table)
     migrate_to(engine, cfg, "heads")
     after_rows = table_rows(engine, cfg.schema)
     # the prune ledger was folded into the rollups on the way down: same sums, other rows
@@ -264,6 +271,71 @@ def test_downgrade_to_every_revision_and_back_loses_no_row(module_engine):
         assert conn.execute(select(st.tables.queue_ring.state.c.generation)).scalar_one() == gen_before
         assert conn.execute(select(func.count()).select_from(st.tables.rollup_ledger)).scalar_one() == 0
     assert len(st.complete_runtime_batch(engine, st.claim_runtime_batch(engine, Q, 10))) == 2
+
+
+def attempt_state_rows(engine: Engine, schema: str) -> dict[int, tuple[Any, Any, Any]]:
+    """job id → ``(heartbeat_at, progress, callback_result)`` of every ``attempt_state`` row."""
+    with engine.connect() as conn:
+        return {r[0]: tuple(r[1:]) for r in conn.execute(text(
+            f'SELECT job_id, heartbeat_at, progress, callback_result FROM "{schema}".attempt_state'))}
+
+
+def write_attempt_state(engine: Engine, schema: str, job_id: int, progress: Any) -> None:
+    """A heartbeat with progress as a release before the progress revision writes it."""
+    with engine.begin() as conn:
+        conn.execute(text(
+            f'INSERT INTO "{schema}".attempt_state (job_id, run_lease, heartbeat_at, progress) '
+            "VALUES (:j, 1, clock_timestamp(), CAST(:p AS jsonb)) ON CONFLICT (job_id, run_lease) DO UPDATE "
+            "SET heartbeat_at = excluded.heartbeat_at, progress = excluded.progress, updated_at = clock_timestamp()"),
+            {"j": job_id, "p": None if progress is None else json.dumps(progress)})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_progress_revision_moves_live_heartbeats_and_progress_and_its_downgrade_moves_the_latest_back(
+        module_engine, mode):
+    _url, engine = module_engine
+    cfg = config(f"progress_{mode}", mode)
+    migrate_to(engine, cfg, BEFORE_PROGRESS)
+    st = QueueStorage(cfg)
+    from jobtools import params
+
+    st.enqueue_params_batch(engine, [params(args={"n": i}, queue=Q) for i in range(4)])
+    reporting, beating, resumed, quiet = (j.job.id for j in st.claim_runtime_batch(engine, Q, 4))
+    st.register_callback(engine, resumed, 1, 3600)
+    write_attempt_state(engine, cfg.schema, reporting, {"pct": 10})
+    write_attempt_state(engine, cfg.schema, beating, None)
+    write_attempt_state(engine, cfg.schema, resumed, {"pct": 20})
+    with engine.begin() as conn:  # a resumed callback's result, as that release stores it
+        conn.execute(text(f'UPDATE "{cfg.schema}".attempt_state SET callback_result = \'{{"answer": 1}}\' '
+                          f"WHERE job_id = {resumed}"))
+    before = attempt_state_rows(engine, cfg.schema)
+
+    migrate_to(engine, cfg, "heads")
+    # moved: rows left with nothing are gone, the callback's keeps its result only
+    assert attempt_state_rows(engine, cfg.schema) == {resumed: (None, None, {"answer": 1})}
+    for job_id, (beat, progress, _) in before.items():
+        row = st.load_job(engine, job_id)
+        assert (row.heartbeat_at, row.progress) == (beat, progress), job_id  # type: ignore[union-attr]
+    with engine.connect() as conn:
+        moved = conn.execute(text(f'SELECT job_id FROM "{cfg.schema}".attempt_progress')).scalars().all()
+    assert sorted(moved) == sorted(before)  # one row per attempt that had something to move
+
+    st.heartbeat_progress_batch(engine, [(reporting, 1, {"pct": 11}), (quiet, 1, {"pct": 1})])
+    assert st.complete_job_batch_by_id(engine, [(beating, 1)]) == [(beating, 1)]
+    latest = {j: st.load_job(engine, j) for j in (reporting, resumed, quiet)}
+
+    migrate_to(engine, cfg, BEFORE_PROGRESS)
+    back = attempt_state_rows(engine, cfg.schema)
+    assert sorted(back) == sorted([reporting, resumed, quiet])  # the ended attempt's rows stay behind
+    for job_id, row in latest.items():
+        assert back[job_id][:2] == (row.heartbeat_at, row.progress), job_id  # type: ignore[union-attr]
+    assert back[resumed][2] == {"answer": 1}
+
+    migrate_to(engine, cfg, "heads")
+    assert {j: st.load_job(engine, j) for j in latest} == latest
+    live = [(reporting, 1), (resumed, 1), (quiet, 1)]
+    assert sorted(st.complete_job_batch_by_id(engine, live)) == sorted(live)
+    assert attempt_state_rows(engine, cfg.schema) == {}
 
 
 # -- concurrent upgrades ------------------------------------------------------------------------

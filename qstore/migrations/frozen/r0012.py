@@ -34,7 +34,7 @@ def _slots(shape: Shape) -> int:
 def _live_slot(shape: Shape, alias: str) -> str:
     """A scalar subquery: the ring slot holding the live attempt ``alias.(job_id, run_lease)``
     (its open receipt's claim slot, or its lease's slot without receipts), NULL when the
-    attempt is not live."""
+    attempt is not live. ``alias`` must not be ``c``, ``cl`` or ``l`` (the subquery's own)."""
     s = shape.schema
     if shape.lease_claim_receipts:
         return f"""(SELECT c.claim_slot FROM {s}.lease_claims c
@@ -91,13 +91,13 @@ def downgrade(shape: Shape) -> list[str]:
     s = shape.schema
     return [
         f"""INSERT INTO {s}.attempt_state AS st (job_id, run_lease, heartbeat_at, progress, updated_at)
-SELECT l.job_id, l.run_lease, l.heartbeat_at, l.progress, l.written_at
+SELECT lt.job_id, lt.run_lease, lt.heartbeat_at, lt.progress, lt.written_at
 FROM (SELECT DISTINCT ON (p.job_id, p.run_lease) p.ring_slot, p.job_id, p.run_lease, p.written_at,
              p.heartbeat_at, p.progress
       FROM {s}.attempt_progress p
-      ORDER BY p.job_id, p.run_lease, p.seq DESC) l
-WHERE l.ring_slot = {_live_slot(shape, "l")}
-ORDER BY l.job_id, l.run_lease
+      ORDER BY p.job_id, p.run_lease, p.seq DESC) lt
+WHERE lt.ring_slot = {_live_slot(shape, "lt")}
+ORDER BY lt.job_id, lt.run_lease
 ON CONFLICT (job_id, run_lease) DO UPDATE
 SET heartbeat_at = greatest(st.heartbeat_at, excluded.heartbeat_at),
     progress = coalesce(st.progress, excluded.progress),

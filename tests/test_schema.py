@@ -105,7 +105,17 @@ def test_storage_schema_bundle_exposes_ring_families_with_configured_counts():
     assert len(sch.leases.children) == 3
     assert len(sch.claims.children) == len(sch.closures.children) == 2
     assert [(r.name, r.slot_count) for r in sch.rings] == [("queue", 5), ("lease", 3), ("claim", 2)]
+    # heartbeat and progress rows go with the ring that holds the attempts
+    assert [f.name for f in sch.claim_ring.families] == ["lease_claims", "lease_claim_closures", "attempt_progress"]
+    assert [f.name for f in sch.lease_ring.families] == ["leases"]
+    assert len(sch.progress.children) == 2
+
+
+def test_without_receipts_progress_rows_go_with_the_lease_ring():
+    sch = storage_schema(QueueStorageConfig(**{**SHAPE, "lease_claim_receipts": False}))
+    assert [f.name for f in sch.lease_ring.families] == ["leases", "attempt_progress"]
     assert [f.name for f in sch.claim_ring.families] == ["lease_claims", "lease_claim_closures"]
+    assert len(sch.progress.children) == 3
 
 
 def test_functions_and_view_are_declared_for_the_schema():

@@ -40,6 +40,21 @@ def test_truncating_a_ring_slot_and_moving_a_cursor_are_the_ring_planes() -> Non
     assert writer(SCH, SCH.job_id_seq) is None
 
 
+def test_heartbeat_rows_are_the_execution_planes_and_their_slots_the_ring_planes() -> None:
+    assert writer(SCH, SCH.progress.children[0]) is Plane.EXECUTION
+    assert writer(SCH, SCH.progress.parent, truncate=True) is Plane.RINGS
+    assert writer(SCH, SCH.progress_seq) is None  # it only numbers the rows
+
+
+def test_an_append_of_a_heartbeat_row_outside_the_execution_plane_is_found() -> None:
+    found = _check(UPKEEP, """
+        from sqlalchemy.dialects.postgresql import insert
+        def beat(sch: StorageSchema):
+            return insert(sch.progress.parent).values(job_id=1)
+        """)
+    assert any("attempt_progress" in f and "execution plane" in f for f in found), found
+
+
 def _check(module: str, source: str) -> list[str]:
     return violations({module: textwrap.dedent(source)})
 

@@ -14,7 +14,7 @@ holds its attempt (the receipt's claim slot, or the lease's slot on a receipts-o
 no row is updated or deleted, and the slot is reclaimed by ``TRUNCATE`` once the ring's prune
 gate finds no live attempt in it. A heartbeat sets the receipt's ``materialized_at`` at most
 once and never rewrites it. Mutable per-attempt state (``attempt_state``) is created only
-when an attempt waits for a callback.
+when a callback hands a result back to its attempt (``resume``).
 """
 
 from __future__ import annotations

@@ -312,3 +312,21 @@ def test_prunes_racing_heartbeats_never_lose_a_live_attempts_progress(engine, st
     for j in live:
         assert st.load_job(engine, j.job.id).progress == {"n": last[j.job.id]}
         assert len(progress_rows(engine, st, j.job.id)) == last[j.job.id]  # not one truncated
+
+
+# -- regressions ----------------------------------------------------------------------------
+
+
+def test_two_installs_on_one_engine_number_their_progress_rows_from_their_own_sequences(engine, st, make_storage):
+    other = make_storage(lease_claim_receipts=st.lease_claim_receipts(), **SMALL)
+    assert other.schema() != st.schema()
+    for s in (st, other, st):
+        c = running(engine, s)
+        assert s.heartbeat_progress_batch(engine, [(c.job.id, c.job.run_lease, {"n": 1})]) == 1
+
+    def seqs(s) -> list[int]:
+        with engine.connect() as conn:
+            return list(conn.execute(text(f'SELECT seq FROM "{s.schema()}".attempt_progress ORDER BY seq')).scalars())
+
+    assert seqs(st) == [1, 2]
+    assert seqs(other) == [1]

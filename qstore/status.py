@@ -65,6 +65,7 @@ from qstore.storage import QueueStorage
 from qstore.storage.jobs import logical_queue
 from qstore.storage.planes.rings import regclass, slot_generation
 from qstore.storage.read import truncated_by_upkeep
+from qstore.storage.statements import live_deferred
 from qstore.storage.targets import Policy, Target, hold, run
 from qstore.types import JobState
 
@@ -309,7 +310,8 @@ class _Statements:
 
 @functools.lru_cache(maxsize=64)
 def _statements(sch: StorageSchema) -> _Statements:
-    h, m, df, q = sch.claim_heads, sch.queue_meta, sch.deferred, sch.dlq
+    h, m, q = sch.claim_heads, sch.queue_meta, sch.dlq
+    df = live_deferred(sch)
     d, le = sch.done.parent, sch.leases.parent
     n = func.count().label("n")
     return _Statements(
@@ -324,7 +326,7 @@ def _statements(sch: StorageSchema) -> _Statements:
     )
 
 
-def _handed_back_statement(df: Table) -> Select[Any]:
+def _handed_back_statement(df: Any) -> Select[Any]:
     def mark(key: str) -> Any:
         return func.jsonb_extract_path_text(df.c.payload, "progress", UNHANDLED_KEY, key)
 
@@ -478,7 +480,7 @@ def family_of_tables(sch: StorageSchema) -> dict[str, str]:
         "hot": (sch.lanes, sch.enqueue_heads, sch.claim_heads, sch.attempt_state,
                 sch.claimer_leases, sch.claimer_state),
         "counters": (sch.live_counts, sch.rollups, sch.rollup_ledger, sch.counter_state),
-        "backlog": (sch.deferred, sch.dlq, sch.unique_claims),
+        "backlog": (sch.deferred, sch.wheel, sch.wheel_marks, sch.dlq, sch.unique_claims),
     }
     return {t.name: family for family, items in members.items() for item in items for t in _tables(item)}
 

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from jobtools import BACKLOG, relation
 from sqlalchemy import Engine, create_engine, event, text
 
 from qstore import InsertOpts, InsertParams, QueueStorage, ValidationError
@@ -85,7 +86,7 @@ def run(m: Maintainer, task: str) -> Any:
 
 def deferred_ids(st: QueueStorage, engine: Engine) -> list[int]:
     with engine.connect() as c:
-        return list(c.execute(text(f'SELECT job_id FROM "{st.schema()}".deferred_jobs')).scalars())
+        return list(c.execute(text(f'SELECT job_id FROM {relation(st.schema(), BACKLOG)}')).scalars())
 
 
 # -- schedule ------------------------------------------------------------------------------------

@@ -148,6 +148,7 @@ def test_jobs_upgraded_from_a_revision_can_be_worked_to_the_end(upgraded, module
     assert st.retry_from_dlq(engine, ids["dlq"], RetryFromDlqOpts()) is not None
     with engine.begin() as conn:  # make the deferred jobs due now
         conn.execute(text(f'UPDATE "{cfg.schema}".deferred_jobs SET run_at = clock_timestamp()'))
+        conn.execute(text(f'UPDATE "{cfg.schema}".deferred_wheel SET run_at = clock_timestamp()'))
     assert st.promote_due(engine, JobState.RETRYABLE, 10) == 1
     assert st.promote_due(engine, JobState.SCHEDULED, 10) == 1
     claimed = st.claim_runtime_batch(engine, Q, 100)

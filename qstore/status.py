@@ -95,10 +95,11 @@ R = TypeVar("R")
 #: Table families of :func:`schema_health`, in report order: the queue ring's ready side
 #: (ready entries, tombstones, claim ranges) and done side (done entries, terminal count
 #: deltas), the lease ring, the claim ring (receipts, closures), the hot control tables
-#: (lanes, enqueue/claim heads, attempt state, claimer leases), the counters, the backlogs
-#: (deferred jobs, DLQ, unique keys) and every other table of the schema.
-FAMILIES = ("queue_ready", "queue_done", "lease_ring", "claim_ring", "hot", "counters", "backlog",
-            "other")
+#: (lanes, enqueue/claim heads, attempt state, claimer leases), the counters, the deferred
+#: wheel (entries and marks), the backlogs (the deferred overflow, DLQ, unique keys) and
+#: every other table of the schema.
+FAMILIES = ("queue_ready", "queue_done", "lease_ring", "claim_ring", "hot", "counters", "deferred_wheel",
+            "backlog", "other")
 #: The key of a job's progress under which a worker that has no task for the job's kind
 #: records giving the attempt back: ``{"count": n, "run_lease": r, "at": iso-time}``.
 UNHANDLED_KEY = "qstore.unhandled"
@@ -480,7 +481,8 @@ def family_of_tables(sch: StorageSchema) -> dict[str, str]:
         "hot": (sch.lanes, sch.enqueue_heads, sch.claim_heads, sch.attempt_state,
                 sch.claimer_leases, sch.claimer_state),
         "counters": (sch.live_counts, sch.rollups, sch.rollup_ledger, sch.counter_state),
-        "backlog": (sch.deferred, sch.wheel, sch.wheel_marks, sch.dlq, sch.unique_claims),
+        "deferred_wheel": (sch.wheel, sch.wheel_marks),
+        "backlog": (sch.deferred, sch.dlq, sch.unique_claims),
     }
     return {t.name: family for family, items in members.items() for item in items for t in _tables(item)}
 

@@ -73,6 +73,8 @@ SLOW_TESTS = frozenset({
     "test_host_app.py::test_autogenerate_continues_the_hosts_branch_never_qstores",
     "test_least_privilege.py::test_the_runtime_role_is_refused_ddl_and_writes_to_the_recorded_shape",
     "test_maintenance_race.py::test_rotate_prune_race_loses_and_duplicates_nothing",
+    "test_wheel.py::test_truncation_racing_inserts_and_promotion_loses_no_wait",
+    "test_wheel.py::test_waits_leave_no_dead_tuple_in_the_backlog_under_a_pinned_horizon",
     "test_migrations.py::test_create_all_and_the_migrations_install_identical_catalogs",
     "test_migrations.py::test_host_app_can_upgrade_only_the_qstore_branch",
     "test_migrations.py::test_two_storage_schemas_coexist_each_with_its_own_version_table",

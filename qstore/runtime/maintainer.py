@@ -50,7 +50,7 @@ log = logging.getLogger("qstore.maintainer")
 
 #: Prefix of the leader lock key (followed by the schema name); its version changes when
 #: upkeep changes in a way a previous release's maintainer cannot follow.
-LEADER_KEY_PREFIX = "qstore:maintainer:2:"
+LEADER_KEY_PREFIX = "qstore:maintainer:3:"
 
 #: Rescue functions return at most this many rows per call; a full
 #: batch means more may be waiting, so the task calls again (up to ``RESCUE_MAX_CALLS``).

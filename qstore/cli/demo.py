@@ -376,13 +376,13 @@ def refuse_used_database(engine: Engine, storage: QueueStorage) -> None:
                        for q in queue_status(engine, existing))
             if jobs:
                 raise CommandFailed(f"demo: schema {schema!r} already holds a qstore install with "
-                                    f"{jobs:,} jobs; the demo needs an empty one: {fix}")
+                                    f"{jobs:,} job{'' if jobs == 1 else 's'}; the demo needs an empty one: {fix}")
     if classic_schema(schema) in present:
         url = engine.url.render_as_string(hide_password=False)
         rows = ClassicQueue(url, classic_schema(schema)).count()
         if rows:
             raise CommandFailed(f"demo: schema {classic_schema(schema)!r} already holds a classic jobs "
-                                f"table with {rows:,} rows; the demo needs an empty one: {fix}")
+                                f"table with {rows:,} row{'' if rows == 1 else 's'}; the demo needs an empty one: {fix}")
 
 
 def step_job_lifecycle(ctx: DemoContext) -> None:
@@ -425,7 +425,7 @@ TABLE_STEPS: list[DemoStep] = [step_show_rings, step_show_tables]
 DEFAULT_TIMEOUT = 600.0
 MAX_JOBS = 10_000_000
 MAX_RATE = 100_000.0
-MIN_DURATION = 3.0
+MIN_DURATION = 1.0
 MAX_DURATION = 86_400.0
 
 

@@ -346,12 +346,6 @@ def step_steady(ctx: DemoContext) -> None:
             f"horizon pinned from {a:g} s to {b:g} s")
     for line in summary_lines(result):
         ctx.say("  " + line)
-    deferred = ctx.storage.tables.deferred.name
-    tables = schema_health(ctx.engine, ctx.storage).tables
-    in_deferred = sum(t.dead_tuples for t in tables if t.name == deferred)
-    ctx.say(f"  qstore's dead tuples at the end: {in_deferred:,} in {deferred} (its deferred backlog: "
-            f"delayed, retried and snoozed jobs wait there until due), "
-            f"{sum(t.dead_tuples for t in tables) - in_deferred:,} elsewhere")
     if ctx.plot:
         plot_steady(result, ctx.plot, pyplot())
         ctx.say(f"plot written to {ctx.plot}")

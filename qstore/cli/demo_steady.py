@@ -53,7 +53,8 @@ __all__ = ["DEFAULT_DURATION", "DEFAULT_RATE", "SAMPLE_SQL", "Progress", "Steady
 
 DEFAULT_DURATION = 18.0
 DEFAULT_RATE = 500.0
-WARMUP = 0.5  # seconds between starting the workers and starting the producers
+WARMUP_JOBS = 20  # plain jobs each system runs before the clock starts (connections, statements)
+WARMUP_LIMIT = 3.0  # seconds the warm-up may take at most
 TICK = 0.01
 SAMPLE_EVERY = 1.0
 VACUUM_EVERY = 2.0
@@ -185,8 +186,9 @@ class _System:
     def outcomes(self) -> dict[str, int]:
         raise NotImplementedError
 
-    def enqueue(self, first: int, n: int) -> None:
-        """Enqueue jobs ``first .. first + n - 1`` of the mix in one statement."""
+    def enqueue(self, first: int, n: int, *, plain: bool = False) -> None:
+        """Enqueue jobs ``first .. first + n - 1`` of the mix in one statement (``plain``:
+        jobs that just complete, for the warm-up)."""
         raise NotImplementedError
 
 
@@ -231,10 +233,10 @@ class _QstoreSystem(_System):
         s = self._stats()
         return {"completed": s.completed, "retried": s.retried, "snoozed": s.snoozed, "failed": s.failed}
 
-    def enqueue(self, first: int, n: int) -> None:
+    def enqueue(self, first: int, n: int, *, plain: bool = False) -> None:
         now = datetime.now(timezone.utc)
         later = now + timedelta(seconds=DELAY_SECONDS)
-        names = [outcome_for(i) for i in range(first, first + n)]
+        names = ["ok"] * n if plain else [outcome_for(i) for i in range(first, first + n)]
         params = [InsertParams(KIND, {"o": o}, InsertOpts(queue=QUEUE, max_attempts=3,
                                                           run_at=later if o == "delayed" else None))
                   for o in names]
@@ -280,8 +282,8 @@ class _ClassicSystem(_System):
         w = self.workers
         return {"completed": w.completed, "retried": w.retried, "snoozed": w.snoozed, "failed": w.failed}
 
-    def enqueue(self, first: int, n: int) -> None:
-        names = [outcome_for(i) for i in range(first, first + n)]
+    def enqueue(self, first: int, n: int, *, plain: bool = False) -> None:
+        names = ["ok"] * n if plain else [outcome_for(i) for i in range(first, first + n)]
         sent = time.monotonic()
         rows = self.queue.enqueue(self._conn, KIND, [{"o": o} for o in names],
                                   [DELAY_SECONDS if o == "delayed" else 0.0 for o in names])
@@ -407,7 +409,8 @@ def _ms(seconds: float | None) -> str:
 
 
 def _line(name: str, p: Point, prev: Point | None) -> str:
-    rate = 0.0 if prev is None else (p.terminal - prev.terminal) / max(p.at - prev.at, 1e-9)
+    prev_at, prev_n = (prev.at, prev.terminal) if prev else (0.0, 0)
+    rate = (p.terminal - prev_n) / max(p.at - prev_at, 1e-9)
     return (f"{p.at:5.1f} s  {name:<8} {rate:>7,.0f} jobs/s  pickup p95 {_ms(p.p95):>10}  "
             f"dead tuples {p.dead:>8,}  bytes {human_bytes(p.bytes):>9}  {p.phase}")
 
@@ -438,7 +441,14 @@ def run_steady(url: str, storage: QueueStorage, engine: Engine, classic: Classic
         for s in systems:
             s.start()
         vacuum.start()
-        time.sleep(WARMUP)
+        # warm-up: a few plain jobs through each system open its connections and prepare
+        # its statements before the clock starts; the counts start after them
+        for s in systems:
+            s.enqueue(0, WARMUP_JOBS, plain=True)
+        limit = time.monotonic() + WARMUP_LIMIT
+        while any(s.terminal() < WARMUP_JOBS for s in systems) and time.monotonic() < limit:
+            time.sleep(0.02)
+        base = {s.name: s.terminal() for s in systems}
         t0 = result.t0 = time.monotonic()
         producers = [_Producer(s, rate, t0, halt) for s in systems]
         for p in producers:
@@ -450,8 +460,9 @@ def run_steady(url: str, storage: QueueStorage, engine: Engine, classic: Classic
             taken = {}
             for s in systems:
                 dead, size = rows.get(s.schema, (0, 0))
-                recent = s.pickups.since(now - RECENT)
-                taken[s.name] = Point(now - t0, s.terminal(), dead, size, percentile(recent, 0.95), phase)
+                recent = s.pickups.since(max(t0, now - RECENT))
+                taken[s.name] = Point(now - t0, s.terminal() - base[s.name], dead, size,
+                                      percentile(recent, 0.95), phase)
             return taken
 
         def mark(name: str, taken: dict[str, Point]) -> None:

@@ -18,7 +18,9 @@ after the backoff, some snooze once, a few fail for good, and a share is schedul
 delay. For the middle third of the run one more connection sits idle in a transaction that
 holds an xid (the pin): no tuple deleted after it began can be removed by anyone.
 
-Once a second one connection reads, for both schemas in one statement, the dead tuples the
+Before the clock starts, each system runs a few plain jobs (connections opened, statements
+prepared), then the producers run for a lead-in of :data:`LEAD_IN` seconds that no figure
+counts. Once a second one connection reads, for both schemas in one statement, the dead tuples the
 statistics count (``pg_stat_get_dead_tuples``: row versions deleted or updated and not yet
 removed by vacuum or pruning; each session reports at most once a second) and the bytes of
 every table with its indexes (``pg_total_relation_size``); throughput comes from the
@@ -55,6 +57,7 @@ DEFAULT_DURATION = 18.0
 DEFAULT_RATE = 500.0
 WARMUP_JOBS = 20  # plain jobs each system runs before the clock starts (connections, statements)
 WARMUP_LIMIT = 3.0  # seconds the warm-up may take at most
+LEAD_IN = 1.0  # seconds of steady load before the clock starts (at most a sixth of the run)
 TICK = 0.01
 SAMPLE_EVERY = 1.0
 VACUUM_EVERY = 2.0
@@ -436,6 +439,7 @@ def run_steady(url: str, storage: QueueStorage, engine: Engine, classic: Classic
     vacuum = _Vacuum(conninfo, [sql.Identifier(classic.schema, "jobs"), sql.Identifier(storage.schema(), deferred)],
                      halt)
     producers: list[_Producer] = []
+    lead: dict[str, int] = {}
     schemas = [s.schema for s in systems]
     try:
         for s in systems:
@@ -448,11 +452,14 @@ def run_steady(url: str, storage: QueueStorage, engine: Engine, classic: Classic
         limit = time.monotonic() + WARMUP_LIMIT
         while any(s.terminal() < WARMUP_JOBS for s in systems) and time.monotonic() < limit:
             time.sleep(0.02)
-        base = {s.name: s.terminal() for s in systems}
-        t0 = result.t0 = time.monotonic()
-        producers = [_Producer(s, rate, t0, halt) for s in systems]
+        began = time.monotonic()
+        producers = [_Producer(s, rate, began, halt) for s in systems]
         for p in producers:
             p.start()
+        time.sleep(min(LEAD_IN, duration / 6))  # the load runs a moment before the clock starts
+        base = {s.name: s.terminal() for s in systems}
+        lead = {p.system.name: p.offered for p in producers}
+        t0 = result.t0 = time.monotonic()
 
         def sample(phase: str) -> dict[str, Point]:
             now = time.monotonic()
@@ -520,7 +527,7 @@ def run_steady(url: str, storage: QueueStorage, engine: Engine, classic: Classic
         sampler.close()
     for s, p in zip(systems, producers, strict=False):
         result.outcomes[s.name] = s.outcomes()
-        result.offered[s.name] = p.offered
+        result.offered[s.name] = p.offered - lead.get(s.name, 0)
     return result
 
 

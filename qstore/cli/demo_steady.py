@@ -53,7 +53,7 @@ from qstore.types import InsertOpts, InsertParams
 __all__ = ["DEFAULT_DURATION", "DEFAULT_RATE", "SAMPLE_SQL", "Progress", "SteadyResult", "outcome_for",
            "percentile", "plot_steady", "run_steady", "summary_lines"]
 
-DEFAULT_DURATION = 18.0
+DEFAULT_DURATION = 15.0
 DEFAULT_RATE = 500.0
 WARMUP_JOBS = 20  # plain jobs each system runs before the clock starts (connections, statements)
 WARMUP_LIMIT = 3.0  # seconds the warm-up may take at most

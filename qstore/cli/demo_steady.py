@@ -514,6 +514,8 @@ def run_steady(url: str, storage: QueueStorage, engine: Engine, classic: Classic
             else:
                 halt.set()
                 mark("end", sample(phase))
+                for s in systems:  # the last point of the plot
+                    result.points[s.name].append(result.marks[s.name]["end"])
                 break
     finally:
         halt.set()
@@ -590,7 +592,7 @@ def plot_steady(result: SteadyResult, path: str, plt: Any) -> None:
         ax.axvspan(*result.pin, color="0.85", label="horizon pinned")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-    axes[1].set_yscale("log")
+    axes[1].set_ylim(bottom=0)
     axes[0].legend(loc="lower left")
     axes[0].set_title(f"qstore demo: {result.rate:,.0f} jobs/s offered to each, "
                       f"horizon pinned from {result.pin[0]:g} s to {result.pin[1]:g} s")

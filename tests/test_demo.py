@@ -73,7 +73,7 @@ def test_piped_progress_is_plain_lines_one_per_system_per_sample(
         piped_run: subprocess.CompletedProcess[str]) -> None:
     out = piped_run.stdout
     assert "\r" not in out and "\x1b" not in out
-    progress = [line for line in out.splitlines() if " jobs/s  pickup p95 " in line]
+    progress = [line for line in out.splitlines() if " jobs/s  p95 " in line]
     assert [line.split()[2] for line in progress[:2]] == ["qstore", "classic"]
     assert len(progress) % 2 == 0 and len(progress) >= 2
 

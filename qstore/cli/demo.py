@@ -338,8 +338,9 @@ def step_steady(ctx: DemoContext) -> None:
             f"for {ctx.duration:g} s;\nthe horizon is pinned from {a:g} s to {b:g} s.")
     ctx.say(f"The classic jobs table and qstore's deferred backlog are vacuumed every {VACUUM_EVERY:g} s "
             f"(server autovacuum: {autovacuum}).")
-    ctx.say("jobs/s: jobs completed or failed for good; pickup: enqueue commit -> handler start, "
-            f"p95 of the last {RECENT:g} s; dead tuples: the statistics' count; bytes: tables and indexes")
+    ctx.say("Each second, per system: jobs/s (jobs completed or failed for good), pickup p95 of the last "
+            f"{RECENT:g} s (enqueue commit -> handler start), dead tuples (the statistics' count) and "
+            "bytes (tables and indexes).")
     result = run_steady(url, ctx.storage, ctx.engine, classic, ctx.out, duration=ctx.duration, rate=ctx.rate)
     ctx.say()
     ctx.say(f"summary: {ctx.rate:,.0f} jobs/s offered to each for {ctx.duration:g} s, "

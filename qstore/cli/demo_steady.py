@@ -32,6 +32,7 @@ sees it return) to the start of its first handler, for jobs enqueued ready.
 from __future__ import annotations
 
 import math
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -99,23 +100,22 @@ class Pickups:
         self._lock = threading.Lock()
         self._committed: dict[int, float] = {}
         self._early: dict[int, float] = {}
-        self._sent: dict[int, float] = {}
         self.seen: list[tuple[float, float]] = []  # (handler start, latency in seconds)
 
     def committed(self, ids: Sequence[int], sent: float, at: float) -> None:
+        """The enqueue of ``ids``, sent at ``sent``, returned (committed) at ``at``."""
         with self._lock:
             for job_id in ids:
                 started = self._early.pop(job_id, None)
                 if started is None:
                     self._committed[job_id] = at
-                    self._sent[job_id] = sent
                 else:
                     self.seen.append((started, max(0.0, started - sent)))
 
     def started(self, job_id: int, at: float) -> None:
+        """The first handler of a ready job started at ``at``."""
         with self._lock:
             committed = self._committed.pop(job_id, None)
-            self._sent.pop(job_id, None)
             if committed is None:
                 self._early[job_id] = at
             else:
@@ -133,6 +133,7 @@ class Pickups:
         return out
 
     def between(self, start: float, end: float) -> list[float]:
+        """Latencies of the pickups that started in ``[start, end)``."""
         with self._lock:
             return [lat for at, lat in self.seen if start <= at < end]
 
@@ -189,6 +190,10 @@ class _System:
     def outcomes(self) -> dict[str, int]:
         raise NotImplementedError
 
+    def errors(self) -> int:
+        """Calls of its workers that failed (claims, outcome writes, completions)."""
+        raise NotImplementedError
+
     def enqueue(self, first: int, n: int, *, plain: bool = False) -> None:
         """Enqueue jobs ``first .. first + n - 1`` of the mix in one statement (``plain``:
         jobs that just complete, for the warm-up)."""
@@ -235,6 +240,10 @@ class _QstoreSystem(_System):
     def outcomes(self) -> dict[str, int]:
         s = self._stats()
         return {"completed": s.completed, "retried": s.retried, "snoozed": s.snoozed, "failed": s.failed}
+
+    def errors(self) -> int:
+        s = self._stats()
+        return int(s.claim_errors + s.outcome_errors)
 
     def enqueue(self, first: int, n: int, *, plain: bool = False) -> None:
         now = datetime.now(timezone.utc)
@@ -284,6 +293,9 @@ class _ClassicSystem(_System):
     def outcomes(self) -> dict[str, int]:
         w = self.workers
         return {"completed": w.completed, "retried": w.retried, "snoozed": w.snoozed, "failed": w.failed}
+
+    def errors(self) -> int:
+        return sum(self.workers.errors.values())
 
     def enqueue(self, first: int, n: int, *, plain: bool = False) -> None:
         names = ["ok"] * n if plain else [outcome_for(i) for i in range(first, first + n)]
@@ -374,6 +386,7 @@ class SteadyResult:
     pickups: dict[str, Pickups] = field(default_factory=dict)
     outcomes: dict[str, dict[str, int]] = field(default_factory=dict)
     offered: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # failed enqueues and worker calls
     marks: dict[str, dict[str, Point]] = field(default_factory=dict)  # pin_start / pin_end / end
     pinned_xid: int | None = None
     t0: float = 0.0  # the run's start on the monotonic clock the pickups are kept on
@@ -392,8 +405,9 @@ class Progress:
         if self.tty:
             if self.drawn:
                 self.out.write(f"\x1b[{len(lines)}A")
+            width = shutil.get_terminal_size().columns - 1  # a wrapped line would break the redraw
             for line in lines:
-                self.out.write(f"\r\x1b[K{line}\n")
+                self.out.write(f"\r\x1b[K{line[:width]}\n")
             self.drawn = True
         else:
             for line in lines:
@@ -414,8 +428,8 @@ def _ms(seconds: float | None) -> str:
 def _line(name: str, p: Point, prev: Point | None) -> str:
     prev_at, prev_n = (prev.at, prev.terminal) if prev else (0.0, 0)
     rate = (p.terminal - prev_n) / max(p.at - prev_at, 1e-9)
-    return (f"{p.at:5.1f} s  {name:<8} {rate:>7,.0f} jobs/s  pickup p95 {_ms(p.p95):>10}  "
-            f"dead tuples {p.dead:>8,}  bytes {human_bytes(p.bytes):>9}  {p.phase}")
+    return (f"{p.at:5.1f} s  {name:<7} {rate:>6,.0f} jobs/s  p95 {_ms(p.p95):>9}  "
+            f"dead {p.dead:>7,}  {human_bytes(p.bytes):>8}  {p.phase}")
 
 
 def run_steady(url: str, storage: QueueStorage, engine: Engine, classic: ClassicQueue, out: TextIO,
@@ -530,6 +544,7 @@ def run_steady(url: str, storage: QueueStorage, engine: Engine, classic: Classic
     for s, p in zip(systems, producers, strict=False):
         result.outcomes[s.name] = s.outcomes()
         result.offered[s.name] = p.offered - lead.get(s.name, 0)
+        result.errors[s.name] = s.errors() + p.errors
     return result
 
 
@@ -568,6 +583,8 @@ def summary_lines(result: SteadyResult) -> list[str]:
     row("dead tuples at the end", lambda n: f"{result.marks[n]['end'].dead:,}")
     row("bytes before the pin", lambda n: human_bytes(result.marks[n]["pin_start"].bytes))
     row("bytes at the end", lambda n: human_bytes(result.marks[n]["end"].bytes))
+    if any(result.errors.values()):
+        row("failed calls (enqueue, claim, outcome)", lambda n: f"{result.errors[n]:,}")
     return table_lines(["", *SYSTEMS], rows)
 
 

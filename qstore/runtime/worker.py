@@ -54,6 +54,7 @@ from sqlalchemy import Engine
 
 from qstore import migrate
 from qstore.errors import (
+    PartialCommitError,
     QueueStorageError,
     SchemaNotInstalledError,
     ValidationError,
@@ -220,7 +221,7 @@ class Worker:
     def stats(self) -> WorkerStats:
         """A snapshot of what this worker did (see :class:`WorkerStats`)."""
         b = self.batcher.stats
-        return self.core.stats(b.completed, b.stale, b.calls, b.followups)
+        return self.core.stats(b.completed, b.stale, b.calls, b.followups, b.with_claims)
 
     def _count(self, name: str, n: int = 1) -> None:
         self.core.count(name, n)
@@ -505,9 +506,28 @@ class Worker:
 
     # -- claiming --------------------------------------------------------------------------------
     def _claim(self, queue: str, n: int) -> list[ClaimedRuntimeJob]:
-        call = self.core.claim_call(queue, n, self.instance_id)
-        result: list[ClaimedRuntimeJob] = getattr(self.storage, call.op)(self.engine, *call.args)
-        return result
+        """Claim up to ``n`` attempts of ``queue``, taking the completions waiting in the
+        batcher along (one ``complete_and_claim`` round trip) when there are any."""
+        lent = self.batcher.lend() if self.core.claims_complete else []
+        call = self.core.claim_call(queue, n, self.instance_id, [c.claimed for c in lent])
+        try:
+            result = getattr(self.storage, call.op)(self.engine, *call.args)
+        except PartialCommitError as err:
+            if not lent:
+                raise
+            jobs, done = self.core.partly_committed(err)
+            left = set(err.pending)
+            self.batcher.settle_lent([c for c in lent if c.pair not in left], done)
+            self.batcher.return_lent([c for c in lent if c.pair in left])
+            return jobs
+        except BaseException:
+            if lent:  # nothing of the call committed: the batcher sends them, with its retries
+                self.batcher.return_lent(lent)
+            raise
+        jobs, done = self.core.claim_result(result)
+        if lent:
+            self.batcher.settle_lent(lent, done)
+        return jobs
 
     def _dispatch_loop(self, queue: str) -> None:
         wake = self._wakes[queue]
@@ -521,6 +541,7 @@ class Worker:
             try:
                 jobs = self._claim(queue, want)
             except Exception as err:
+                self.batcher.expect_claims(queue, False)
                 self._release(want)
                 self._count("claim_calls")
                 self._count("claim_errors")
@@ -532,6 +553,9 @@ class Worker:
                 wake.wait(s.error_backoff)  # a stop sets it
                 continue
             self._outages.ok(what)
+            # a full claim: the queue has more, and this dispatcher claims again as soon as
+            # places free up; the completions of those places can wait for that claim
+            self.batcher.expect_claims(queue, len(jobs) >= want)
             self._release(want - len(jobs))
             attempts = self.core.claimed(jobs, lambda j: JobContext(j, self.storage, self.engine),
                                          time.monotonic())
@@ -543,6 +567,7 @@ class Worker:
                 # for a notification instead, which a claim in flight does not lose. After a
                 # partial claim the rest may sit in lanes another claimer held: look again soon.
                 wake.wait(s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK))
+        self.batcher.expect_claims(queue, False)
 
     def _launch(self, attempts: list[Attempt]) -> None:
         """Hand claimed attempts to their handlers: sync ones to the thread pool, async

@@ -367,6 +367,12 @@ class CompletionBatcher(BatchCore):
         with self._cond:
             return len(self._q.items) + self._lent + (1 if self._busy else 0)
 
+    @property
+    def queued(self) -> int:
+        """Attempts submitted and waiting: neither lent to a claim nor being sent."""
+        with self._cond:
+            return len(self._q.items)
+
     def submit(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
         """Queue ``claimed`` for completion (with ``followups`` in its transaction)."""
         with self._cond:
@@ -525,6 +531,11 @@ class AsyncCompletionBatcher(BatchCore):
     def pending(self) -> int:
         """Attempts submitted and not sent yet (or being sent)."""
         return len(self._q.items) + self._lent + (1 if self._busy else 0)
+
+    @property
+    def queued(self) -> int:
+        """Attempts submitted and waiting: neither lent to a claim nor being sent."""
+        return len(self._q.items)
 
     def submit(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
         """Queue ``claimed`` for completion (with ``followups`` in its transaction)."""

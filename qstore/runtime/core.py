@@ -773,7 +773,7 @@ class WorkerCore:
     def _observe_end(self, job: JobRow, counter: str | None, row: Any) -> None:
         """Tell the app's telemetry how the attempt of ``job`` ended (a write landed)."""
         telemetry = self.app.telemetry
-        if not telemetry.enabled:
+        if not telemetry.enabled or not telemetry.recording:
             return
         if counter == END:
             name: str | None = "retried" if getattr(row, "state", None) is JobState.RETRYABLE else "failed"
@@ -785,6 +785,8 @@ class WorkerCore:
     def observe_completed(self, jobs: Sequence[JobRow]) -> None:
         """Tell the app's telemetry that the attempts of ``jobs`` completed (the batcher
         calls it once their completion committed)."""
+        if not self.app.telemetry.recording:
+            return
         for job in jobs:
             self.app.telemetry.ended(job, "completed")
 
@@ -794,7 +796,7 @@ class WorkerCore:
         latency, run time and span. Call the yielded function with what the handler
         returned or raised: an error or a ``Fail`` marks the span failed."""
         telemetry = self.app.telemetry
-        if not telemetry.enabled:
+        if not telemetry.enabled or not telemetry.recording:
             yield _ignore
             return
         with telemetry.attempt(a.claimed.job) as record:

@@ -82,6 +82,12 @@ class Telemetry:
 
     enabled = False
 
+    @property
+    def recording(self) -> bool:
+        """Whether anything would be recorded now: the runtime skips a job's telemetry
+        work (spans, metric points) while this is False."""
+        return False
+
     @contextmanager
     def deferring(self, queue: str, kind: str, metadata: Mapping[str, Any], n: int = 1
                   ) -> Iterator[Mapping[str, Any]]:
@@ -172,6 +178,13 @@ class OpenTelemetry(Telemetry):
             raise MissingExtraError("OpenTelemetry metrics and traces", "otel", "opentelemetry-api")
         from opentelemetry import metrics, trace
 
+        # The API's global providers before an SDK sets its own (proxies that record
+        # nothing): while both are still these, nothing records (see ``recording``).
+        self._idle = (None if meter_provider is not None else metrics.get_meter_provider(),
+                      None if tracer_provider is not None else trace.get_tracer_provider())
+        if not isinstance(self._idle[1], trace.ProxyTracerProvider) or \
+                type(self._idle[0]).__name__ != "_ProxyMeterProvider":
+            self._idle = (None, None)  # a provider is set (or given): it records
         meter = (meter_provider or metrics.get_meter_provider()).get_meter("qstore")
         self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("qstore")
         self._enqueued = meter.create_counter("qstore.jobs.enqueued", unit="{job}",
@@ -194,6 +207,18 @@ class OpenTelemetry(Telemetry):
         self._readers: list[Callable[[], Mapping[str, QueueGauge]]] = []
         meter.create_observable_gauge("qstore.queue.jobs", callbacks=[self._observe], unit="{job}",
                                       description="jobs per queue and state")
+
+    @property
+    def recording(self) -> bool:
+        """False while both providers are the OpenTelemetry API's global defaults and no
+        SDK has set its own (they would record nothing); True once one is set, or when a
+        provider was given."""
+        idle_meter, idle_tracer = self._idle
+        if idle_meter is None or idle_tracer is None:
+            return True
+        from opentelemetry import metrics, trace
+
+        return metrics.get_meter_provider() is not idle_meter or trace.get_tracer_provider() is not idle_tracer
 
     @contextmanager
     def deferring(self, queue: str, kind: str, metadata: Mapping[str, Any], n: int = 1

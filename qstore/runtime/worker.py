@@ -599,6 +599,13 @@ class Worker:
         outcome: Any
         if a.task is None:
             outcome = self.core.unknown(a)
+        elif not self._observing:
+            try:
+                outcome = self.core.sync_result(a, self._call(a))
+            except JobOutcome as raised:
+                outcome = raised
+            except BaseException as err:
+                outcome = err
         else:
             with self.core.observed(a) as observe:
                 try:
@@ -638,6 +645,12 @@ class Worker:
             await loop.run_in_executor(self._outcomes, self._finish, a, outcome)
         except RuntimeError:  # the executor was shut down under us: finish here
             self._finish(a, outcome)
+
+    @property
+    def _observing(self) -> bool:
+        """Whether the app's telemetry records handler runs now."""
+        telemetry = self.app.telemetry
+        return telemetry.enabled and telemetry.recording
 
     def _forget(self, a: Attempt) -> None:
         self.forget(a)

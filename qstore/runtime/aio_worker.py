@@ -554,7 +554,8 @@ class AsyncWorker:
                 return
             outcome = err  # dropped when the attempt was closed under the handler
         a.atask = None
-        await self._run(self.core.finish(a, outcome))
+        if not self.core.finish_plain(a, outcome):
+            await self._run(self.core.finish(a, outcome))
 
     async def _outcome(self, a: Attempt) -> Any:
         """What ``a``'s handler returned or raised: an async one awaited on the loop, a sync

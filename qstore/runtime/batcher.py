@@ -82,16 +82,19 @@ RETRY_FIRST, RETRY_CAP = 0.05, 5.0
 CLAIM_HOLD = 0.02
 
 
-@dataclass(frozen=True)
 class Completion:
-    """One attempt to complete, with the follow-up jobs to enqueue in its transaction."""
+    """One attempt to complete (``pair``: its ``(job_id, run_lease)``), with the follow-up
+    jobs to enqueue in its transaction."""
 
-    claimed: ClaimedRuntimeJob
-    followups: Sequence[InsertParams] = ()
+    __slots__ = ("claimed", "followups", "pair")
 
-    @property
-    def pair(self) -> tuple[int, int]:
-        return (self.claimed.job.id, self.claimed.job.run_lease)
+    def __init__(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
+        self.claimed = claimed
+        self.followups = followups
+        self.pair = (claimed.job.id, claimed.job.run_lease)
+
+    def __repr__(self) -> str:
+        return f"Completion({self.pair}, {len(self.followups)} follow-ups)"
 
 
 @dataclass
@@ -222,7 +225,7 @@ class BatchCore:
         """Queue one completion; True when the sender should be woken."""
         if not self._q.items:
             self._q.first_at = time.monotonic()
-        self._q.items.append(Completion(claimed, tuple(followups)))
+        self._q.items.append(Completion(claimed, tuple(followups) if followups else ()))
         return len(self._q.items) == 1 or len(self._q.items) >= self.max_batch
 
     def _left(self) -> None:
@@ -358,6 +361,7 @@ class CompletionBatcher(BatchCore):
         self.storage = storage
         self.engine = engine
         self._cond = threading.Condition()
+        self._flushing = 0  # flush calls waiting
         self._thread: threading.Thread | None = None
 
     # -- public ----------------------------------------------------------------------------------
@@ -391,7 +395,8 @@ class CompletionBatcher(BatchCore):
         (the others were stale)."""
         with self._cond:
             self._settle_lent(lent, done)
-            self._cond.notify_all()
+            if self._flushing:  # only a flush waits for lent completions (the sender does not)
+                self._cond.notify_all()
 
     def return_lent(self, lent: Sequence[Completion]) -> None:
         """``lent`` could not be sent with a claim: the batcher sends them (due at once)."""
@@ -422,11 +427,15 @@ class CompletionBatcher(BatchCore):
         with self._cond:
             self._q.first_at = 0.0  # due now
             self._cond.notify_all()
-            while self._q.items or self._busy or self._lent:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(min(remaining, 0.05))
+            self._flushing += 1
+            try:
+                while self._q.items or self._busy or self._lent:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._cond.wait(min(remaining, 0.05))
+            finally:
+                self._flushing -= 1
         return True
 
     def stop(self, timeout: float = 10.0) -> None:

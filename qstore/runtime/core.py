@@ -677,6 +677,19 @@ class WorkerCore:
             return Write("fail_retryable", "fail_retryable", (error, p), END)
         return COMPLETE
 
+    def finish_plain(self, a: Attempt, outcome: Any) -> bool:
+        """Finish ``a`` at once when ``outcome`` is a plain return value of a live attempt:
+        its completion goes to the batcher, it is let go, and True is returned (what
+        :meth:`finish` does then, without running a procedure). False: nothing was done,
+        run :meth:`finish`."""
+        if isinstance(outcome, BaseException) or a.ctx.is_cancelled:
+            return False
+        try:
+            self.host.complete(a)
+        finally:
+            self.host.forget(a)
+        return True
+
     # -- procedures ---------------------------------------------------------------------------
     def finish(self, a: Attempt, outcome: Any) -> Procedure:
         """Apply what the handler produced to its attempt, then let the attempt go."""

@@ -657,7 +657,8 @@ class Worker:
 
     def _finish(self, a: Attempt, outcome: Any) -> None:
         """Apply what the handler produced to its attempt, then let the attempt go."""
-        self._run(self.core.finish(a, outcome))
+        if not self.core.finish_plain(a, outcome):
+            self._run(self.core.finish(a, outcome))
 
     # -- give back, cancel, deadline -------------------------------------------------------------
     def _waiting_attempts(self) -> list[Attempt]:

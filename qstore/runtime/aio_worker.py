@@ -11,8 +11,8 @@ with ``await`` on :class:`~qstore.aio.AsyncQueueStorage` instead of on threads. 
 
 On the worker's loop, as tasks:
 
-* one **dispatcher** per queue, claiming (``claim_runtime_batch`` and its variants) into
-  free capacity and waking on ``NOTIFY`` (an :class:`~qstore.aio.AsyncListener`, which also
+* one **dispatcher** per queue, claiming (``claim_runtime_batch`` and its variants, or
+  ``complete_and_claim`` with the completions waiting in the batcher) into free capacity and waking on ``NOTIFY`` (an :class:`~qstore.aio.AsyncListener`, which also
   delivers an operator's cancels) or after ``poll_interval``;
 * **handlers**: at most ``concurrency`` run at once. An ``async def`` handler runs on the
   loop itself (no thread hand-off); a plain ``def`` handler runs on a bounded pool of

@@ -10,7 +10,9 @@
 * **handlers**: sync tasks on a pool of ``concurrency`` threads, ``async def`` tasks on one
   event loop thread; what a handler returns or raises is applied to its attempt (see
   :mod:`qstore.runtime.tasks`); successful attempts go to the completion batcher
-  (:mod:`qstore.runtime.batcher`), which completes many of them in one call;
+  (:mod:`qstore.runtime.batcher`), which completes many of them in one call; the
+  dispatcher's next claim takes those waiting along (``complete_and_claim``: one round trip
+  completes them and claims the next jobs);
 * a **listener** (:mod:`qstore.storage.listen`): one ``LISTEN`` connection for the queues' wake-ups and
   the cancel channel; an operator's cancel of a running attempt sets the handler's
   ``ctx.cancelled`` (and cancels an async handler's task);

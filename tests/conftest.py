@@ -60,7 +60,7 @@ SLOW_MODULES = frozenset({
     "test_worker_outage",    # workers across database outages
     "test_worker_process",   # worker processes started, signalled and killed
 })
-#: Tests elsewhere that take seconds each: alembic and CLI runs in subprocesses, install
+#: Tests elsewhere that take seconds each: alembic, mypy and CLI runs in subprocesses, install
 #: flows repeated for every shape or refusal, races run for seconds. The fast tier keeps a
 #: representative of each family (the host-app recipe, the drift check, one refusal).
 SLOW_TESTS = frozenset({
@@ -94,6 +94,16 @@ SLOW_TESTS = frozenset({
     "test_migrations.py::test_upgrade_head_installs_default_shape_with_sixteen_queue_slots",
     "test_host_app.py::test_install_recognises_the_hosts_version_row",
     "test_shape_and_cli_errors.py::test_install_with_a_conflicting_config_names_both_values",
+    "test_code_quality.py::test_package_and_benchmark_scripts_type_check_clean_under_mypy",
+    "test_input_fuzz.py::test_enqueue_params_either_round_trips_or_refuses_naming_the_bad_field",
+    "test_migrations.py::test_create_all_install_has_no_drift_against_the_migrations",
+    "test_migrations.py::test_upgrade_head_on_empty_database_creates_default_schema_at_head",
+    "test_migrations.py::test_alembic_check_reports_no_drift_for_a_custom_shape",
+    "test_migrations.py::test_downgrade_to_0002_restores_the_frozen_completion_function",
+    "test_async.py::test_the_async_face_without_the_async_extra_fails_in_one_line_naming_it",
+    "test_install_pool.py::test_an_install_whose_definitions_changed_is_installed_again_by_the_next_reset",
+    "test_lifecycle.py::test_prepare_schema_returns_true_when_it_installs",
+    "test_lifecycle.py::test_most_recently_activated_schema_wins",
 })
 FUZZ_FAST_SCALE = "0.1"
 

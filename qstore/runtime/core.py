@@ -219,9 +219,9 @@ class WorkerStats:
     outcomes that could not be written; ``heartbeats``: attempts heartbeated;
     ``claim_calls`` / ``empty_claims`` / ``claim_errors``: claim calls made, those that
     found nothing, those that failed; ``completion_calls``: calls that completed attempts
-    (the batcher's, and claims that took completions along); ``claims_with_completions``: of
-    those, the claims (``complete_and_claim``, one round trip for both); ``followups``:
-    follow-up jobs enqueued with completions; ``in_flight``: attempts held now.
+    (the batcher's, and claims that took completions along); ``followups``: follow-up jobs
+    enqueued with completions; ``in_flight``: attempts held now; ``claims_with_completions``:
+    of the completion calls, the claims (``complete_and_claim``, one round trip for both).
     """
 
     claimed: int = 0
@@ -246,9 +246,9 @@ class WorkerStats:
     empty_claims: int = 0
     claim_errors: int = 0
     completion_calls: int = 0
-    claims_with_completions: int = 0
     followups: int = 0
     in_flight: int = 0
+    claims_with_completions: int = 0
 
 
 #: The counters a worker keeps itself (the batcher keeps the completion ones).

@@ -44,6 +44,7 @@ from qstore.types import (
     TerminalDeltaRollupOutcome,
     UniqueOpts,
     Wakeup,
+    WheelPrune,
 )
 
 __all__ = [
@@ -91,6 +92,7 @@ __all__ = [
     "UniqueOpts",
     "ValidationError",
     "Wakeup",
+    "WheelPrune",
     "build_metadata",
     "schema_health",
     "status_report",

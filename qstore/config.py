@@ -22,6 +22,9 @@ __all__ = [
     "MIN_CLAIM_SLOTS",
     "MIN_LEASE_SLOTS",
     "MIN_QUEUE_SLOTS",
+    "WHEEL_BUCKET_SECONDS",
+    "WHEEL_GUARD_SLOTS",
+    "WHEEL_SLOTS",
     "QueueStorageConfig",
     "channel_name",
     "validate_identifier",
@@ -58,6 +61,17 @@ CLAIMED_IN_XACT = "qstore.claimed_in_xact"
 #: one row per lane per completion batch (instead of one per job); the column stays so a
 #: deployment that wants to spread hot counter rows can raise it (with a counter rebuild).
 COUNTER_BUCKETS = 1
+#: The deferred wheel (``deferred_wheel``, ``deferred_wheel_marks``): a job waiting for
+#: ``run_at`` is appended to bucket ``floor(epoch(run_at) / WHEEL_BUCKET_SECONDS)`` (the
+#: current bucket when that is already past), stored in slot ``bucket % WHEEL_SLOTS``. A
+#: wait whose bucket is ``WHEEL_SLOTS - WHEEL_GUARD_SLOTS`` or more buckets ahead of the
+#: current one waits in ``deferred_jobs`` (the overflow) until it comes within that span, so
+#: the ``WHEEL_GUARD_SLOTS`` slots behind the current bucket only ever hold past buckets and
+#: can be truncated once every entry in them is resolved. Fixed per revision (the slot count
+#: decides the partition children and the span is part of the server's routing).
+WHEEL_BUCKET_SECONDS = 30
+WHEEL_SLOTS = 32
+WHEEL_GUARD_SLOTS = 4
 
 
 def channel_name(*parts: str) -> str:

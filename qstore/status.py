@@ -65,6 +65,7 @@ from qstore.storage import QueueStorage
 from qstore.storage.jobs import logical_queue
 from qstore.storage.planes.rings import regclass, slot_generation
 from qstore.storage.read import truncated_by_upkeep
+from qstore.storage.statements import live_deferred
 from qstore.storage.targets import Policy, Target, hold, run
 from qstore.types import JobState
 
@@ -94,10 +95,11 @@ R = TypeVar("R")
 #: Table families of :func:`schema_health`, in report order: the queue ring's ready side
 #: (ready entries, tombstones, claim ranges) and done side (done entries, terminal count
 #: deltas), the lease ring, the claim ring (receipts, closures), the hot control tables
-#: (lanes, enqueue/claim heads, attempt state, claimer leases), the counters, the backlogs
-#: (deferred jobs, DLQ, unique keys) and every other table of the schema.
-FAMILIES = ("queue_ready", "queue_done", "lease_ring", "claim_ring", "hot", "counters", "backlog",
-            "other")
+#: (lanes, enqueue/claim heads, attempt state, claimer leases), the counters, the deferred
+#: wheel (entries and marks), the backlogs (the deferred overflow, DLQ, unique keys) and
+#: every other table of the schema.
+FAMILIES = ("queue_ready", "queue_done", "lease_ring", "claim_ring", "hot", "counters", "deferred_wheel",
+            "backlog", "other")
 #: The key of a job's progress under which a worker that has no task for the job's kind
 #: records giving the attempt back: ``{"count": n, "run_lease": r, "at": iso-time}``.
 UNHANDLED_KEY = "qstore.unhandled"
@@ -309,7 +311,8 @@ class _Statements:
 
 @functools.lru_cache(maxsize=64)
 def _statements(sch: StorageSchema) -> _Statements:
-    h, m, df, q = sch.claim_heads, sch.queue_meta, sch.deferred, sch.dlq
+    h, m, q = sch.claim_heads, sch.queue_meta, sch.dlq
+    df = live_deferred(sch)
     d, le = sch.done.parent, sch.leases.parent
     n = func.count().label("n")
     return _Statements(
@@ -324,7 +327,7 @@ def _statements(sch: StorageSchema) -> _Statements:
     )
 
 
-def _handed_back_statement(df: Table) -> Select[Any]:
+def _handed_back_statement(df: Any) -> Select[Any]:
     def mark(key: str) -> Any:
         return func.jsonb_extract_path_text(df.c.payload, "progress", UNHANDLED_KEY, key)
 
@@ -480,6 +483,7 @@ def family_of_tables(sch: StorageSchema) -> dict[str, str]:
         "hot": (sch.lanes, sch.enqueue_heads, sch.claim_heads, sch.attempt_state,
                 sch.claimer_leases, sch.claimer_state),
         "counters": (sch.live_counts, sch.rollups, sch.rollup_ledger, sch.counter_state),
+        "deferred_wheel": (sch.wheel, sch.wheel_marks),
         "backlog": (sch.deferred, sch.dlq, sch.unique_claims),
     }
     return {t.name: family for family, items in members.items() for item in items for t in _tables(item)}

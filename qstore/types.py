@@ -45,6 +45,7 @@ __all__ = [
     "TerminalDeltaRollupOutcome",
     "UniqueOpts",
     "Wakeup",
+    "WheelPrune",
 ]
 
 
@@ -305,6 +306,16 @@ class PruneOutcome:
     @classmethod
     def skipped_active(cls, slot: int, reason: SkipReason, count: int) -> PruneOutcome:
         return cls(PruneKind.SKIPPED_ACTIVE, slot, reason, count)
+
+
+@dataclass(frozen=True)
+class WheelPrune:
+    """What one prune of the deferred wheel did: the slots it truncated, the slots left for
+    an unresolved entry, and the slots whose lock was not granted in time."""
+
+    pruned: tuple[int, ...] = ()
+    waiting: tuple[int, ...] = ()
+    blocked: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ of the raw statement, by total time and by median call, median over the rounds. 
 own statement (``enqueue_jobs`` with the parameters the API sends) sent by raw psycopg runs
 in the same interleaving: API ÷ it is the API's client overhead, and it ÷ the ``INSERT`` is
 the best ratio any client could reach with that server function.
+The same interleaving runs once more with a task's ``defer(engine, ...)`` (the app's default
+telemetry) in the API's place.
 ``--drain-jobs N`` (default 20,000; 0 skips it) then drains N jobs with ``--drain-threads``
 threads over the storage API on the ``Engine``, each thread cycling either
 ``claim_runtime_batch`` + ``complete_runtime_batch`` (two calls per cycle) or
@@ -50,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchlib import WireTrace, ensure_database, format_table, make_engine
 
 from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
+from qstore.tasks import App, JobContext
 
 
 class CacheMisses:
@@ -313,6 +316,18 @@ def main() -> None:
     ratios = side_by_side({"enqueue": api_enqueue, "insert": raw_insert, "insert_notify": raw_insert_notify,
                            "enqueue_jobs_raw": raw_enqueue_jobs},
                           args.ratio_block, args.ratio_rounds)
+    # the same with a task's defer (what an application calls), the app's default telemetry
+    app = App(storage)
+
+    @app.task(kind="bench", queue="bench")
+    def bench(ctx: JobContext, n: int) -> None: ...
+
+    def task_defer() -> object:
+        return bench.defer(engine, n=1)
+
+    defer_ratios = side_by_side({"defer": task_defer, "insert": raw_insert, "insert_notify": raw_insert_notify,
+                                 "enqueue_jobs_raw": raw_enqueue_jobs},
+                                args.ratio_block, args.ratio_rounds)
     raw.execute("DROP TABLE public.bench_client_classic")
     raw.close()
     with engine.begin() as conn:
@@ -328,11 +343,14 @@ def main() -> None:
                            [[name, f"{d['jobs_per_s']:,.0f}", f"{d['cpu_us_per_job']:.1f}",
                              f"{d['round_trips_per_job']:.3f}", str(d["compiled"])]
                             for name, d in figures["drain"].items()]))
-    if ratios:
-        figures["side_by_side"] = ratios
-        print(f"\nSingle-job enqueue on an Engine ÷ raw psycopg, side by side ({args.ratio_rounds} rounds "
+    for what, found, key in (("Single-job enqueue", ratios, "side_by_side"),
+                             ("A task's single defer", defer_ratios, "defer_side_by_side")):
+        if not found:
+            continue
+        figures[key] = found
+        print(f"\n{what} on an Engine ÷ raw psycopg, side by side ({args.ratio_rounds} rounds "
               f"of {args.ratio_block} calls each, interleaved call by call; calls/s ratio, median of the rounds):")
-        for name, r in ratios.items():
+        for name, r in found.items():
             print(f"  vs {name:<14} by rate {r['by_rate']:.2f}x, by median call {r['by_median_call']:.2f}x "
                   f"({r['api_median_call_us']:.0f} vs {r['raw_median_call_us']:.0f} µs)   per round by median "
                   f"call {' '.join(f'{x:.2f}' for x in r['rounds_by_median_call'])}")

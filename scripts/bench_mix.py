@@ -329,9 +329,11 @@ class QstoreMix(System):
     def _record_outcomes(self) -> None:
         """Wrap the storage calls the worker ends attempts with, to record what they return
         (the due time of a retry or a snooze; the attempts a completion closed). The calls
-        themselves are unchanged."""
+        themselves are unchanged (a completion goes out through ``complete_runtime_batch``, or
+        with a claim through ``complete_and_claim``)."""
         st, ledger = self.storage, self.ledger
         fail_retryable, snooze, complete = st.fail_retryable, st.snooze, st.complete_runtime_batch
+        complete_and_claim = st.complete_and_claim
 
         def noting_due(call: Callable[..., Any]) -> Callable[..., Any]:
             def wrapped(*a: Any, **kw: Any) -> Any:
@@ -350,7 +352,17 @@ class QstoreMix(System):
             ledger.completions([j for j, _ in done])
             return done
 
+        def cycling(*a: Any, **kw: Any) -> Any:  # a worker's claim carrying its completions
+            try:
+                got = complete_and_claim(*a, **kw)
+            except PartialCommitError as err:
+                ledger.completions([x[0] for x in err.committed if isinstance(x, tuple)])
+                raise
+            ledger.completions([j for j, _ in got.completed])
+            return got
+
         setattr(st, "fail_retryable", noting_due(fail_retryable))  # noqa: B010 - instance wrapper
+        setattr(st, "complete_and_claim", cycling)  # noqa: B010
         setattr(st, "snooze", noting_due(snooze))  # noqa: B010
         setattr(st, "complete_runtime_batch", completing)  # noqa: B010
 

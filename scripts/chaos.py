@@ -1599,12 +1599,11 @@ class Controller:
         """Exact counts of every queue and the deferred backlog by state, all read in one
         REPEATABLE READ snapshot (read one by one, a promotion or a retry landing between
         two reads could make a busy install look drained)."""
-        d = self.storage.tables.deferred
         with self.engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn, conn.begin():
             hold_rings(conn, self.storage)  # before the snapshot: no prune can empty a ring under it
             out: dict[str, Any] = {q: asdict(self.storage.queue_counts(conn, q)) for q in QUEUES}
             out["deferred"] = dict(conn.execute(text(
-                f'SELECT state::text, count(*) FROM "{SCHEMA}"."{d.name}" GROUP BY 1')).all())
+                f'SELECT state::text, count(*) FROM {backlog_sql(self.storage)} d GROUP BY 1')).all())
         return out
 
     def ended_jobs(self) -> int:
@@ -1702,7 +1701,19 @@ def qualified_names(s: QueueStorage) -> dict[str, str]:
               "deltas": sch.deltas.parent, "claims": sch.claims.parent,
               "closures": sch.closures.parent, "deferred": sch.deferred, "dlq": sch.dlq,
               "rollups": sch.rollups, "live_counts": sch.live_counts}
-    return {k: f'"{v.schema}"."{v.name}"' for k, v in tables.items()}
+    names = {k: f'"{v.schema}"."{v.name}"' for k, v in tables.items()}
+    names["deferred"] = backlog_sql(s)
+    return names
+
+
+def backlog_sql(s: QueueStorage) -> str:
+    """The live deferred backlog as a parenthesised subquery: the overflow's rows and the
+    deferred wheel's entries without a mark."""
+    sch = s.tables
+    cols = "job_id, args, state, run_at"
+    w, m = f'"{SCHEMA}"."{sch.wheel.parent.name}"', f'"{SCHEMA}"."{sch.wheel_marks.parent.name}"'
+    return (f'(SELECT {cols} FROM "{SCHEMA}"."{sch.deferred.name}" UNION ALL SELECT {cols} FROM {w} w '
+            f"WHERE NOT EXISTS (SELECT 1 FROM {m} mk WHERE mk.entry_id = w.entry_id AND mk.wheel_slot = w.wheel_slot))")
 
 
 def live_seqs(eng: Engine, s: QueueStorage, seqs: Sequence[int]) -> dict[int, str]:
@@ -1748,7 +1759,7 @@ def account(ctl: Controller, drained: bool, events: list[dict[str, Any]]) -> dic
             f'FROM "{SCHEMA}".terminal_jobs')).all()
         deferred_left = conn.execute(text(
             f"SELECT (args->>'s')::int AS seq, state::text AS state, run_at "
-            f'FROM "{SCHEMA}"."{sch.deferred.name}" ORDER BY seq LIMIT 20')).all()
+            f'FROM {backlog_sql(s)} d ORDER BY seq LIMIT 20')).all()
     dlq_by_seq: dict[int, list[Any]] = {}
     for r in dlq_rows:
         dlq_by_seq.setdefault(int(r.seq), []).append(r)

@@ -54,7 +54,6 @@ from qstore.migrate import version_location
 SLOW_MODULES = frozenset({
     "test_bench_scripts",    # runs the benchmark scripts end to end
     "test_chaos",            # the chaos harness at CI scale
-    "test_demo",             # the demo command end to end
     "test_state_machine",    # stateful property tests of the whole lifecycle
     "test_upgrades",         # installs of every previous release, upgraded under load
     "test_worker_outage",    # workers across database outages
@@ -73,6 +72,8 @@ SLOW_TESTS = frozenset({
     "test_host_app.py::test_autogenerate_continues_the_hosts_branch_never_qstores",
     "test_least_privilege.py::test_the_runtime_role_is_refused_ddl_and_writes_to_the_recorded_shape",
     "test_maintenance_race.py::test_rotate_prune_race_loses_and_duplicates_nothing",
+    "test_wheel.py::test_truncation_racing_inserts_and_promotion_loses_no_wait",
+    "test_wheel.py::test_waits_leave_no_dead_tuple_in_the_backlog_under_a_pinned_horizon",
     "test_migrations.py::test_create_all_and_the_migrations_install_identical_catalogs",
     "test_migrations.py::test_host_app_can_upgrade_only_the_qstore_branch",
     "test_migrations.py::test_two_storage_schemas_coexist_each_with_its_own_version_table",
@@ -94,6 +95,11 @@ SLOW_TESTS = frozenset({
     "test_migrations.py::test_upgrade_head_installs_default_shape_with_sixteen_queue_slots",
     "test_host_app.py::test_install_recognises_the_hosts_version_row",
     "test_shape_and_cli_errors.py::test_install_with_a_conflicting_config_names_both_values",
+    "test_demo.py::test_the_steady_run_plots_a_png",
+    "test_demo.py::test_bulk_mode_runs_every_job_to_a_terminal_state",
+    "test_demo.py::test_bulk_mode_summary_says_it_measures_a_preloaded_backlog",
+    "test_demo.py::test_bulk_mode_gives_up_in_one_line_when_jobs_outlast_the_timeout",
+    "test_demo.py::test_demo_show_tables_prints_the_rings_and_partition_names",
     "test_code_quality.py::test_package_and_benchmark_scripts_type_check_clean_under_mypy",
     "test_input_fuzz.py::test_enqueue_params_either_round_trips_or_refuses_naming_the_bad_field",
     "test_migrations.py::test_create_all_install_has_no_drift_against_the_migrations",

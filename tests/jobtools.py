@@ -12,6 +12,22 @@ from sqlalchemy import text
 from qstore import InsertOpts, InsertParams
 from qstore.types import ClaimedRuntimeJob, JobState
 
+#: The pseudo-table of the live deferred backlog for :func:`relation`: overflow rows
+#: (``deferred_jobs``) and the deferred wheel's entries without a mark.
+BACKLOG = "deferred_backlog"
+_SNAPSHOT = ("job_id, kind, queue, args, state, priority, attempt, run_lease, max_attempts, run_at, "
+             "attempted_at, finalized_at, created_at, unique_key, unique_states, payload")
+
+
+def relation(schema: str, table: str) -> str:
+    """``"schema".table`` as SQL, or for :data:`BACKLOG` the live deferred backlog as a
+    subquery with the overflow's columns."""
+    if table != BACKLOG:
+        return f'"{schema}".{table}'
+    return (f'(SELECT {_SNAPSHOT} FROM "{schema}".deferred_jobs UNION ALL SELECT {_SNAPSHOT} '
+            f'FROM "{schema}".deferred_wheel w WHERE NOT EXISTS (SELECT 1 FROM "{schema}".deferred_wheel_marks m '
+            f'WHERE m.entry_id = w.entry_id AND m.wheel_slot = w.wheel_slot)) AS {BACKLOG}')
+
 
 def both_receipt_modes(fixture: str = "st") -> pytest.MarkDecorator:
     """Run the test twice: ``fixture`` (a module's install fixture built with
@@ -45,7 +61,7 @@ def add(engine, s, **opts: object) -> int:
     with engine.connect() as c:
         return c.execute(text(
             f'SELECT max(job_id) FROM (SELECT job_id FROM "{sc}".ready_entries '
-            f'UNION ALL SELECT job_id FROM "{sc}".deferred_jobs) j')).scalar_one()
+            f'UNION ALL SELECT job_id FROM {relation(sc, BACKLOG)}) j')).scalar_one()
 
 
 def claim(engine, s, queue: str = "q", deadline: float | None = None) -> ClaimedRuntimeJob:
@@ -61,7 +77,7 @@ def running(engine, s, deadline: float | None = None, **opts: object) -> Claimed
 
 def count(engine, s, table: str, where: str = "true") -> int:
     with engine.connect() as c:
-        return c.execute(text(f'SELECT count(*) FROM "{s.schema()}".{table} WHERE {where}')).scalar_one()
+        return c.execute(text(f'SELECT count(*) FROM {relation(s.schema(), table)} WHERE {where}')).scalar_one()
 
 
 def state(engine, s, job_id: int) -> JobState:
@@ -72,7 +88,7 @@ def state(engine, s, job_id: int) -> JobState:
 
 def census(engine, s) -> dict[str, int]:
     return {t: count(engine, s, t) for t in (
-        "ready_entries", "ready_tombstones", "deferred_jobs", "done_entries", "dlq_entries",
+        "ready_entries", "ready_tombstones", BACKLOG, "done_entries", "dlq_entries",
         "leases", "lease_claims", "lease_claim_closures", "attempt_state")}
 
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from jobtools import add, claim, params, running
 from sqlalchemy import Engine, text
 
-from qstore import QueueStorage, QueueStorageConfig
+from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
 from qstore.types import CallbackConfig, JobState, ListDlqFilter, QueueClaimerLease
 
 __all__ = ["CASES", "Case", "Check", "Given", "missing_case_names"]
@@ -128,6 +128,22 @@ def in_dlq(engine: Engine, s: QueueStorage) -> Given:
 def retryable_due(engine: Engine, s: QueueStorage) -> Given:
     given = runnable(engine, s)
     assert s.retry_after(engine, given["job_id"], given["run_lease"], 0) is not None
+    return given
+
+
+def overflow_within_span(engine: Engine, s: QueueStorage) -> Given:
+    """A scheduled job waiting in the overflow whose time has come within the wheel's span
+    (backdated rather than waited for)."""
+    (job_id,) = s.enqueue_many(engine, [InsertParams("k", {}, InsertOpts(
+        queue="q", run_at=datetime.now(timezone.utc) + timedelta(hours=2)))])
+    _schema(engine, s, "UPDATE {s}.deferred_jobs SET run_at = clock_timestamp() + interval '1 minute'")
+    return {"job_id": job_id}
+
+
+def resolved_wheel_slot(engine: Engine, s: QueueStorage) -> Given:
+    """A wheel entry that was promoted: its slot is all resolved."""
+    given = retryable_due(engine, s)
+    assert s.promote_due(engine, JobState.RETRYABLE, 10) == 1
     return given
 
 
@@ -367,6 +383,9 @@ CASES: dict[str, Case] = {
     "rescue_expired_deadlines": Case(overdue, lambda s, t, g: s.rescue_expired_deadlines(t), _length(1)),
     "rescue_expired_callbacks": Case(callback_timed_out, lambda s, t, g: s.rescue_expired_callbacks(t), _length(1)),
     "promote_due": Case(retryable_due, lambda s, t, g: s.promote_due(t, JobState.RETRYABLE, 10), _equals(1)),
+    "advance_overflow": Case(overflow_within_span, lambda s, t, g: s.advance_overflow(t, 10), _equals(1)),
+    "prune_wheel": Case(resolved_wheel_slot, lambda s, t, g: s.prune_wheel(
+        t, datetime.now(timezone.utc) + timedelta(minutes=1)), lambda r, g: len(r.pruned) == 1),
     # admin
     "retry_job": Case(failed, lambda s, t, g: s.retry_job(t, g["job_id"]), _row(JobState.AVAILABLE)),
     "retry_jobs_by_ids": Case(failed, lambda s, t, g: s.retry_jobs_by_ids(t, [g["job_id"]]), _length(1)),

@@ -31,9 +31,9 @@ def job(st: QueueStorage, engine, name: str, **opts: object) -> int:  # type: ig
     st.enqueue_params_batch(engine, [InsertParams(
         "k", {"name": name}, InsertOpts(queue=Q, metadata={"name": name}, tags=["t"], **opts))])
     with engine.connect() as c:
-        return int(c.execute(text(
-            f'SELECT max(job_id) FROM (SELECT job_id FROM "{st.schema()}".ready_entries '
-            f'UNION ALL SELECT job_id FROM "{st.schema()}".deferred_jobs) j')).scalar_one())
+        # the id just handed out: the job may be a ready row, an overflow row or (from
+        # revision 0011 on) a wheel entry
+        return int(c.execute(text(f'SELECT last_value FROM "{st.schema()}".job_id_seq')).scalar_one())
 
 
 def claimed(st: QueueStorage, engine, name: str, **opts: object):  # type: ignore[no-untyped-def]

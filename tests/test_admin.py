@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 import psycopg
 import pytest
-from jobtools import add, census, claim, count, running, state
+from jobtools import BACKLOG, add, census, claim, count, running, state
 from sqlalchemy import make_url, text
 
 from qstore import ValidationError
@@ -169,7 +169,7 @@ def test_cancel_job_cancels_a_deferred_job(engine, st, deferred):
         job_id = c.job.id
         st.retry_after(engine, job_id, 1, 3600)
     assert st.cancel_job(engine, job_id).state == JobState.CANCELLED
-    assert count(engine, st, "deferred_jobs") == 0
+    assert count(engine, st, BACKLOG) == 0
     assert state(engine, st, job_id) == JobState.CANCELLED
 
 
@@ -237,7 +237,7 @@ def test_set_priority_of_a_scheduled_job_updates_it_in_place(engine, st):
     assert st.set_priority(engine, job_id, 1) is True
     row = st.load_job(engine, job_id)
     assert (row.state, row.priority, row.metadata["_qstore_original_priority"]) == (JobState.SCHEDULED, 1, 3)
-    assert count(engine, st, "deferred_jobs") == 1
+    assert count(engine, st, BACKLOG) == 1
     assert count(engine, st, "ready_tombstones") == 0
 
 

@@ -9,7 +9,7 @@ import uuid
 from datetime import timedelta, timezone
 
 import pytest
-from jobtools import census, claim, count, running, state
+from jobtools import BACKLOG, census, claim, count, running, state
 
 from qstore import CallbackNotFoundError, ValidationError
 from qstore.types import CallbackConfig, ClaimedRuntimeJob, JobState
@@ -361,7 +361,7 @@ def test_rescue_expired_callbacks_fails_an_exhausted_attempt(engine, st):
     [row] = st.rescue_expired_callbacks(engine)
     assert row.state == JobState.FAILED
     assert state(engine, st, c.job.id) == JobState.FAILED
-    assert count(engine, st, "deferred_jobs") == 0
+    assert count(engine, st, BACKLOG) == 0
 
 
 def test_rescue_expired_callbacks_moves_an_exhausted_attempt_to_the_dlq_when_enabled(engine, st):
@@ -436,4 +436,4 @@ def test_complete_external_racing_the_timeout_rescue_has_exactly_one_winner(engi
         assert count(engine, st, "leases", f"job_id = {job_id}") == 0
         # exactly one outcome was written for the attempt
         assert (count(engine, st, "done_entries", f"job_id = {job_id}")
-                + count(engine, st, "deferred_jobs", f"job_id = {job_id}")) == 1
+                + count(engine, st, BACKLOG, f"job_id = {job_id}")) == 1

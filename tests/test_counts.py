@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from jobtools import BACKLOG, relation
 from sqlalchemy import text
 
 from qstore import InsertOpts, InsertParams, JobState, QueueCounts, ValidationError
@@ -19,7 +20,7 @@ def job(args: object = None, **opts: object) -> InsertParams:
 
 def only_job_id(engine, storage, table: str) -> int:
     with engine.connect() as c:
-        return c.execute(text(f'SELECT job_id FROM "{storage.schema()}".{table}')).scalar_one()
+        return c.execute(text(f'SELECT job_id FROM {relation(storage.schema(), table)}')).scalar_one()
 
 
 def assert_fast_bounds(engine, storage, queue: str = "q") -> None:
@@ -107,7 +108,7 @@ def test_load_job_finds_an_available_job(engine, storage):
 def test_load_job_finds_a_scheduled_job(engine, storage):
     when = datetime.now(UTC) + timedelta(hours=3)
     storage.enqueue_params_batch(engine, [job({"s": 1}, run_at=when)])
-    loaded = storage.load_job(engine, only_job_id(engine, storage, "deferred_jobs"))
+    loaded = storage.load_job(engine, only_job_id(engine, storage, BACKLOG))
     assert (loaded.state, loaded.run_at, loaded.args) == (JobState.SCHEDULED, when, {"s": 1})
 
 

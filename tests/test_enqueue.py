@@ -12,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 
 import psycopg
 import pytest
+from jobtools import BACKLOG, relation
 from sqlalchemy import event, make_url, text
 
 from qstore import (
@@ -40,7 +41,7 @@ def job(kind: str = "k", args: object = None, **opts: object) -> InsertParams:
 
 
 def rows(engine, storage, table: str, cols: tuple[str, ...], where: str = "true") -> list[tuple]:
-    sql = f'SELECT {", ".join(cols)} FROM "{storage.schema()}".{table} WHERE {where} ORDER BY job_id'
+    sql = f'SELECT {", ".join(cols)} FROM {relation(storage.schema(), table)} WHERE {where} ORDER BY job_id'
     with engine.connect() as c:
         return [tuple(r) for r in c.execute(text(sql))]
 
@@ -50,8 +51,8 @@ def census(engine, storage) -> dict[str, int]:
     s = storage.schema()
     with engine.connect() as c:
         return {
-            t: c.execute(text(f'SELECT count(*) FROM "{s}".{t}')).scalar_one()
-            for t in ("ready_entries", "deferred_jobs", "job_unique_claims", "queue_claim_heads")
+            t: c.execute(text(f'SELECT count(*) FROM {relation(s, t)}')).scalar_one()
+            for t in ("ready_entries", BACKLOG, "job_unique_claims", "queue_claim_heads")
         }
 
 
@@ -110,9 +111,9 @@ def test_copy_and_insert_write_identical_rows_into_identical_lanes(engine, make_
     ready_copy = rows(engine, by_copy, "ready_entries", READY_COLS)
     assert len(ready_insert) == 2 * len(PARITY_BATCH) - 4  # two deferred, two unique once
     assert ready_copy == ready_insert
-    assert len(rows(engine, by_insert, "deferred_jobs", DEFERRED_COLS)) == 2
-    assert rows(engine, by_copy, "deferred_jobs", DEFERRED_COLS) \
-        == rows(engine, by_insert, "deferred_jobs", DEFERRED_COLS)
+    assert len(rows(engine, by_insert, BACKLOG, DEFERRED_COLS)) == 2
+    assert rows(engine, by_copy, BACKLOG, DEFERRED_COLS) \
+        == rows(engine, by_insert, BACKLOG, DEFERRED_COLS)
     with engine.connect() as c:
         keys = [sorted(c.execute(text(f'SELECT unique_key, job_id FROM "{st.schema()}".job_unique_claims')).all())
                 for st in (by_insert, by_copy)]
@@ -145,7 +146,7 @@ def test_future_run_at_goes_to_deferred_backlog_not_ready(engine, storage):
     when = datetime.now(UTC) + timedelta(hours=2)
     assert storage.enqueue_params_batch(engine, [job(args={"d": 1}, run_at=when)]) == 1
 
-    (job_id, state, run_at), = rows(engine, storage, "deferred_jobs", ("job_id", "state", "run_at"))
+    (job_id, state, run_at), = rows(engine, storage, BACKLOG, ("job_id", "state", "run_at"))
     assert state == "scheduled"
     assert run_at == when
     assert census(engine, storage)["ready_entries"] == 0
@@ -159,7 +160,7 @@ def test_mixed_batch_splits_ready_and_deferred(engine, storage):
     storage.enqueue_params_copy(engine, [job(args={"n": 1}), job(args={"n": 2}, run_at=when),
                                          job(args={"n": 3})])
     assert [r[0] for r in rows(engine, storage, "ready_entries", ("args",))] == [{"n": 1}, {"n": 3}]
-    assert [r[0] for r in rows(engine, storage, "deferred_jobs", ("args",))] == [{"n": 2}]
+    assert [r[0] for r in rows(engine, storage, BACKLOG, ("args",))] == [{"n": 2}]
 
 
 # -- uniqueness ---------------------------------------------------------------------------

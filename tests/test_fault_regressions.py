@@ -24,6 +24,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from jobtools import BACKLOG, relation
 from sqlalchemy import Connection, Engine, create_engine, event, text
 
 from qstore import InsertOpts, InsertParams, QueueStorage, UniqueConflictError, UniqueOpts
@@ -54,7 +55,7 @@ def claim_one(st: QueueStorage, target: Engine | Connection, queue: str = "q",
 
 def rows(engine: Engine, st: QueueStorage, table: str, where: str = "true", **params: Any) -> int:
     with engine.connect() as c:
-        return int(c.execute(text(f'SELECT count(*) FROM "{st.schema()}".{table} WHERE {where}'),
+        return int(c.execute(text(f'SELECT count(*) FROM {relation(st.schema(), table)} WHERE {where}'),
                              params).scalar_one())
 
 
@@ -137,7 +138,7 @@ def test_fast_completion_of_a_resumed_callback_attempt_ends_its_lease_and_state(
     assert st.rescue_expired_deadlines(engine) == []
     assert state(engine, st, c.job.id) == JobState.COMPLETED
     assert rows(engine, st, "done_entries", "job_id = :j", j=c.job.id) == 1
-    assert rows(engine, st, "deferred_jobs") == 0
+    assert rows(engine, st, BACKLOG) == 0
 
 
 # -- claim-ring prune and materialised claims -------------------------------------------------
@@ -333,12 +334,12 @@ def test_promotion_leaves_due_jobs_of_a_paused_striped_queue_deferred(
     st = make_storage(queue_stripe_count=2)
     past = datetime.now(UTC) - timedelta(seconds=1)
     st.enqueue_params_batch(engine, [job({"i": i}, run_at=past) for i in range(2)])
-    assert rows(engine, st, "deferred_jobs", "queue IN ('q#0', 'q#1')") == 2
+    assert rows(engine, st, BACKLOG, "queue IN ('q#0', 'q#1')") == 2
     st.set_queue_options(engine, "q", paused=True)  # the logical queue
 
     assert st.promote_due(engine, JobState.SCHEDULED, 10) == 0
 
-    assert rows(engine, st, "deferred_jobs", "state = 'scheduled'") == 2
+    assert rows(engine, st, BACKLOG, "state = 'scheduled'") == 2
     st.set_queue_options(engine, "q", paused=False)
     assert st.promote_due(engine, JobState.SCHEDULED, 10) == 2
 

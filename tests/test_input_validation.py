@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from jobtools import census, running
+from jobtools import BACKLOG, census, running
 from psycopg import sql
 from sqlalchemy import Engine, make_url, text
 
@@ -33,7 +33,7 @@ from qstore import (
 from qstore.config import MAX_CHANNEL_BYTES, channel_name
 from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
 
-NOTHING = dict.fromkeys(("ready_entries", "ready_tombstones", "deferred_jobs", "done_entries", "dlq_entries",
+NOTHING = dict.fromkeys(("ready_entries", "ready_tombstones", BACKLOG, "done_entries", "dlq_entries",
                          "leases", "lease_claims", "lease_claim_closures", "attempt_state"), 0)
 
 

@@ -245,8 +245,9 @@ def test_upgrade_keeps_rows_written_at_the_previous_revision(migrated):
         with eng.connect() as conn:
             meta = conn.execute(text(
                 "SELECT queue, paused, dlq_enabled FROM qstore.queue_meta")).all()
-            deferred = conn.execute(text(
-                "SELECT job_id, kind, queue FROM qstore.deferred_jobs")).all()
+            deferred = conn.execute(text(  # due: revision 0011 moved it into the wheel
+                "SELECT job_id, kind, queue FROM qstore.deferred_jobs "
+                "UNION ALL SELECT job_id, kind, queue FROM qstore.deferred_wheel")).all()
             heads = conn.execute(text("SELECT queue, priority FROM qstore.queue_claim_heads")).all()
             next_pos = conn.execute(text(RESERVE.format(s="qstore"))).scalar()
     assert [tuple(r) for r in meta] == [("mail", True, False)]

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from jobtools import (
+    BACKLOG,
     add,
     both_receipt_modes,
     census,
@@ -45,7 +46,8 @@ def newest_id(engine, s) -> int:
     with engine.connect() as c:
         return c.execute(text(
             f'SELECT max(job_id) FROM (SELECT job_id FROM "{sc}".ready_entries '
-            f'UNION ALL SELECT job_id FROM "{sc}".deferred_jobs) j')).scalar_one()
+            f'UNION ALL SELECT job_id FROM "{sc}".deferred_jobs '
+            f'UNION ALL SELECT job_id FROM "{sc}".deferred_wheel) j')).scalar_one()
 
 
 
@@ -93,7 +95,7 @@ def test_promote_due_moves_a_due_scheduled_job_to_available(engine, st):
     job_id = add(engine, st, run_at=datetime.now(UTC) - timedelta(seconds=1))
     assert st.promote_due(engine, JobState.SCHEDULED, 10) == 1
     assert state(engine, st, job_id) == JobState.AVAILABLE
-    assert count(engine, st, "deferred_jobs") == 0
+    assert count(engine, st, BACKLOG) == 0
     assert claim(engine, st).job.id == job_id
 
 
@@ -114,7 +116,7 @@ def test_promote_due_honours_batch_size(engine, st):
     past = datetime.now(UTC) - timedelta(seconds=1)
     st.enqueue_params_batch(engine, [params(run_at=past, args={"i": i}) for i in range(3)])
     assert st.promote_due(engine, JobState.SCHEDULED, 2) == 2
-    assert count(engine, st, "deferred_jobs") == 1
+    assert count(engine, st, BACKLOG) == 1
 
 
 def test_promote_due_moves_a_due_retryable_job_to_available_keeping_attempt_and_run_lease(engine, st):
@@ -206,7 +208,7 @@ def test_fail_retryable_on_the_last_attempt_fails_the_job(engine, st):
     assert row.state == JobState.FAILED
     assert row.errors[-1]["terminal"] is True
     assert state(engine, st, c.job.id) == JobState.FAILED
-    assert count(engine, st, "deferred_jobs") == 0
+    assert count(engine, st, BACKLOG) == 0
     assert count(engine, st, "dlq_entries") == 0
 
 
@@ -413,7 +415,7 @@ def test_fail_retryable_in_tx_and_follow_up_share_the_callers_fate(engine, st, c
     else:
         assert state(engine, st, c.job.id) == JobState.RUNNING
         assert count(engine, st, "ready_entries", "queue = 'next'") == 0
-        assert count(engine, st, "deferred_jobs") == 0
+        assert count(engine, st, BACKLOG) == 0
 
 
 @pytest.mark.parametrize("commit", [True, False])

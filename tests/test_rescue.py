@@ -8,7 +8,16 @@ import time
 from datetime import timezone
 
 import pytest
-from jobtools import both_receipt_modes, census, claim, count, install_in_mode, running, state
+from jobtools import (
+    BACKLOG,
+    both_receipt_modes,
+    census,
+    claim,
+    count,
+    install_in_mode,
+    running,
+    state,
+)
 from sqlalchemy import text
 
 from qstore import ValidationError
@@ -144,6 +153,7 @@ def test_rescued_job_is_reclaimed_with_the_next_run_lease_and_completed_by_the_n
     RESCUES[kind](engine, st, old.job.id)
     with engine.begin() as c:  # make the backoff due now
         c.execute(text(f'UPDATE "{st.schema()}".deferred_jobs SET run_at = clock_timestamp()'))
+        c.execute(text(f'UPDATE "{st.schema()}".deferred_wheel SET run_at = clock_timestamp()'))
     assert st.promote_due(engine, JobState.RETRYABLE, 10) == 1
     new = claim(engine, st)
     assert (new.job.id, new.job.run_lease, new.job.attempt) == (old.job.id, 2, 2)
@@ -167,7 +177,7 @@ def test_rescue_of_an_exhausted_attempt_fails_the_job(engine, st, kind, lease):
     assert row.state == JobState.FAILED
     assert row.errors[-1]["terminal"] is True
     assert state(engine, st, c.job.id) == JobState.FAILED
-    assert count(engine, st, "deferred_jobs") == 0
+    assert count(engine, st, BACKLOG) == 0
     assert count(engine, st, "leases") == 0
 
 
@@ -179,7 +189,7 @@ def test_rescue_of_an_exhausted_attempt_moves_it_to_the_dlq_when_the_queue_polic
     assert row.state == JobState.FAILED
     assert count(engine, st, "dlq_entries", f"job_id = {c.job.id}") == 1
     assert count(engine, st, "done_entries", f"job_id = {c.job.id}") == 0
-    assert count(engine, st, "deferred_jobs") == 0
+    assert count(engine, st, BACKLOG) == 0
 
 
 def test_rescue_does_not_loop_an_exhausted_job(engine, st):

@@ -258,7 +258,7 @@ def test_rotation_is_refused_on_async_targets(db_url, engine, st, operation):
 #: position with no row, which claims skip as spent (the lane's reservation lock is held to
 #: commit, so a later committed row proves the gap ended). ``attempt_progress_seq``: a gap
 #: between the numbers of an attempt's progress rows, which only order them.
-ALLOCATING = re.compile(r"^(job_id_seq|lane_rotor|attempt_progress_seq|queue_enqueue_seq_[0-9a-f]{32})$")
+ALLOCATING = re.compile(r"^(job_id_seq|lane_rotor|attempt_progress_seq|deferred_wheel_entry_seq|queue_enqueue_seq_[0-9a-f]{32})$")
 #: A lane's claim-cursor hint may move forward, but only over positions committed claim
 #: ranges cover or that hold no row: where the next claim on committed state would move it
 #: (checked by :func:`assert_hints_passed_only_spent_positions`).

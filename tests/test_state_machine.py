@@ -28,6 +28,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from jobtools import BACKLOG, relation
 from sqlalchemy import text
 
 from qstore import InsertOpts, InsertParams, QueueStorage
@@ -61,7 +62,7 @@ def census(conn, schema: str) -> Counter:
             live[job_id] += 1
     for (job_id, _) in leases:
         live[job_id] += 1
-    for (job_id,) in q('SELECT job_id FROM "{s}".deferred_jobs UNION ALL SELECT job_id FROM "{s}".dlq_entries'):
+    for (job_id,) in q(f'SELECT job_id FROM {relation("{s}", BACKLOG)} UNION ALL SELECT job_id FROM "{{s}}".dlq_entries'):
         live[job_id] += 1
     return live
 

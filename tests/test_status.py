@@ -11,6 +11,7 @@ from jobtools import add, claim, params, running
 from sqlalchemy import Engine, text
 
 from qstore import QueueStorage, status
+from qstore.config import WHEEL_SLOTS
 from qstore.status import FAMILIES, SchemaHealth
 
 UTC = timezone.utc
@@ -172,6 +173,7 @@ def test_health_puts_every_table_of_the_schema_in_one_family(engine, make_storag
     assert {k: tables[k] for k in ("queue_ready", "queue_done", "lease_ring", "claim_ring")} == \
         {"queue_ready": 3 * 4, "queue_done": 2 * 4, "lease_ring": 2, "claim_ring": 3 * 3}  # + progress rows
     assert (tables["hot"], tables["counters"], tables["backlog"]) == (6, 4, 3)
+    assert tables["deferred_wheel"] == 2 * WHEEL_SLOTS
     assert health.family("other").tables == len(names) - sum(
         tables[k] for k in FAMILIES if k != "other")
 
@@ -203,11 +205,10 @@ def _resume(engine: Engine, s: QueueStorage) -> None:
     s.complete_external(engine, token, {"ok": 1}, resume=True)
 
 
-def _promote(engine: Engine, s: QueueStorage) -> None:
-    """Deletes from ``deferred_jobs`` (the backlog)."""
-    add(engine, s, run_at=datetime.now(UTC) + timedelta(milliseconds=1))
-    time.sleep(0.01)
-    assert s.promote_due(engine, "scheduled", 100) == 1
+def _cancel_far(engine: Engine, s: QueueStorage) -> None:
+    """Deletes from ``deferred_jobs`` (the backlog: the deferred overflow)."""
+    job_id = add(engine, s, run_at=datetime.now(UTC) + timedelta(hours=2))
+    assert s.cancel_job(engine, job_id) is not None
 
 
 def _retry_failed(engine: Engine, s: QueueStorage) -> None:
@@ -218,7 +219,7 @@ def _retry_failed(engine: Engine, s: QueueStorage) -> None:
 
 
 @pytest.mark.parametrize(("family", "make_dead_tuples"), [
-    ("hot", _resume), ("backlog", _promote), ("queue_done", _retry_failed)])
+    ("hot", _resume), ("backlog", _cancel_far), ("queue_done", _retry_failed)])
 def test_dead_tuples_of_updated_rows_appear_in_their_family(engine, st, family, make_dead_tuples):
     before = _health_until(engine, st, lambda h: True).family(family).dead_tuples
     make_dead_tuples(engine, st)

@@ -350,3 +350,19 @@ def test_the_worker_command_refuses_a_bad_metrics_port_in_one_line(tmp_path, db_
                           env={**os.environ, "QSTORE_TEST_SCHEMA": st.schema()}, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "--metrics-port=70000" in proc.stderr
+
+
+# -- nothing to record ----------------------------------------------------------------------------
+
+
+def test_over_the_apis_global_default_providers_nothing_records():
+    from opentelemetry import metrics, trace
+
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) or \
+            type(metrics.get_meter_provider()).__name__ != "_ProxyMeterProvider":
+        pytest.skip("this process has set a global OpenTelemetry provider")
+    assert OpenTelemetry().recording is False
+
+
+def test_with_providers_given_telemetry_records(recorded):
+    assert recorded.telemetry.recording is True

@@ -31,7 +31,8 @@ def enqueue(engine, st, queue: str = "q", unique: UniqueOpts | None = None, args
                                                   InsertOpts(queue=queue, unique=unique, **opts))])
     with engine.connect() as c:
         return c.execute(text(f'SELECT max(job_id) FROM (SELECT job_id FROM "{st.schema()}".ready_entries '
-                              f'UNION ALL SELECT job_id FROM "{st.schema()}".deferred_jobs) j')).scalar_one()
+                              f'UNION ALL SELECT job_id FROM "{st.schema()}".deferred_jobs '
+            f'UNION ALL SELECT job_id FROM "{st.schema()}".deferred_wheel) j')).scalar_one()
 
 
 def retried_without_key(engine, st, queue: str = "q", args: object = None) -> int:

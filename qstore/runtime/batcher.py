@@ -17,6 +17,14 @@ Guarantees:
   until it goes through or the batcher is stopped and its ``flush`` timeout passes (the
   attempts left then are logged and counted as ``abandoned``; the maintainer's heartbeat
   rescue runs their jobs again);
+* a worker's dispatcher may take the waiting completions without follow-ups out of the
+  batch (:meth:`BatchCore.lend`) to send them with its next claim in one
+  ``complete_and_claim`` call, then report what it completed (:meth:`BatchCore.settle_lent`)
+  or hand back what it could not send (:meth:`BatchCore.return_lent`): those go out again
+  with the batcher's own retries, so a lent completion is counted once and never dropped.
+  While a dispatcher expects to claim again soon (:meth:`BatchCore.expect_claims`), the
+  batcher holds completions without follow-ups up to ``CLAIM_HOLD`` seconds (never less
+  than ``interval``) for that claim;
 * an attempt with follow-up jobs (``JobContext.defer``) completes in one transaction with
   those jobs: both commit or neither does. Such attempts of one flush share the
   transaction; when it fails for a reason a retry cannot fix (a unique conflict of a
@@ -69,31 +77,39 @@ __all__ = ["AsyncCompletionBatcher", "BatchCore", "BatcherStats", "Completion", 
 log = logging.getLogger("qstore.worker")
 
 RETRY_FIRST, RETRY_CAP = 0.05, 5.0
+#: How long completions without follow-ups may wait for a dispatcher's claim to take them
+#: along, while one expects to claim soon (seconds; the ``interval`` when that is longer).
+CLAIM_HOLD = 0.02
 
 
-@dataclass(frozen=True)
 class Completion:
-    """One attempt to complete, with the follow-up jobs to enqueue in its transaction."""
+    """One attempt to complete (``pair``: its ``(job_id, run_lease)``), with the follow-up
+    jobs to enqueue in its transaction."""
 
-    claimed: ClaimedRuntimeJob
-    followups: Sequence[InsertParams] = ()
+    __slots__ = ("claimed", "followups", "pair")
 
-    @property
-    def pair(self) -> tuple[int, int]:
-        return (self.claimed.job.id, self.claimed.job.run_lease)
+    def __init__(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
+        self.claimed = claimed
+        self.followups = followups
+        self.pair = (claimed.job.id, claimed.job.run_lease)
+
+    def __repr__(self) -> str:
+        return f"Completion({self.pair}, {len(self.followups)} follow-ups)"
 
 
 @dataclass
 class BatcherStats:
     """Counters of one batcher (a snapshot when read through :attr:`CompletionBatcher.stats`).
 
-    ``calls``: storage calls made (completion calls and joined transactions); ``completed``:
+    ``calls``: storage calls made (completion calls and joined transactions, and claims that
+    took completions along); ``with_claims``: of those, the claims; ``completed``:
     attempts completed; ``stale``: completions of attempts already closed; ``followups``:
     follow-up jobs enqueued; ``followup_failures``: attempts failed because their follow-ups
     could not be written; ``retries``: sends repeated after an error; ``abandoned``:
     attempts given up at stop."""
 
     calls: int = 0
+    with_claims: int = 0
     completed: int = 0
     stale: int = 0
     followups: int = 0
@@ -141,6 +157,8 @@ class BatchCore:
         self._stopping = False
         self._give_up_at: float | None = None
         self._busy = False
+        self._lent = 0  # completions a dispatcher took along with a claim in flight
+        self._claimers: set[str] = set()  # dispatchers that expect to claim again soon
         self._stats = BatcherStats()
         self._stats_lock = threading.Lock()
         self._outages = outages if outages is not None else OutageLog(log, "qstore worker")
@@ -169,11 +187,45 @@ class BatchCore:
             self._q.first_at = time.monotonic() - self.interval  # the rest is due too
         return batch
 
+    def _due(self) -> float:
+        """When the queued completions are due (``time.monotonic()``): ``interval`` after the
+        first, or up to ``CLAIM_HOLD`` when a dispatcher is about to take them along."""
+        if self._claimers and not self._stopping and not any(c.followups for c in self._q.items):
+            return self._q.first_at + max(self.interval, CLAIM_HOLD)
+        return self._q.first_at + self.interval
+
+    def _lend(self) -> list[Completion]:
+        """Take up to ``max_batch`` queued completions without follow-ups out of the queue."""
+        if not self._q.items:
+            return []
+        lent: list[Completion] = []
+        kept: list[Completion] = []
+        for c in self._q.items:
+            (kept if c.followups or len(lent) >= self.max_batch else lent).append(c)
+        self._q.items = kept
+        self._lent += len(lent)
+        with self._stats_lock:
+            self._stats.largest_batch = max(self._stats.largest_batch, len(lent))
+        return lent
+
+    def _settle_lent(self, lent: Sequence[Completion], done: Sequence[tuple[int, int]]) -> None:
+        self._lent -= len(lent)
+        self._count(calls=1, with_claims=1)
+        self._outages.ok("completions")
+        self._settle(lent, set(done))
+
+    def _return_lent(self, lent: Sequence[Completion]) -> None:
+        """Put ``lent`` back at the head of the queue, due at once."""
+        self._lent -= len(lent)
+        if lent:
+            self._q.items[:0] = lent
+            self._q.first_at = time.monotonic() - self.interval - CLAIM_HOLD
+
     def _add(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams]) -> bool:
         """Queue one completion; True when the sender should be woken."""
         if not self._q.items:
             self._q.first_at = time.monotonic()
-        self._q.items.append(Completion(claimed, tuple(followups)))
+        self._q.items.append(Completion(claimed, tuple(followups) if followups else ()))
         return len(self._q.items) == 1 or len(self._q.items) >= self.max_batch
 
     def _left(self) -> None:
@@ -309,6 +361,7 @@ class CompletionBatcher(BatchCore):
         self.storage = storage
         self.engine = engine
         self._cond = threading.Condition()
+        self._flushing = 0  # flush calls waiting
         self._thread: threading.Thread | None = None
 
     # -- public ----------------------------------------------------------------------------------
@@ -316,12 +369,48 @@ class CompletionBatcher(BatchCore):
     def pending(self) -> int:
         """Attempts submitted and not sent yet (or being sent)."""
         with self._cond:
-            return len(self._q.items) + (1 if self._busy else 0)
+            return len(self._q.items) + self._lent + (1 if self._busy else 0)
+
+    @property
+    def queued(self) -> int:
+        """Attempts submitted and waiting: neither lent to a claim nor being sent."""
+        with self._cond:
+            return len(self._q.items)
 
     def submit(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
         """Queue ``claimed`` for completion (with ``followups`` in its transaction)."""
         with self._cond:
             if self._add(claimed, followups):
+                self._cond.notify_all()
+
+    def lend(self) -> list[Completion]:
+        """Take the waiting completions without follow-ups (at most ``max_batch``) for a
+        dispatcher to send with its claim; it must pass each to :meth:`settle_lent` or
+        :meth:`return_lent`."""
+        with self._cond:
+            return self._lend()
+
+    def settle_lent(self, lent: Sequence[Completion], done: Sequence[tuple[int, int]]) -> None:
+        """``lent`` went out with a claim that committed; ``done``: the pairs it completed
+        (the others were stale)."""
+        with self._cond:
+            self._settle_lent(lent, done)
+            if self._flushing:  # only a flush waits for lent completions (the sender does not)
+                self._cond.notify_all()
+
+    def return_lent(self, lent: Sequence[Completion]) -> None:
+        """``lent`` could not be sent with a claim: the batcher sends them (due at once)."""
+        with self._cond:
+            self._return_lent(lent)
+            self._cond.notify_all()
+
+    def expect_claims(self, who: str, soon: bool) -> None:
+        """Dispatcher ``who`` does (``soon``) or does not expect to claim again soon."""
+        with self._cond:
+            if soon:
+                self._claimers.add(who)
+            elif who in self._claimers:
+                self._claimers.discard(who)
                 self._cond.notify_all()
 
     def start(self) -> None:
@@ -338,11 +427,15 @@ class CompletionBatcher(BatchCore):
         with self._cond:
             self._q.first_at = 0.0  # due now
             self._cond.notify_all()
-            while self._q.items or self._busy:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(min(remaining, 0.05))
+            self._flushing += 1
+            try:
+                while self._q.items or self._busy or self._lent:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._cond.wait(min(remaining, 0.05))
+            finally:
+                self._flushing -= 1
         return True
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -368,8 +461,7 @@ class CompletionBatcher(BatchCore):
                         return None
                     self._cond.wait()
                     continue
-                due = self._q.first_at + self.interval
-                remaining = due - time.monotonic()
+                remaining = self._due() - time.monotonic()
                 if len(self._q.items) >= self.max_batch or remaining <= 0 or self._stopping:
                     batch = self._take()
                     self._busy = True
@@ -447,11 +539,38 @@ class AsyncCompletionBatcher(BatchCore):
     @property
     def pending(self) -> int:
         """Attempts submitted and not sent yet (or being sent)."""
-        return len(self._q.items) + (1 if self._busy else 0)
+        return len(self._q.items) + self._lent + (1 if self._busy else 0)
+
+    @property
+    def queued(self) -> int:
+        """Attempts submitted and waiting: neither lent to a claim nor being sent."""
+        return len(self._q.items)
 
     def submit(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
         """Queue ``claimed`` for completion (with ``followups`` in its transaction)."""
         if self._add(claimed, followups):
+            self._wake.set()
+
+    def lend(self) -> list[Completion]:
+        """As :meth:`CompletionBatcher.lend` (on the batcher's loop)."""
+        return self._lend()
+
+    def settle_lent(self, lent: Sequence[Completion], done: Sequence[tuple[int, int]]) -> None:
+        """As :meth:`CompletionBatcher.settle_lent`."""
+        self._settle_lent(lent, done)
+        self._settled.set()
+
+    def return_lent(self, lent: Sequence[Completion]) -> None:
+        """As :meth:`CompletionBatcher.return_lent`."""
+        self._return_lent(lent)
+        self._wake.set()
+
+    def expect_claims(self, who: str, soon: bool) -> None:
+        """As :meth:`CompletionBatcher.expect_claims`."""
+        if soon:
+            self._claimers.add(who)
+        elif who in self._claimers:
+            self._claimers.discard(who)
             self._wake.set()
 
     def start(self) -> None:
@@ -467,7 +586,7 @@ class AsyncCompletionBatcher(BatchCore):
         deadline = time.monotonic() + timeout
         self._q.first_at = 0.0  # due now
         self._wake.set()
-        while self._q.items or self._busy:
+        while self._q.items or self._busy or self._lent:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
@@ -498,7 +617,7 @@ class AsyncCompletionBatcher(BatchCore):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            remaining = self._q.first_at + self.interval - time.monotonic()
+            remaining = self._due() - time.monotonic()
             if len(self._q.items) >= self.max_batch or remaining <= 0 or self._stopping:
                 self._busy = True
                 return self._take()

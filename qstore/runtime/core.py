@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 from qstore.errors import (
     DatabaseError,
+    PartialCommitError,
     QueueStorageError,
     SchemaNotInstalledError,
     StaleAttemptError,
@@ -61,7 +62,7 @@ from qstore.runtime.tasks import (
 )
 from qstore.status import UNHANDLED_KEY
 from qstore.storage.jobs import validate_queue
-from qstore.types import ClaimedRuntimeJob, JobRow, JobState
+from qstore.types import ClaimedRuntimeJob, CompletedAndClaimed, JobRow, JobState
 
 __all__ = [
     "COMPLETE",
@@ -217,8 +218,10 @@ class WorkerStats:
     ``stale_outcomes``: outcomes of attempts closed elsewhere first; ``outcome_errors``:
     outcomes that could not be written; ``heartbeats``: attempts heartbeated;
     ``claim_calls`` / ``empty_claims`` / ``claim_errors``: claim calls made, those that
-    found nothing, those that failed; ``completion_calls``: batcher calls; ``followups``:
-    follow-up jobs enqueued with completions; ``in_flight``: attempts held now.
+    found nothing, those that failed; ``completion_calls``: calls that completed attempts
+    (the batcher's, and claims that took completions along); ``followups``: follow-up jobs
+    enqueued with completions; ``in_flight``: attempts held now; ``claims_with_completions``:
+    of the completion calls, the claims (``complete_and_claim``, one round trip for both).
     """
 
     claimed: int = 0
@@ -245,11 +248,13 @@ class WorkerStats:
     completion_calls: int = 0
     followups: int = 0
     in_flight: int = 0
+    claims_with_completions: int = 0
 
 
 #: The counters a worker keeps itself (the batcher keeps the completion ones).
 COUNTERS = [f.name for f in fields(WorkerStats)
-            if f.name not in ("completed", "stale_completions", "completion_calls", "followups", "in_flight")]
+            if f.name not in ("completed", "stale_completions", "completion_calls", "claims_with_completions",
+                              "followups", "in_flight")]
 
 
 # -- attempts ----------------------------------------------------------------------------------
@@ -512,12 +517,13 @@ class WorkerCore:
         with self.lock:
             self.counts[name] += n
 
-    def stats(self, completed: int, stale: int, calls: int, followups: int) -> WorkerStats:
+    def stats(self, completed: int, stale: int, calls: int, followups: int, with_claims: int = 0) -> WorkerStats:
         with self.lock:
             counts = dict(self.counts)
             in_flight = len(self.attempts)
         return WorkerStats(**counts, completed=completed, stale_completions=stale,
-                           completion_calls=calls, followups=followups, in_flight=in_flight)
+                           completion_calls=calls, claims_with_completions=with_claims,
+                           followups=followups, in_flight=in_flight)
 
     def count_end(self, row: JobRow, job: JobRow) -> None:
         """Count an error's end of ``job``: retried, or failed for good (exhausted)."""
@@ -530,11 +536,25 @@ class WorkerCore:
                         job.attempt)
 
     # -- claiming ---------------------------------------------------------------------------------
-    def claim_call(self, queue: str, n: int, instance_id: Any) -> Call:
-        """The claim of up to ``n`` attempts of ``queue`` the settings call for."""
+    @property
+    def claims_complete(self) -> bool:
+        """Whether a claim can take completions along (``complete_and_claim``): not through
+        bounded claimer slots (``max_claimers``), whose claim has no completing form."""
+        return self.settings.max_claimers is None
+
+    def claim_call(self, queue: str, n: int, instance_id: Any,
+                   completions: Sequence[ClaimedRuntimeJob] = ()) -> Call:
+        """The claim of up to ``n`` attempts of ``queue`` the settings call for; with
+        ``completions`` (only when :attr:`claims_complete`), the one call that completes
+        them and claims: ``complete_and_claim``, whose result is a ``CompletedAndClaimed``
+        (see :meth:`claim_result`)."""
         s = self.settings
         deadline = timedelta(seconds=s.claim_deadline or 0)
         aging = timedelta(seconds=s.aging_interval or 0)
+        if completions:
+            if not self.claims_complete:
+                raise ValueError("claims through claimer slots cannot take completions along")
+            return Call("complete_and_claim", (completions, queue, n, deadline, aging))
         if s.max_claimers is not None:
             return Call("claim_runtime_batch_with_aging_for_instance",
                         (queue, n, deadline, aging, instance_id, s.max_claimers, s.claimer_lease_ttl,
@@ -542,6 +562,20 @@ class WorkerCore:
         if s.aging_interval is not None:
             return Call("claim_runtime_batch_with_aging", (queue, n, deadline, aging))
         return Call("claim_runtime_batch", (queue, n, deadline))
+
+    @staticmethod
+    def claim_result(result: Any) -> tuple[list[ClaimedRuntimeJob], list[tuple[int, int]]]:
+        """What a :meth:`claim_call` returned, as ``(claimed jobs, completed pairs)``."""
+        if isinstance(result, CompletedAndClaimed):
+            return result.claimed, result.completed
+        return result, []
+
+    @staticmethod
+    def partly_committed(err: PartialCommitError) -> tuple[list[ClaimedRuntimeJob], list[tuple[int, int]]]:
+        """What a ``complete_and_claim`` that raised ``err`` committed: ``(claimed jobs,
+        completed pairs)`` (its claim and first completion committed; work on those jobs)."""
+        jobs = [x for x in err.committed if isinstance(x, ClaimedRuntimeJob)]
+        return jobs, [x for x in err.committed if not isinstance(x, ClaimedRuntimeJob)]
 
     def claimed(self, jobs: Sequence[ClaimedRuntimeJob], context: Callable[[ClaimedRuntimeJob], JobContext],
                 now: float) -> list[Attempt]:
@@ -643,6 +677,19 @@ class WorkerCore:
             return Write("fail_retryable", "fail_retryable", (error, p), END)
         return COMPLETE
 
+    def finish_plain(self, a: Attempt, outcome: Any) -> bool:
+        """Finish ``a`` at once when ``outcome`` is a plain return value of a live attempt:
+        its completion goes to the batcher, it is let go, and True is returned (what
+        :meth:`finish` does then, without running a procedure). False: nothing was done,
+        run :meth:`finish`."""
+        if isinstance(outcome, BaseException) or a.ctx.is_cancelled:
+            return False
+        try:
+            self.host.complete(a)
+        finally:
+            self.host.forget(a)
+        return True
+
     # -- procedures ---------------------------------------------------------------------------
     def finish(self, a: Attempt, outcome: Any) -> Procedure:
         """Apply what the handler produced to its attempt, then let the attempt go."""
@@ -739,7 +786,7 @@ class WorkerCore:
     def _observe_end(self, job: JobRow, counter: str | None, row: Any) -> None:
         """Tell the app's telemetry how the attempt of ``job`` ended (a write landed)."""
         telemetry = self.app.telemetry
-        if not telemetry.enabled:
+        if not telemetry.enabled or not telemetry.recording:
             return
         if counter == END:
             name: str | None = "retried" if getattr(row, "state", None) is JobState.RETRYABLE else "failed"
@@ -751,6 +798,8 @@ class WorkerCore:
     def observe_completed(self, jobs: Sequence[JobRow]) -> None:
         """Tell the app's telemetry that the attempts of ``jobs`` completed (the batcher
         calls it once their completion committed)."""
+        if not self.app.telemetry.recording:
+            return
         for job in jobs:
             self.app.telemetry.ended(job, "completed")
 
@@ -760,7 +809,7 @@ class WorkerCore:
         latency, run time and span. Call the yielded function with what the handler
         returned or raised: an error or a ``Fail`` marks the span failed."""
         telemetry = self.app.telemetry
-        if not telemetry.enabled:
+        if not telemetry.enabled or not telemetry.recording:
             yield _ignore
             return
         with telemetry.attempt(a.claimed.job) as record:

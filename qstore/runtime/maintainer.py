@@ -50,7 +50,7 @@ log = logging.getLogger("qstore.maintainer")
 
 #: Prefix of the leader lock key (followed by the schema name); its version changes when
 #: upkeep changes in a way a previous release's maintainer cannot follow.
-LEADER_KEY_PREFIX = "qstore:maintainer:2:"
+LEADER_KEY_PREFIX = "qstore:maintainer:3:"
 
 #: Rescue functions return at most this many rows per call; a full
 #: batch means more may be waiting, so the task calls again (up to ``RESCUE_MAX_CALLS``).
@@ -114,6 +114,7 @@ class MaintenanceSchedule:
     promote_every: float = 0.25
     promote_batch_size: int = 4096
     promote_max_batches: int = 32
+    wheel_every: float = 1.0
     rescue_every: float = 30.0
     heartbeat_staleness: float = 90.0
     rollup_every: float = 30.0
@@ -310,6 +311,7 @@ class Maintainer:
                   _Ring(lambda: s.rotate_leases(e), lambda: s.prune_oldest_leases(e), lim, 1)),
             _Task("claim_ring", sch.claim_ring_every, claim_ring, lambda: claim_ring(force=True)),
             _Task("promote", sch.promote_every, self._promote),
+            _Task("wheel", sch.wheel_every, self._wheel),
             _Task("rescue", sch.rescue_every, self._rescue),
             _Task("rollup", sch.rollup_every,
                   lambda: s.rollup_terminal_count_deltas(
@@ -330,6 +332,20 @@ class Maintainer:
                     break
             moved[state.value] = total
         return moved
+
+    def _wheel(self) -> dict[str, int]:
+        """Overflow rows that came within the wheel's span move into it (bounded batches),
+        then the wheel's past slots whose entries are all resolved are truncated."""
+        size = self.schedule.promote_batch_size
+        moved = 0
+        for _ in range(self.schedule.promote_max_batches):
+            n = self.storage.advance_overflow(self.engine, size)
+            moved += n
+            if n < size:
+                break
+        pruned = self.storage.prune_wheel(self.engine)
+        return {"overflow_moved": moved, "slots_pruned": len(pruned.pruned),
+                "slots_waiting": len(pruned.waiting), "slots_blocked": len(pruned.blocked)}
 
     def _rescue(self) -> dict[str, int]:
         """Stale heartbeats, passed deadlines and timed-out callbacks, until a call comes

@@ -201,7 +201,7 @@ class JobContext:
         self.claimed = claimed
         self.storage = storage
         self.engine = engine
-        self.cancelled = cancelled or threading.Event()
+        self._cancelled = cancelled  # made on first use: most attempts are never cancelled
         self.cancel_reason: str | None = None
         self.progress: Any = None
         self.followups: list[InsertParams] = []
@@ -245,8 +245,20 @@ class JobContext:
         return tick_of(self.claimed.job.metadata)
 
     @property
+    def cancelled(self) -> threading.Event:
+        """Set once the attempt was closed under the handler (see the class docstring)."""
+        event = self._cancelled
+        if event is None:
+            with self._lock:
+                if self._cancelled is None:
+                    self._cancelled = threading.Event()
+                event = self._cancelled
+        return event
+
+    @property
     def is_cancelled(self) -> bool:
-        return self.cancelled.is_set()
+        event = self._cancelled
+        return event is not None and event.is_set()
 
     def cancel(self, reason: str) -> None:
         """Mark the attempt as closed under the handler (used by the worker)."""
@@ -435,7 +447,7 @@ class Deferral:
         """``jobs`` as they are enqueued under the app's telemetry: inside its producer span,
         each carrying the span's trace context in its metadata (unchanged without one)."""
         telemetry = self.task.app.telemetry
-        if not telemetry.enabled or not jobs:
+        if not telemetry.enabled or not jobs or not telemetry.recording:
             yield jobs
             return
         with telemetry.deferring(self.opts.queue, self.task.kind, self.opts.metadata, len(jobs)) as carried:

@@ -82,6 +82,12 @@ class Telemetry:
 
     enabled = False
 
+    @property
+    def recording(self) -> bool:
+        """Whether anything would be recorded now: the runtime skips a job's telemetry
+        work (spans, metric points) while this is False."""
+        return False
+
     @contextmanager
     def deferring(self, queue: str, kind: str, metadata: Mapping[str, Any], n: int = 1
                   ) -> Iterator[Mapping[str, Any]]:
@@ -158,6 +164,11 @@ class _OtelAttempt(Attempt):
             self.span.set_status(Status(StatusCode.ERROR, error))
 
 
+#: How often (seconds) :attr:`OpenTelemetry.recording` looks again whether a global provider
+#: was set while it found none.
+RECHECK = 1.0
+
+
 class OpenTelemetry(Telemetry):
     """Records through the OpenTelemetry API (see the module docstring for what).
 
@@ -172,6 +183,14 @@ class OpenTelemetry(Telemetry):
             raise MissingExtraError("OpenTelemetry metrics and traces", "otel", "opentelemetry-api")
         from opentelemetry import metrics, trace
 
+        # The API's global providers before an SDK sets its own (proxies that record
+        # nothing): while both are still these, nothing records (see ``recording``).
+        self._idle = (None if meter_provider is not None else metrics.get_meter_provider(),
+                      None if tracer_provider is not None else trace.get_tracer_provider())
+        if not isinstance(self._idle[1], trace.ProxyTracerProvider) or \
+                type(self._idle[0]).__name__ != "_ProxyMeterProvider":
+            self._idle = (None, None)  # a provider is set (or given): it records
+        self._recheck_at = 0.0
         meter = (meter_provider or metrics.get_meter_provider()).get_meter("qstore")
         self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("qstore")
         self._enqueued = meter.create_counter("qstore.jobs.enqueued", unit="{job}",
@@ -194,6 +213,26 @@ class OpenTelemetry(Telemetry):
         self._readers: list[Callable[[], Mapping[str, QueueGauge]]] = []
         meter.create_observable_gauge("qstore.queue.jobs", callbacks=[self._observe], unit="{job}",
                                       description="jobs per queue and state")
+
+    @property
+    def recording(self) -> bool:
+        """False while both providers are the OpenTelemetry API's global defaults and no
+        SDK has set its own (they would record nothing); True once one is set, or when a
+        provider was given. Looked up at most once every ``RECHECK`` seconds (the API's
+        lookup reads the environment): a provider set later records from then on."""
+        idle_meter, idle_tracer = self._idle
+        if idle_meter is None or idle_tracer is None:
+            return True
+        now = time.monotonic()
+        if now < self._recheck_at:
+            return False
+        from opentelemetry import metrics, trace
+
+        if metrics.get_meter_provider() is not idle_meter or trace.get_tracer_provider() is not idle_tracer:
+            self._idle = (None, None)
+            return True
+        self._recheck_at = now + RECHECK
+        return False
 
     @contextmanager
     def deferring(self, queue: str, kind: str, metadata: Mapping[str, Any], n: int = 1

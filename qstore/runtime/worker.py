@@ -10,7 +10,9 @@
 * **handlers**: sync tasks on a pool of ``concurrency`` threads, ``async def`` tasks on one
   event loop thread; what a handler returns or raises is applied to its attempt (see
   :mod:`qstore.runtime.tasks`); successful attempts go to the completion batcher
-  (:mod:`qstore.runtime.batcher`), which completes many of them in one call;
+  (:mod:`qstore.runtime.batcher`), which completes many of them in one call; the
+  dispatcher's next claim takes those waiting along (``complete_and_claim``: one round trip
+  completes them and claims the next jobs);
 * a **listener** (:mod:`qstore.storage.listen`): one ``LISTEN`` connection for the queues' wake-ups and
   the cancel channel; an operator's cancel of a running attempt sets the handler's
   ``ctx.cancelled`` (and cancels an async handler's task);
@@ -54,6 +56,7 @@ from sqlalchemy import Engine
 
 from qstore import migrate
 from qstore.errors import (
+    PartialCommitError,
     QueueStorageError,
     SchemaNotInstalledError,
     ValidationError,
@@ -220,7 +223,7 @@ class Worker:
     def stats(self) -> WorkerStats:
         """A snapshot of what this worker did (see :class:`WorkerStats`)."""
         b = self.batcher.stats
-        return self.core.stats(b.completed, b.stale, b.calls, b.followups)
+        return self.core.stats(b.completed, b.stale, b.calls, b.followups, b.with_claims)
 
     def _count(self, name: str, n: int = 1) -> None:
         self.core.count(name, n)
@@ -505,9 +508,28 @@ class Worker:
 
     # -- claiming --------------------------------------------------------------------------------
     def _claim(self, queue: str, n: int) -> list[ClaimedRuntimeJob]:
-        call = self.core.claim_call(queue, n, self.instance_id)
-        result: list[ClaimedRuntimeJob] = getattr(self.storage, call.op)(self.engine, *call.args)
-        return result
+        """Claim up to ``n`` attempts of ``queue``, taking the completions waiting in the
+        batcher along (one ``complete_and_claim`` round trip) when there are any."""
+        lent = self.batcher.lend() if self.core.claims_complete else []
+        call = self.core.claim_call(queue, n, self.instance_id, [c.claimed for c in lent])
+        try:
+            result = getattr(self.storage, call.op)(self.engine, *call.args)
+        except PartialCommitError as err:
+            if not lent:
+                raise
+            jobs, done = self.core.partly_committed(err)
+            left = set(err.pending)
+            self.batcher.settle_lent([c for c in lent if c.pair not in left], done)
+            self.batcher.return_lent([c for c in lent if c.pair in left])
+            return jobs
+        except BaseException:
+            if lent:  # nothing of the call committed: the batcher sends them, with its retries
+                self.batcher.return_lent(lent)
+            raise
+        jobs, done = self.core.claim_result(result)
+        if lent:
+            self.batcher.settle_lent(lent, done)
+        return jobs
 
     def _dispatch_loop(self, queue: str) -> None:
         wake = self._wakes[queue]
@@ -521,6 +543,7 @@ class Worker:
             try:
                 jobs = self._claim(queue, want)
             except Exception as err:
+                self.batcher.expect_claims(queue, False)
                 self._release(want)
                 self._count("claim_calls")
                 self._count("claim_errors")
@@ -532,6 +555,9 @@ class Worker:
                 wake.wait(s.error_backoff)  # a stop sets it
                 continue
             self._outages.ok(what)
+            # a full claim: the queue has more, and this dispatcher claims again as soon as
+            # places free up; the completions of those places can wait for that claim
+            self.batcher.expect_claims(queue, len(jobs) >= want)
             self._release(want - len(jobs))
             attempts = self.core.claimed(jobs, lambda j: JobContext(j, self.storage, self.engine),
                                          time.monotonic())
@@ -543,6 +569,7 @@ class Worker:
                 # for a notification instead, which a claim in flight does not lose. After a
                 # partial claim the rest may sit in lanes another claimer held: look again soon.
                 wake.wait(s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK))
+        self.batcher.expect_claims(queue, False)
 
     def _launch(self, attempts: list[Attempt]) -> None:
         """Hand claimed attempts to their handlers: sync ones to the thread pool, async
@@ -574,6 +601,13 @@ class Worker:
         outcome: Any
         if a.task is None:
             outcome = self.core.unknown(a)
+        elif not self._observing:
+            try:
+                outcome = self.core.sync_result(a, self._call(a))
+            except JobOutcome as raised:
+                outcome = raised
+            except BaseException as err:
+                outcome = err
         else:
             with self.core.observed(a) as observe:
                 try:
@@ -614,12 +648,19 @@ class Worker:
         except RuntimeError:  # the executor was shut down under us: finish here
             self._finish(a, outcome)
 
+    @property
+    def _observing(self) -> bool:
+        """Whether the app's telemetry records handler runs now."""
+        telemetry = self.app.telemetry
+        return telemetry.enabled and telemetry.recording
+
     def _forget(self, a: Attempt) -> None:
         self.forget(a)
 
     def _finish(self, a: Attempt, outcome: Any) -> None:
         """Apply what the handler produced to its attempt, then let the attempt go."""
-        self._run(self.core.finish(a, outcome))
+        if not self.core.finish_plain(a, outcome):
+            self._run(self.core.finish(a, outcome))
 
     # -- give back, cancel, deadline -------------------------------------------------------------
     def _waiting_attempts(self) -> list[Attempt]:

@@ -89,6 +89,8 @@ class StorageSchema:
     claims: RingFamily
     closures: RingFamily
     deferred: Table
+    wheel: RingFamily
+    wheel_marks: RingFamily
     dlq: Table
     attempt_state: Table
     #: Append-only heartbeats and progress, in the ring that holds the live attempts (the
@@ -114,6 +116,7 @@ class StorageSchema:
     transition: Table
     job_id_seq: Sequence
     lane_rotor: Sequence  # one nextval per enqueue call: its key-less rows' lane
+    wheel_entry_seq: Sequence  # entry ids of the deferred wheel
     functions: tuple[ServerFunction, ...]
     views: tuple[ServerView, ...]
     #: The tables each plane module of the declaration declared (ring children included),
@@ -149,6 +152,7 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     done = queue_plane.declare_done_entries(md, config, state)
     deltas = queue_plane.declare_terminal_deltas(md, config)
     deferred = queue_plane.declare_deferred_jobs(md, config, state)
+    wheel_entry_seq, wheel, wheel_marks = queue_plane.declare_deferred_wheel(md, config, state)
     dlq = queue_plane.declare_dlq_entries(md, config, state)
     record("queue")
     leases = execution_plane.declare_leases(md, config, state)
@@ -176,15 +180,16 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     sch = StorageSchema(
         config=config, metadata=md, ready=ready, tombstones=tombstones,
         claim_ranges=claim_ranges, done=done, deltas=deltas, leases=leases, claims=claims,
-        closures=closures, deferred=deferred, dlq=dlq, attempt_state=attempt_state,
-        progress=progress, progress_seq=progress_seq,
+        closures=closures, deferred=deferred, wheel=wheel, wheel_marks=wheel_marks, dlq=dlq,
+        attempt_state=attempt_state, progress=progress, progress_seq=progress_seq,
         queue_ring=rings["queue"], lease_ring=rings["lease"], claim_ring=rings["claim"],
         lanes=lanes, enqueue_heads=enqueue_heads, claim_heads=claim_heads,
         live_counts=live_counts, rollups=rollups, rollup_ledger=rollup_ledger,
         counter_state=counter_state, queue_meta=queue_meta,
         unique_claims=unique_claims, claimer_leases=claimer_leases,
         claimer_state=claimer_state, storage_config=storage_config, backends=backends,
-        transition=transition, job_id_seq=job_id_seq, lane_rotor=lane_rotor, functions=functions, views=views,
+        transition=transition, job_id_seq=job_id_seq, lane_rotor=lane_rotor,
+        wheel_entry_seq=wheel_entry_seq, functions=functions, views=views,
         declared_by=declared,
     )
     md.info["qstore_schema"] = sch

@@ -1,13 +1,22 @@
 """Queue plane: the queue ring (ready entries, tombstones, claim ranges, done entries,
-terminal count deltas), the deferred backlog and the DLQ."""
+terminal count deltas), the deferred backlog (the wheel and its overflow) and the DLQ."""
 
 from __future__ import annotations
 
-from sqlalchemy import CheckConstraint, Column, Index, MetaData, PrimaryKeyConstraint, Table, text
+from sqlalchemy import (
+    CheckConstraint,
+    Column,
+    Index,
+    MetaData,
+    PrimaryKeyConstraint,
+    Sequence,
+    Table,
+    text,
+)
 from sqlalchemy.sql.schema import SchemaItem
 from sqlalchemy.types import TypeEngine
 
-from qstore.config import QueueStorageConfig
+from qstore.config import WHEEL_SLOTS, QueueStorageConfig
 from qstore.schema.rings import RingFamily, ring_table
 from qstore.schema.types import BIGINT, BYTES, INT, JSON, NOW, OPTIONAL_JSON, SMALLINT, TEXT, TS
 
@@ -158,7 +167,10 @@ def _job_snapshot_columns(state_type: TypeEngine, state_default: str, *, dlq: bo
 
 
 def declare_deferred_jobs(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> Table:
-    """Future / backoff backlog (scheduled, retryable); promotion deletes and re-enqueues."""
+    """The overflow of the deferred backlog (scheduled, retryable): waits due beyond the
+    wheel's span, and what a worker of an earlier release writes. Upkeep moves a row into
+    the wheel once it comes within the span (a delete); promotion serves rows found due here
+    as well."""
     return Table(
         "deferred_jobs", md,
         *_job_snapshot_columns(state_type, "scheduled", dlq=False),
@@ -181,3 +193,46 @@ def declare_dlq_entries(md: MetaData, cfg: QueueStorageConfig, state_type: TypeE
         Index("dlq_entries_kind_idx", "kind"),
         schema=cfg.schema,
     )
+
+
+#: Resolutions of a wheel entry (``deferred_wheel_marks.resolution``).
+WHEEL_RESOLUTIONS = ("promoted", "cancelled", "moved")
+
+
+def declare_deferred_wheel(md: MetaData, cfg: QueueStorageConfig,
+                           state_type: TypeEngine) -> tuple[Sequence, RingFamily, RingFamily]:
+    """The deferred wheel: append-only entries of waiting jobs, LIST-partitioned by
+    ``wheel_slot`` (``bucket % WHEEL_SLOTS``), and the append-only marks that resolve them
+    (promoted, cancelled, moved), partitioned the same way and unique per entry. An entry
+    is live while it has no mark; a slot whose entries are all marked is reclaimed by
+    ``TRUNCATE`` of both children."""
+    seq = Sequence("deferred_wheel_entry_seq", schema=cfg.schema, metadata=md, start=1)
+    snapshot = [c for c in _job_snapshot_columns(state_type, "scheduled", dlq=False)]
+    for c in snapshot:
+        c.primary_key = False
+    wheel = ring_table(
+        md, "deferred_wheel", "wheel_slot", WHEEL_SLOTS,
+        Column("wheel_slot", SMALLINT, nullable=False),
+        Column("bucket", BIGINT, nullable=False),
+        Column("entry_id", BIGINT, nullable=False,
+               server_default=text(f"nextval('{cfg.schema}.deferred_wheel_entry_seq'::regclass)")),
+        *snapshot,
+        PrimaryKeyConstraint("entry_id", "wheel_slot", name="deferred_wheel_pkey"),
+        CheckConstraint("state IN ('scheduled', 'retryable')", name="deferred_wheel_state"),
+        Index("deferred_wheel_due_idx", "state", "run_at", "priority", "job_id"),
+        Index("deferred_wheel_job_id_idx", "job_id"),
+        schema=cfg.schema,
+    )
+    marks = ring_table(
+        md, "deferred_wheel_marks", "wheel_slot", WHEEL_SLOTS,
+        Column("wheel_slot", SMALLINT, nullable=False),
+        Column("entry_id", BIGINT, nullable=False),
+        Column("job_id", BIGINT, nullable=False),
+        Column("resolution", TEXT, nullable=False),
+        Column("marked_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint("entry_id", "wheel_slot", name="deferred_wheel_marks_pkey"),
+        CheckConstraint("resolution IN ('promoted', 'cancelled', 'moved')",
+                        name="deferred_wheel_marks_resolution"),
+        schema=cfg.schema,
+    )
+    return seq, wheel, marks

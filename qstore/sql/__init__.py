@@ -26,6 +26,9 @@ from qstore.config import (
     CLAIMED_IN_XACT,
     COUNTER_BUCKETS,
     DEFAULT_SHARDS,
+    WHEEL_BUCKET_SECONDS,
+    WHEEL_GUARD_SLOTS,
+    WHEEL_SLOTS,
     QueueStorageConfig,
 )
 
@@ -34,7 +37,7 @@ __all__ = ["FUNCTIONS", "RINGS", "VIEWS", "function_texts", "render", "view_text
 #: The head's functions, in the order an install creates them (a function another one
 #: calls comes first).
 FUNCTIONS = ("backoff_duration", "ensure_lane", "reserve_lanes", "claim_ready", "complete_receipts",
-             "enqueue_jobs")
+             "wheel_bucket", "enqueue_jobs")
 #: The rings whose cursor views ``ring_state.sql`` renders.
 RINGS = ("queue", "lease", "claim")
 #: The head's views.
@@ -51,7 +54,9 @@ def render(name: str, cfg: QueueStorageConfig, **extra: Any) -> str:
     """The text of template ``name`` (``claim_ready``, ``ring_state``, ...) for an install
     of ``cfg``: one complete ``CREATE OR REPLACE`` statement, without trailing whitespace."""
     params = dict(s=cfg.schema, shape=cfg, claim_wait=CLAIM_WAIT, claimed_in_xact=CLAIMED_IN_XACT,
-                  counter_buckets=COUNTER_BUCKETS, default_shards=DEFAULT_SHARDS, **extra)
+                  counter_buckets=COUNTER_BUCKETS, default_shards=DEFAULT_SHARDS,
+                  wheel_seconds=WHEEL_BUCKET_SECONDS, wheel_slots=WHEEL_SLOTS,
+                  wheel_span=WHEEL_SLOTS - WHEEL_GUARD_SLOTS, **extra)
     return str(_template(name).render(**params)).strip()
 
 

@@ -4,7 +4,8 @@
 ## nothing and return the key and its owner instead of raising, so a caller's transaction
 ## stays usable), picks each ready row's lane, reserves lane positions in the lock order
 ## every producer follows (queue in byte order, then priority, then shard), inserts ready
-## rows into the queue ring's current slot and scheduled rows into the backlog, and queues
+## rows into the queue ring's current slot and scheduled rows into the deferred wheel (or
+## its overflow, deferred_jobs, when due beyond the wheel's span), and queues
 ## the NOTIFY wake-ups. On an autocommitted connection a single-job enqueue is one round
 ## trip; a single job takes a scalar branch (about a third of the set-based branch's cost).
 ##
@@ -13,7 +14,7 @@
 ## lane_rotor per call, so consecutive enqueues go round-robin over the lanes while one
 ## batch stays FIFO in one lane. A queue without a queue_meta row has default_shards lanes.
 ##
-## Template parameters: s (schema), default_shards.
+## Template parameters: s (schema), default_shards, wheel_slots.
 CREATE OR REPLACE FUNCTION ${s}.enqueue_jobs(p_kinds text[], p_queues text[], p_logicals text[], p_args jsonb[], p_priorities smallint[], p_max_attempts smallint[], p_run_ats timestamp with time zone[], p_unique_keys bytea[], p_unique_states text[], p_payloads jsonb[], p_takes_key boolean[], p_order_hashes numeric[], p_channels text[]) RETURNS TABLE(job_ids bigint[], conflict_key bytea, conflict_owner bigint) LANGUAGE plpgsql VOLATILE
 SET jit = off AS $$
 #variable_conflict use_column
@@ -34,6 +35,7 @@ DECLARE
   v_id bigint;
   v_shard_count integer;
   v_shard smallint;
+  v_bucket bigint;
 BEGIN
   IF v_n = 0 THEN
     RETURN QUERY SELECT '{}'::bigint[], NULL::bytea, NULL::bigint;
@@ -68,11 +70,22 @@ BEGIN
              v_shard, p_unique_keys[1], p_unique_states[1], p_payloads[1]
       FROM ${s}.queue_ring_state rs;
     ELSE
-      INSERT INTO ${s}.deferred_jobs (job_id, kind, queue, args, state, priority, max_attempts,
-                                     run_at, unique_key, unique_states, payload)
-      VALUES (v_id, p_kinds[1], p_queues[1], coalesce(p_args[1], '{}'::jsonb), 'scheduled',
-              p_priorities[1], p_max_attempts[1], p_run_ats[1], p_unique_keys[1],
-              p_unique_states[1], p_payloads[1]);
+      v_bucket := ${s}.wheel_bucket(p_run_ats[1]);
+      IF v_bucket IS NOT NULL THEN
+        INSERT INTO ${s}.deferred_wheel (wheel_slot, bucket, job_id, kind, queue, args, state,
+                                        priority, max_attempts, run_at, unique_key,
+                                        unique_states, payload)
+        VALUES ((v_bucket % ${wheel_slots})::smallint, v_bucket, v_id, p_kinds[1], p_queues[1],
+                coalesce(p_args[1], '{}'::jsonb), 'scheduled', p_priorities[1],
+                p_max_attempts[1], p_run_ats[1], p_unique_keys[1], p_unique_states[1],
+                p_payloads[1]);
+      ELSE
+        INSERT INTO ${s}.deferred_jobs (job_id, kind, queue, args, state, priority, max_attempts,
+                                       run_at, unique_key, unique_states, payload)
+        VALUES (v_id, p_kinds[1], p_queues[1], coalesce(p_args[1], '{}'::jsonb), 'scheduled',
+                p_priorities[1], p_max_attempts[1], p_run_ats[1], p_unique_keys[1],
+                p_unique_states[1], p_payloads[1]);
+      END IF;
     END IF;
     PERFORM pg_notify(c.channel, '') FROM unnest(p_channels) AS c(channel);
     RETURN QUERY SELECT ARRAY[v_id], NULL::bytea, NULL::bigint;
@@ -151,15 +164,29 @@ BEGIN
   END IF;
 
   IF v_ords IS NULL OR array_length(v_ords, 1) < v_n THEN
+    -- each scheduled row into its wheel bucket, or into the overflow when due beyond the
+    -- wheel's span
+    WITH d AS (
+      SELECT v_ids[u.ord] AS id, u.kind, u.queue, coalesce(u.args, '{}'::jsonb) AS args,
+             u.priority, u.max_attempts, u.run_at, u.key, u.states, u.payload,
+             ${s}.wheel_bucket(u.run_at) AS bucket
+      FROM unnest(p_kinds, p_queues, p_args, p_priorities, p_max_attempts, p_run_ats,
+                  p_unique_keys, p_unique_states, p_payloads)
+             WITH ORDINALITY AS u(kind, queue, args, priority, max_attempts, run_at, key, states,
+                                  payload, ord)
+      WHERE u.run_at IS NOT NULL),
+    wheel AS (
+      INSERT INTO ${s}.deferred_wheel (wheel_slot, bucket, job_id, kind, queue, args, state,
+                                      priority, max_attempts, run_at, unique_key, unique_states,
+                                      payload)
+      SELECT (d.bucket % ${wheel_slots})::smallint, d.bucket, d.id, d.kind, d.queue, d.args,
+             'scheduled', d.priority, d.max_attempts, d.run_at, d.key, d.states, d.payload
+      FROM d WHERE d.bucket IS NOT NULL)
     INSERT INTO ${s}.deferred_jobs (job_id, kind, queue, args, state, priority, max_attempts,
                                    run_at, unique_key, unique_states, payload)
-    SELECT v_ids[u.ord], u.kind, u.queue, coalesce(u.args, '{}'::jsonb), 'scheduled',
-           u.priority, u.max_attempts, u.run_at, u.key, u.states, u.payload
-    FROM unnest(p_kinds, p_queues, p_args, p_priorities, p_max_attempts, p_run_ats,
-                p_unique_keys, p_unique_states, p_payloads)
-           WITH ORDINALITY AS u(kind, queue, args, priority, max_attempts, run_at, key, states,
-                                payload, ord)
-    WHERE u.run_at IS NOT NULL;
+    SELECT d.id, d.kind, d.queue, d.args, 'scheduled', d.priority, d.max_attempts, d.run_at,
+           d.key, d.states, d.payload
+    FROM d WHERE d.bucket IS NULL;
   END IF;
 
   PERFORM pg_notify(c.channel, '') FROM unnest(p_channels) AS c(channel);

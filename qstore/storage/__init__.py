@@ -56,7 +56,7 @@ from qstore.storage import enqueue as enqueuing
 from qstore.storage.context import StorageContext
 from qstore.storage.operations import Operation, SyncFace, op
 from qstore.storage.targets import Policy, Target, run
-from qstore.storage.upkeep import counters, rescue, rings
+from qstore.storage.upkeep import counters, rescue, rings, wheel
 
 if TYPE_CHECKING:
     from qstore.storage.listen import Listener
@@ -184,6 +184,8 @@ class Operations:
     rescue_expired_deadlines = op(JOIN, rescue.rescue_expired_deadlines)
     rescue_expired_callbacks = op(JOIN, rescue.rescue_expired_callbacks)
     promote_due = op(ATOMIC, rescue.promote_due, state=C.promotable_state, batch_size=C.promotion_batch)
+    advance_overflow = op(ATOMIC, wheel.advance_overflow, batch_size=C.promotion_batch)
+    prune_wheel = op(JOIN, wheel.prune_wheel, at=C.optional_datetime)
 
     # -- admin --------------------------------------------------------------------------------------
     retry_job = op(ATOMIC, admin.retry_job, job_id=C.job_id)

@@ -25,7 +25,7 @@ from qstore.storage.decide import Decision, Destination
 from qstore.storage.jobs import is_stripe, logical_queue
 from qstore.storage.planes import control, execution, queue
 from qstore.storage.planes.execution import LIVE, Closure
-from qstore.storage.statements import receipt_closed
+from qstore.storage.statements import live_deferred, receipt_closed
 from qstore.types import JobRow, JobState
 
 __all__ = [
@@ -49,14 +49,15 @@ class AdminReads:
     still_unclaimed: Select[Any]
     live_attempts: CompoundSelect[Any]
     waiting: Select[Any]
-    lock_scheduled: Select[Any]
+    scheduled: Select[Any]
     aging_candidates: Select[Any]
 
 
 @functools.lru_cache(maxsize=64)
 def _reads(sch: StorageSchema) -> AdminReads:
     r, t, cr = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent
-    c, cl, le, d = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.deferred
+    c, cl, le = sch.claims.parent, sch.closures.parent, sch.leases.parent
+    d = live_deferred(sch)
     job = bindparam("b_job", type_=BigInteger())
     tombstoned = select(t.c.job_id).where(
         t.c.ready_slot == r.c.ready_slot, t.c.queue == r.c.queue, t.c.priority == r.c.priority,
@@ -75,7 +76,7 @@ def _reads(sch: StorageSchema) -> AdminReads:
         live_attempts=select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state.in_(LIVE))
         .union(select(c.c.job_id, c.c.run_lease).where(c.c.job_id == job, ~closed)),
         waiting=select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state == JobState.WAITING_EXTERNAL),
-        lock_scheduled=select(d).where(d.c.job_id == job, d.c.state == JobState.SCHEDULED).with_for_update(skip_locked=True),
+        scheduled=select(d).where(d.c.job_id == job, d.c.state == JobState.SCHEDULED),
         aging_candidates=select(r).where(r.c.priority > 1, r.c.run_at <= now - bindparam("interval"),
                                          ~tombstoned, ~claimed).order_by(r.c.run_at, r.c.job_id)
         .limit(bindparam("limit")),
@@ -178,19 +179,28 @@ def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | N
     nothing matched or nothing would change (retryable, running and terminal jobs stay)."""
     sch = ctx.schema
     s = _reads(sch)
-    row = conn.execute(s.lock_scheduled, {"b_job": job_id}).first()
-    if row is not None:
+    seen = conn.execute(s.scheduled, {"b_job": job_id}).first()
+    if seen is not None:
+        new_q = _target_queue(sch, seen.queue, new_queue, job_id)
+        new_p = priority if priority is not None else seen.priority
+        if new_q == seen.queue and new_p == seen.priority:
+            return False
+        # the wait ends (its wheel entry marked moved, or its overflow row deleted) and a new
+        # one with the new queue and priority is appended, due at the same time
+        taken = queue.take_deferred(conn, sch, job_id, [JobState.SCHEDULED], resolution="moved")
+        if not taken:
+            return False  # promoted or cancelled meanwhile
+        row = taken[0]
         new_q = _target_queue(sch, row.queue, new_queue, job_id)
         new_p = priority if priority is not None else row.priority
-        if new_q == row.queue and new_p == row.priority:
-            return False
         snapshot = Body.from_snapshot(row)
         meta = snapshot.job.metadata
         if new_p != row.priority:
             meta = _stamp(meta, ORIGINAL_PRIORITY, row.priority)
         if new_q != row.queue:
             meta = _stamp(meta, ORIGINAL_QUEUE, logical_queue(row.queue))
-        queue.move_scheduled(conn, sch, job_id, new_q, new_p, snapshot.replace(metadata=meta).payload)
+        moved = snapshot.replace(queue=new_q, priority=new_p, metadata=meta)
+        queue.write_deferred(conn, sch, [(moved, JobState.SCHEDULED, row.run_at, row.finalized_at)])
         return True
     for r in conn.execute(s.ready_candidates, {"b_job": job_id}).all():
         new_q = _target_queue(sch, r.queue, new_queue, job_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from qstore.errors import ValidationError
@@ -110,6 +110,10 @@ def optional_queue(value: object, field: str) -> str | None:
 
 def optional_uuid(value: object, field: str) -> uuid.UUID | None:
     return None if value is None else validate_uuid(value, field)
+
+
+def optional_datetime(value: object, field: str) -> datetime | None:
+    return None if value is None else validate_aware_datetime(value, field)
 
 
 def flag(value: object, field: str) -> bool | None:

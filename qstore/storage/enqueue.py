@@ -38,7 +38,7 @@ from qstore.storage.jobs import (
 )
 from qstore.storage.lanes import assign_lanes
 from qstore.storage.planes import control, queue
-from qstore.storage.planes.queue import DEFERRED_COLUMNS, READY_COLUMNS
+from qstore.storage.planes.queue import READY_COLUMNS, SNAPSHOT_COLUMNS
 from qstore.storage.statements import HotStatement, packed_array_param, schema_func
 from qstore.storage.targets import Runner
 
@@ -48,7 +48,7 @@ __all__ = ["enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch", "
 _ARRAYS: dict[str, Any] = {
     "kinds": READY_COLUMNS["kind"], "queues": READY_COLUMNS["queue"], "logicals": READY_COLUMNS["queue"],
     "args": READY_COLUMNS["args"], "priorities": READY_COLUMNS["priority"],
-    "max_attempts": READY_COLUMNS["max_attempts"], "run_ats": DEFERRED_COLUMNS["run_at"],
+    "max_attempts": READY_COLUMNS["max_attempts"], "run_ats": SNAPSHOT_COLUMNS["run_at"],
     "unique_keys": READY_COLUMNS["unique_key"], "unique_states": READY_COLUMNS["unique_states"],
     "payloads": READY_COLUMNS["payload"], "takes_key": Boolean(), "order_hashes": Numeric(),
     "channels": READY_COLUMNS["queue"],

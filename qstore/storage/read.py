@@ -38,6 +38,7 @@ from qstore.storage.statements import (
     AttemptProgress,
     attempt_leased,
     attempt_progress,
+    live_deferred,
     receipt_closed,
 )
 from qstore.storage.targets import holding
@@ -50,8 +51,9 @@ __all__ = ["load_job", "load_job_snapshot", "queue_counts", "queue_counts_fast",
 def truncated_by_upkeep(sch: StorageSchema) -> tuple[Table, ...]:
     """Every table upkeep truncates: the partitioned parents of the three rings (a lock on a
     parent covers its children), in ring order, then the terminal live counts (which the
-    counter rebuild truncates)."""
-    return (*(family.parent for ring in sch.rings for family in ring.families), sch.live_counts)
+    counter rebuild truncates), then the deferred wheel and its marks."""
+    return (*(family.parent for ring in sch.rings for family in ring.families), sch.live_counts,
+            sch.wheel.parent, sch.wheel_marks.parent)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
     tj = table("terminal_jobs", *(column(col.name) for col in BODY), column("state"), column("finalized_at"),
                schema=sch.config.schema)
     queues = bindparam("queues", type_=Text(), expanding=True)
+    waiting = live_deferred(sch)
     tombstoned = select(t.c.job_id).where(
         t.c.ready_slot == r.c.ready_slot, t.c.queue == r.c.queue, t.c.priority == r.c.priority,
         t.c.enqueue_shard == r.c.enqueue_shard, t.c.lane_seq == r.c.lane_seq).exists()
@@ -108,7 +111,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
         ready=select(r, claimed.label("claimed")).where(r.c.job_id == job),
         tombstoned=select(t.c.lane_seq, t.c.ready_slot, t.c.queue, t.c.priority, t.c.enqueue_shard)
         .where(t.c.job_id == job),
-        deferred=select(sch.deferred).where(sch.deferred.c.job_id == job),
+        deferred=select(waiting).where(waiting.c.job_id == job),
         dlq=select(sch.dlq).where(sch.dlq.c.job_id == job),
         leases=select(le, lease_progress.progress.label("progress"),
                       lease_progress.heartbeat_at.label("state_heartbeat_at"))
@@ -128,7 +131,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
             + count(select(c.c.job_id).where(c.c.queue.in_(queues), ~closed, ~leased)),
             case((func.coalesce(trusted, False), pruned + live + deltas), else_=pruned + scanned),
         ),
-        scheduled=select(func.count()).select_from(sch.deferred).where(sch.deferred.c.queue.in_(queues)),
+        scheduled=select(func.count()).select_from(waiting).where(waiting.c.queue.in_(queues)),
         fast_counts=select(
             select(func.coalesce(func.sum(func.greatest(last(h.c.enqueue_seq) - last(h.c.claim_seq), 0)), 0))
             .where(h.c.queue.in_(queues)).scalar_subquery(),
@@ -204,8 +207,8 @@ def queue_counts(ctx: StorageContext, conn: Connection, queue: str) -> QueueCoun
 
 def scheduled_count(ctx: StorageContext, conn: Connection, queue: str) -> int:
     """Jobs of ``queue`` waiting for their time in the deferred backlog (scheduled and
-    retryable), exact in one statement; it scans the queue's part of the backlog's index,
-    so it costs in proportion to the backlog (meant for a metrics collection, not a hot
+    retryable: live wheel entries and overflow rows), exact in one statement; it scans the
+    backlog, so it costs in proportion to it (meant for a metrics collection, not a hot
     path)."""
     queues = stripes_for(queue, ctx.config.queue_stripe_count)
     return int(conn.execute(_statements(ctx.schema).scheduled, {"queues": queues}).scalar_one())
@@ -227,7 +230,8 @@ def _job_tables(ctx: StorageContext) -> tuple[Table, ...]:
     # the rings' order, as prune locks them
     rings = {sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent, sch.done.parent,
              sch.leases.parent, sch.claims.parent, sch.closures.parent, sch.progress.parent}
-    return tuple(f.parent for ring in sch.rings for f in ring.families if f.parent in rings)
+    return (*(f.parent for ring in sch.rings for f in ring.families if f.parent in rings),
+            sch.wheel.parent, sch.wheel_marks.parent)
 
 
 #: :func:`load_job` as the ``SNAPSHOT`` operation runs it: the ring tables it reads are held

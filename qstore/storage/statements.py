@@ -37,7 +37,8 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from qstore.schema import StorageSchema
 
 __all__ = ["AttemptProgress", "HotStatement", "array_param", "attempt_leased", "attempt_progress",
-           "packed_array_param", "receipt_closed", "schema_func", "unnest_rows"]
+           "live_deferred", "packed_array_param", "receipt_closed", "schema_func", "unnest_rows",
+           "wheel_entry_live"]
 
 
 def array_param(name: str, item_type: TypeEngine[Any]) -> BindParameter[Any]:
@@ -277,3 +278,20 @@ class HotStatement:
             value = values.get(key, default)
             out.append(value if processor is None else processor(value))
         return sql, tuple(out)
+
+
+def wheel_entry_live(wheel: FromClause, marks: FromClause) -> Any:
+    """``NOT EXISTS`` a mark of the wheel entry of ``wheel``: the one definition of a live
+    (unresolved) entry of the deferred wheel."""
+    return ~select(marks.c.entry_id).where(marks.c.entry_id == wheel.c.entry_id,
+                                           marks.c.wheel_slot == wheel.c.wheel_slot).exists()
+
+
+def live_deferred(sch: StorageSchema, name: str = "deferred_live") -> Any:
+    """Every job waiting for its time, as one relation with the overflow's columns: the
+    overflow rows (``deferred_jobs``) and the live entries of the wheel."""
+    df, w = sch.deferred, sch.wheel.parent
+    cols = [c.name for c in df.columns]
+    return (select(*(df.c[c] for c in cols))
+            .union_all(select(*(w.c[c] for c in cols)).where(wheel_entry_live(w, sch.wheel_marks.parent)))
+            .subquery(name))

@@ -2,7 +2,7 @@
 :mod:`qstore.migrations.frozen.r0012`.
 
 Revision ID: 0012
-Revises: 0010
+Revises: 0011
 Create Date: 2026-12-06
 """
 
@@ -15,7 +15,7 @@ from qstore.migrate import revision_shape, run_statements
 from qstore.migrations.frozen import r0012
 
 revision = "0012"
-down_revision = "0010"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 

@@ -6,7 +6,8 @@ hot-path server functions ``enqueue_jobs``, ``claim_ready`` and ``complete_recei
 them too, inside the database):
 
 * :mod:`~qstore.storage.planes.queue` — the queue ring (ready entries, tombstones, claim
-  ranges, done entries, terminal count deltas), the deferred backlog and the DLQ, plus
+  ranges, done entries, terminal count deltas), the deferred backlog (the wheel and its marks,
+  their truncation included, and the overflow) and the DLQ, plus
   NOTIFY: the tables :mod:`qstore.schema.queue_plane` declares;
 * :mod:`~qstore.storage.planes.execution` — leases, claim receipts and closures, attempt
   state (:mod:`qstore.schema.execution_plane`): taking a live attempt out of running,

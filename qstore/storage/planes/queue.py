@@ -1,5 +1,6 @@
 """Queue plane: the only Python writer of the queue ring (ready entries, tombstones, done
-entries, terminal count deltas), the deferred backlog and the DLQ.
+entries, terminal count deltas), the deferred backlog (the wheel, its marks and the
+overflow) and the DLQ.
 
 Ready entries are immutable (a job that moves gets a new row and a tombstone on the old
 one), and every row carries the ring ``(slot, generation)`` it was written at: writers read
@@ -7,6 +8,13 @@ the ring cursor in the inserting statement (COPY, which cannot, reads it just be
 Every done-row insert or delete appends a signed terminal-count delta in the same
 transaction; nothing here updates a counter row. NOTIFY wake-ups are transactional: they
 are delivered when the writing transaction commits.
+
+The deferred wheel is append-only: a waiting job is an entry in the bucket of its
+``run_at`` (``wheel_bucket``), and whatever ends its wait (promotion, cancel, an operator's
+move) appends a mark for the entry, unique per entry, with ``ON CONFLICT DO NOTHING
+RETURNING``: the one writer whose mark lands owns the job, so no entry is promoted or
+cancelled twice. Waits due beyond the wheel's span are rows of ``deferred_jobs`` (the
+overflow), deleted when they move into the wheel or end.
 """
 
 from __future__ import annotations
@@ -35,36 +43,46 @@ from sqlalchemy import (
     literal,
     literal_column,
     select,
+    text,
     true,
     tuple_,
-    update,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, REGCLASS, TIMESTAMP
-from sqlalchemy.sql.dml import ReturningDelete, Update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql.dml import ReturningDelete
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util.concurrency import await_
 
-from qstore.config import COUNTER_BUCKETS
+from qstore.config import COUNTER_BUCKETS, WHEEL_BUCKET_SECONDS, WHEEL_GUARD_SLOTS, WHEEL_SLOTS
 from qstore.schema import StorageSchema
 from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage.bodies import Body
 from qstore.storage.columns import body_values
 from qstore.storage.jobs import PreparedJob
-from qstore.storage.statements import unnest_rows
+from qstore.storage.statements import schema_func, unnest_rows, wheel_entry_live
 from qstore.types import JobState
 
 __all__ = [
     "QueueStatements",
+    "advance_overflow",
     "allocate_ids",
     "copy_ready",
     "delete_done",
     "insert_deferred",
     "insert_ready",
+    "lock_wheel_slot",
     "notify",
     "notify_queues",
     "select_done",
     "statements",
+    "take_deferred",
+    "take_due",
     "tombstone",
+    "truncate_wheel_slot",
+    "wheel_bucket_now",
+    "wheel_slot_unresolved",
+    "wheel_slot_written",
     "write_deferred",
     "write_deltas",
     "write_dlq",
@@ -75,13 +93,6 @@ READY_COLUMNS: dict[str, Any] = {
     "job_id": BigInteger(), "kind": Text(), "queue": Text(), "args": JSONB(),
     "priority": SmallInteger(), "attempt": SmallInteger(), "run_lease": BigInteger(),
     "max_attempts": SmallInteger(), "lane_seq": BigInteger(), "enqueue_shard": SmallInteger(),
-    "created_at": TIMESTAMP(timezone=True), "unique_key": BYTEA(), "unique_states": Text(),
-    "payload": OPTIONAL_JSON,
-}
-DEFERRED_COLUMNS: dict[str, Any] = {
-    "job_id": BigInteger(), "kind": Text(), "queue": Text(), "args": JSONB(), "state": Text(),
-    "priority": SmallInteger(), "attempt": SmallInteger(), "run_lease": BigInteger(),
-    "max_attempts": SmallInteger(), "run_at": TIMESTAMP(timezone=True),
     "created_at": TIMESTAMP(timezone=True), "unique_key": BYTEA(), "unique_states": Text(),
     "payload": OPTIONAL_JSON,
 }
@@ -99,13 +110,9 @@ class QueueStatements:
     ids: Select[Any]
     ring: Select[Any]
     ready: Insert
-    deferred: Insert
     notify: Select[Any]
     tombstone: Insert
     done_base: Select[Any]
-    take_deferred: ReturningDelete[Any]
-    take_due: ReturningDelete[Any]
-    update_scheduled: Update
     take_dlq: ReturningDelete[Any]
 
 
@@ -121,13 +128,6 @@ def statements(sch: StorageSchema) -> QueueStatements:
     ).select_from(rs.join(u, true()))
     ready_cols = ["ready_slot", "ready_generation",
                   *(c for c in READY_COLUMNS if c != "created_at"), "created_at", "run_at"]
-    dv = unnest_rows("d", **DEFERRED_COLUMNS)
-    deferred_sel = select(
-        *(dv.c[c] if c != "state" else dv.c.state.cast(sch.deferred.c.state.type)
-          for c in DEFERRED_COLUMNS if c != "created_at"),
-        func.coalesce(dv.c.created_at, now),
-    )
-    deferred_cols = [c for c in DEFERRED_COLUMNS if c != "created_at"] + ["created_at"]
     n = unnest_rows("n", channel=Text())
     t = sch.tombstones.parent
     d, r = sch.done.parent, sch.ready.parent
@@ -141,13 +141,8 @@ def statements(sch: StorageSchema) -> QueueStatements:
     hyd = [func.coalesce(*((func.nullif(d.c[c], _JSON_NULL), func.nullif(r.c[c], _JSON_NULL))
                            if c == "payload" else (d.c[c], r.c[c]))).label(c)
            for c in _HYDRATED]
-    df, q, m = sch.deferred, sch.dlq, sch.queue_meta
+    q = sch.dlq
     job = bindparam("b_job", type_=BigInteger())
-    paused = select(m.c.queue).where(m.c.queue == func.regexp_replace(df.c.queue, "#[0-9]+$", ""),
-                                     m.c.paused).exists()
-    due = (select(df.c.job_id).where(df.c.state == bindparam("state"), df.c.run_at <= now, ~paused)
-           .order_by(df.c.run_at, df.c.priority, df.c.job_id).limit(bindparam("limit", type_=Integer()))
-           .with_for_update(skip_locked=True))
     return QueueStatements(
         # A bound regclass, not Sequence.next_value(): SQLAlchemy's cache key of
         # next_value() omits the sequence's schema, so two installs on one Engine would
@@ -156,18 +151,12 @@ def statements(sch: StorageSchema) -> QueueStatements:
         .select_from(func.generate_series(1, bindparam("n", type_=Integer()))),
         ring=select(rs.c.current_slot, rs.c.generation),
         ready=insert(sch.ready.parent).from_select(ready_cols, ready_sel),
-        deferred=insert(sch.deferred).from_select(deferred_cols, deferred_sel),
         notify=select(func.count(func.pg_notify(n.c.channel, ""))).select_from(n),
         tombstone=insert(t).values(
             ready_slot=bindparam("k_slot"), ready_generation=bindparam("k_gen"),
             queue=bindparam("k_queue"), priority=bindparam("k_priority"),
             enqueue_shard=bindparam("k_shard"), lane_seq=bindparam("k_seq"), job_id=job),
         done_base=select(*cols, *hyd).select_from(d.outerjoin(r, join)),
-        take_deferred=df.delete().where(df.c.job_id == job, df.c.state.in_(bindparam("states", expanding=True)))
-        .returning(*df.c),
-        take_due=df.delete().where(df.c.job_id.in_(due.scalar_subquery())).returning(*df.c),
-        update_scheduled=update(df).where(df.c.job_id == job).values(
-            queue=bindparam("n_queue"), priority=bindparam("n_priority"), payload=bindparam("n_payload")),
         take_dlq=q.delete().where(q.c.job_id == job).returning(*q.c),
     )
 
@@ -234,14 +223,17 @@ async def _copy_async(raw: Any, sql: str, values: Sequence[tuple[Any, ...]]) -> 
 
 
 def insert_deferred(conn: Connection, sch: StorageSchema, rows: Sequence[PreparedJob]) -> None:
-    """New scheduled jobs (``run_at`` in the future) into the deferred backlog."""
-    conn.execute(statements(sch).deferred, {
+    """New scheduled jobs (``run_at`` in the future) into the deferred backlog: the wheel, or
+    the overflow when due beyond its span."""
+    n = len(rows)
+    conn.execute(deferred_statements(sch).defer, {
         "job_id": [r.job_id for r in rows], "kind": [r.kind for r in rows],
         "queue": [r.queue for r in rows], "args": [r.args for r in rows],
-        "state": [JobState.SCHEDULED.value] * len(rows), "priority": [r.priority for r in rows],
-        "attempt": [0] * len(rows), "run_lease": [0] * len(rows),
+        "state": [JobState.SCHEDULED.value] * n, "priority": [r.priority for r in rows],
+        "attempt": [0] * n, "run_lease": [0] * n,
         "max_attempts": [r.max_attempts for r in rows],
-        "run_at": [r.run_at for r in rows], "created_at": [None] * len(rows),
+        "run_at": [r.run_at for r in rows], "attempted_at": [None] * n, "finalized_at": [None] * n,
+        "created_at": [None] * n,
         "unique_key": [r.unique_key for r in rows],
         "unique_states": [r.unique_states for r in rows],
         "payload": [r.payload for r in rows],
@@ -272,12 +264,14 @@ def tombstone(conn: Connection, sch: StorageSchema, row: Any) -> None:
 # -- where a job goes next ----------------------------------------------------------------------
 def write_deferred(conn: Connection, sch: StorageSchema,
                    items: Sequence[tuple[Body, JobState, datetime, datetime | None]]) -> None:
-    """``(body, scheduled|retryable, run_at, finalized_at)`` rows into the deferred backlog."""
+    """``(body, scheduled|retryable, run_at, finalized_at)`` rows into the deferred backlog:
+    each an entry of the wheel, or an overflow row when due beyond the wheel's span. One
+    statement for all of them."""
     if not items:
         return
-    conn.execute(insert(sch.deferred), [{
-        **body_values(b.job), "state": st.value, "run_at": run_at, "finalized_at": fin,
-    } for b, st, run_at, fin in items])
+    values = [{**body_values(b.job), "state": st.value, "run_at": run_at, "finalized_at": fin}
+              for b, st, run_at, fin in items]
+    conn.execute(deferred_statements(sch).defer, {c: [v.get(c) for v in values] for c in SNAPSHOT_COLUMNS})
 
 
 def write_terminal(conn: Connection, sch: StorageSchema, items: Sequence[tuple[Body, JobState]],
@@ -369,23 +363,74 @@ def delete_done(conn: Connection, sch: StorageSchema, rows: Sequence[Any]) -> No
 
 
 # -- the backlogs -------------------------------------------------------------------------------
-def take_deferred(conn: Connection, sch: StorageSchema, job_id: int, states: Sequence[JobState]) -> list[Any]:
-    """Delete and return the job's deferred row if it is in one of ``states``."""
-    return list(conn.execute(statements(sch).take_deferred, {"b_job": job_id, "states": list(states)}).all())
+def take_deferred(conn: Connection, sch: StorageSchema, job_id: int, states: Sequence[JobState],
+                  resolution: str = "cancelled") -> list[Any]:
+    """End the job's wait if it is in one of ``states``: mark its live wheel entry
+    ``resolution`` (a mark another writer already placed wins: then nothing is taken), or
+    delete its overflow row. Returns the row taken (its job snapshot columns), or nothing.
+
+    An overflow row that moved into the wheel while this waited for it is looked for in the
+    wheel again (a new statement sees the move)."""
+    d = deferred_statements(sch)
+    arg = {"b_job": job_id, "states": [st.value for st in states], "resolution": resolution}
+    rows = list(conn.execute(d.take_entry, arg).all())
+    if not rows:
+        rows = list(conn.execute(d.take_overflow, arg).all())
+    if not rows:
+        rows = list(conn.execute(d.take_entry, arg).all())
+    return rows
 
 
 def take_due(conn: Connection, sch: StorageSchema, state: JobState, limit: int) -> list[Any]:
-    """Delete and return up to ``limit`` due deferred rows in ``state`` of unpaused queues
-    (oldest ``run_at`` first; rows locked by others are skipped). ``RETURNING`` keeps no
-    order."""
-    return list(conn.execute(statements(sch).take_due, {"state": state.value, "limit": limit}).all())
+    """Take up to ``limit`` due waits in ``state`` of unpaused queues for promotion (oldest
+    ``run_at`` first, then priority and job id): wheel entries are marked ``promoted`` (an
+    entry another promoter marked first is left to it), then, for what the limit leaves,
+    due overflow rows are deleted (rows locked by others are skipped). ``RETURNING`` keeps
+    no order."""
+    d = deferred_statements(sch)
+    arg = {"state": state.value, "limit": limit}
+    rows = list(conn.execute(d.take_due_entries, arg).all())
+    if len(rows) < limit:
+        rows += conn.execute(d.take_due_overflow, {"state": state.value, "limit": limit - len(rows)}).all()
+    return rows
 
 
-def move_scheduled(conn: Connection, sch: StorageSchema, job_id: int, queue: str, priority: int,
-                   payload: Any) -> None:
-    """Re-queue / re-prioritise a scheduled job in the backlog (its row is locked)."""
-    conn.execute(statements(sch).update_scheduled, {"b_job": job_id, "n_queue": queue,
-                                                    "n_priority": priority, "n_payload": payload})
+def advance_overflow(conn: Connection, sch: StorageSchema, limit: int) -> int:
+    """Move up to ``limit`` overflow rows that have come within the wheel's span into the
+    wheel (earliest ``run_at`` first; rows locked by others are skipped): one delete per
+    row, the only dead tuple of the deferred backlog. Returns how many moved."""
+    return int(conn.execute(deferred_statements(sch).advance, {"limit": limit}).scalar_one())
+
+
+def wheel_bucket_now(conn: Connection, sch: StorageSchema, at: datetime | None = None) -> int:
+    """The wheel's current bucket on the server's clock (or at ``at``)."""
+    return int(conn.execute(deferred_statements(sch).bucket_now, {"at": at}).scalar_one())
+
+
+def lock_wheel_slot(conn: Connection, sch: StorageSchema, slot: int) -> None:
+    """``ACCESS EXCLUSIVE`` on the wheel's and the marks' children of ``slot``."""
+    prep = conn.dialect.identifier_preparer
+    names = ", ".join(prep.format_table(t) for t in (sch.wheel.children[slot], sch.wheel_marks.children[slot]))
+    conn.execute(text(f"LOCK TABLE {names} IN ACCESS EXCLUSIVE MODE"))
+
+
+def wheel_slot_unresolved(conn: Connection, sch: StorageSchema, slot: int) -> int:
+    """Entries of wheel ``slot`` without a mark (saturating at 10,000)."""
+    return int(conn.execute(_wheel_slot(sch, slot).unresolved).scalar_one())
+
+
+def wheel_slot_written(conn: Connection, sch: StorageSchema, slot: int) -> bool:
+    """Whether anything was written to wheel ``slot``'s children since they were created or
+    last truncated (a heap of more than zero bytes)."""
+    return any(conn.execute(_wheel_slot(sch, slot).sizes).one())
+
+
+def truncate_wheel_slot(conn: Connection, sch: StorageSchema, slot: int) -> None:
+    """``TRUNCATE`` the wheel's and the marks' children of ``slot`` in one statement. Call it
+    under :func:`lock_wheel_slot`, after checking that every entry is resolved."""
+    prep = conn.dialect.identifier_preparer
+    names = ", ".join(prep.format_table(t) for t in (sch.wheel.children[slot], sch.wheel_marks.children[slot]))
+    conn.execute(text(f"TRUNCATE {names}"))
 
 
 def take_dlq(conn: Connection, sch: StorageSchema, job_id: int) -> list[Any]:
@@ -409,3 +454,127 @@ def discard_dlq_where(conn: Connection, sch: StorageSchema, *where: Any) -> list
     ``(job_id, unique_key)``."""
     q = sch.dlq
     return list(conn.execute(q.delete().where(*where).returning(q.c.job_id, q.c.unique_key)).all())
+
+
+# -- the deferred wheel ---------------------------------------------------------------------
+#: A job snapshot as the deferred backlog stores it (wheel entries and overflow rows alike).
+SNAPSHOT_COLUMNS: dict[str, Any] = {
+    "job_id": BigInteger(), "kind": Text(), "queue": Text(), "args": JSONB(), "state": Text(),
+    "priority": SmallInteger(), "attempt": SmallInteger(), "run_lease": BigInteger(),
+    "max_attempts": SmallInteger(), "run_at": TIMESTAMP(timezone=True),
+    "attempted_at": TIMESTAMP(timezone=True), "finalized_at": TIMESTAMP(timezone=True),
+    "created_at": TIMESTAMP(timezone=True), "unique_key": BYTEA(), "unique_states": Text(),
+    "payload": OPTIONAL_JSON,
+}
+
+
+@dataclass(frozen=True)
+class DeferredStatements:
+    """The deferred backlog's statements for one install, built once."""
+
+    defer: Insert
+    take_entry: Select[Any]
+    take_overflow: ReturningDelete[Any]
+    take_due_entries: Select[Any]
+    take_due_overflow: ReturningDelete[Any]
+    advance: Select[Any]
+    bucket_now: Select[Any]
+
+
+def _bucket_of(at: Any) -> Any:
+    return func.floor(func.extract("epoch", at) / WHEEL_BUCKET_SECONDS).cast(BigInteger)
+
+
+@functools.lru_cache(maxsize=64)
+def deferred_statements(sch: StorageSchema) -> DeferredStatements:
+    w, mk, df, m = sch.wheel.parent, sch.wheel_marks.parent, sch.deferred, sch.queue_meta
+    now = func.clock_timestamp()
+    state_type = df.c.state.type
+    names = list(SNAPSHOT_COLUMNS)
+
+    def snapshot(src: Any) -> list[Any]:
+        return [src.c.state.cast(state_type) if c == "state" else
+                func.coalesce(src.c.created_at, now) if c == "created_at" else src.c[c] for c in names]
+
+    def into_wheel(src: Any, where: Any) -> Insert:
+        return insert(w).from_select(
+            ["wheel_slot", "bucket", *names],
+            select((src.c.bucket % WHEEL_SLOTS).cast(SmallInteger), src.c.bucket, *snapshot(src)).where(where))
+
+    # new waits: each into its wheel bucket, or into the overflow beyond the span
+    u = unnest_rows("d", **SNAPSHOT_COLUMNS)
+    src = select(*u.c, schema_func(sch, "wheel_bucket", u.c.run_at).label("bucket")).cte("src")
+    to_wheel = into_wheel(src, src.c.bucket.isnot(None)).cte("to_wheel")
+    defer = insert(df).from_select(names, select(*snapshot(src)).where(src.c.bucket.is_(None))).add_cte(to_wheel)
+
+    # taking a live entry: a mark that lands (ON CONFLICT DO NOTHING) owns it
+    unmarked = wheel_entry_live(w, mk)
+    states: Any = bindparam("states", expanding=True)
+
+    def claimed(candidates: Any, resolution: Any) -> Select[Any]:
+        won = (pg_insert(mk).from_select(
+            ["wheel_slot", "entry_id", "job_id", "resolution"],
+            select(candidates.c.wheel_slot, candidates.c.entry_id, candidates.c.job_id, resolution))
+            .on_conflict_do_nothing().returning(mk.c.wheel_slot, mk.c.entry_id).cte("won"))
+        return select(*(w.c[c] for c in names)).select_from(
+            w.join(won, and_(won.c.entry_id == w.c.entry_id, won.c.wheel_slot == w.c.wheel_slot)))
+
+    job = bindparam("b_job", type_=BigInteger())
+    entry = select(w.c.wheel_slot, w.c.entry_id, w.c.job_id).where(
+        w.c.job_id == job, w.c.state.in_(states), unmarked).cte("entry")
+    take_entry = claimed(entry, bindparam("resolution", type_=Text()))
+
+    def paused(queue: Any) -> Any:
+        return select(m.c.queue).where(m.c.queue == func.regexp_replace(queue, "#[0-9]+$", ""), m.c.paused).exists()
+
+    limit = bindparam("limit", type_=Integer())
+    due = (select(w.c.wheel_slot, w.c.entry_id, w.c.job_id)
+           .where(w.c.state == bindparam("state"), w.c.run_at <= now, unmarked, ~paused(w.c.queue))
+           .order_by(w.c.run_at, w.c.priority, w.c.job_id).limit(limit).cte("due"))
+    take_due_entries = claimed(due, literal("promoted", Text()))
+
+    due_overflow = (select(df.c.job_id).where(df.c.state == bindparam("state"), df.c.run_at <= now,
+                                              ~paused(df.c.queue))
+                    .order_by(df.c.run_at, df.c.priority, df.c.job_id).limit(limit)
+                    .with_for_update(skip_locked=True))
+    take_due_overflow = df.delete().where(df.c.job_id.in_(due_overflow.scalar_subquery())).returning(*df.c)
+
+    # overflow rows within the span move into the wheel (bucket < current + span)
+    span_end = func.to_timestamp(((_bucket_of(now) + (WHEEL_SLOTS - WHEEL_GUARD_SLOTS)) * WHEEL_BUCKET_SECONDS)
+                                 .cast(BigInteger))
+    near = (select(df.c.job_id).where(df.c.state.in_(["scheduled", "retryable"]), df.c.run_at < span_end)
+            .order_by(df.c.run_at).limit(limit).with_for_update(skip_locked=True))
+    moved = df.delete().where(df.c.job_id.in_(near.scalar_subquery())).returning(*df.c).cte("moved")
+    # every row deleted lands in the wheel: its bucket is within the span by the choice above
+    # (the clock only moves on), the bucket of its run_at should the function ever disagree
+    mv = select(*moved.c, func.coalesce(schema_func(sch, "wheel_bucket", moved.c.run_at),
+                                        _bucket_of(moved.c.run_at)).label("bucket")).cte("mv")
+    placed = into_wheel(mv, true()).returning(w.c.entry_id).cte("placed")
+    advance = select(func.count()).select_from(placed)
+
+    at = bindparam("at", type_=TIMESTAMP(timezone=True))
+    return DeferredStatements(
+        defer=defer, take_entry=take_entry,
+        take_overflow=df.delete().where(df.c.job_id == job, df.c.state.in_(states)).returning(*df.c),
+        take_due_entries=take_due_entries, take_due_overflow=take_due_overflow, advance=advance,
+        bucket_now=select(_bucket_of(func.coalesce(at, now))),
+    )
+
+
+@dataclass(frozen=True)
+class WheelSlot:
+    unresolved: Select[Any]
+    sizes: Select[Any]
+
+
+@functools.lru_cache(maxsize=1024)
+def _wheel_slot(sch: StorageSchema, slot: int) -> WheelSlot:
+    w, mk = sch.wheel.children[slot], sch.wheel_marks.children[slot]
+    unmarked = ~select(mk.c.entry_id).where(mk.c.entry_id == w.c.entry_id).exists()
+    prep = postgresql.dialect().identifier_preparer
+    return WheelSlot(
+        unresolved=select(func.count()).select_from(select(w.c.entry_id).where(unmarked).limit(10_000).subquery()),
+        sizes=select(*(func.pg_relation_size(literal(f"{prep.quote_schema(sch.config.schema)}.{prep.quote(t.name)}",
+                                                     REGCLASS()))
+                       for t in (w, mk))),
+    )

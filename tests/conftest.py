@@ -61,7 +61,8 @@ SLOW_MODULES = frozenset({
 })
 #: Tests elsewhere that take seconds each: alembic, mypy and CLI runs in subprocesses, install
 #: flows repeated for every shape or refusal, races run for seconds. The fast tier keeps a
-#: representative of each family (the host-app recipe, the drift check, one refusal).
+#: representative of each family (the host-app recipe and its ORM session, the drift check,
+#: an install, its rollback in a caller's transaction and its race, one refusal).
 SLOW_TESTS = frozenset({
     "test_host_app.py::test_a_bare_relative_downgrade_is_refused_naming_the_command_to_run",
     "test_host_app.py::test_upgrade_head_singular_is_alembics_multiple_heads_error",
@@ -112,6 +113,35 @@ SLOW_TESTS = frozenset({
     "test_lifecycle.py::test_most_recently_activated_schema_wins",
     "test_attempt_progress.py::test_a_long_attempt_heartbeating_across_ring_turns_keeps_its_latest_progress",
     "test_attempt_progress.py::test_prunes_racing_heartbeats_never_lose_a_live_attempts_progress",
+    "test_host_app.py::test_a_conflicting_x_shape_in_the_host_is_one_error_naming_both_values",
+    "test_host_app.py::test_a_host_with_revisions_of_its_own_needs_heads_from_the_first_upgrade",
+    "test_host_app.py::test_a_plain_revision_before_any_of_the_hosts_own_starts_the_hosts_branch",
+    "test_host_app.py::test_a_revision_on_qstores_head_is_refused",
+    "test_host_app.py::test_a_schema_with_its_own_version_table_is_refused_by_the_hosts_alembic",
+    "test_host_app.py::test_qstore_install_refuses_a_schema_the_host_carries_at_another_shape",
+    "test_host_app.py::test_the_first_upgrade_may_choose_the_schema_and_shape",
+    "test_host_app.py::test_upgrade_head_singular_works_until_the_host_has_a_revision_of_its_own",
+    "test_install_pool.py::test_a_reset_refuses_an_install_whose_definitions_changed",
+    "test_install_pool.py::test_an_install_released_for_dropping_is_dropped_and_not_handed_out_again",
+    "test_least_privilege.py::test_grant_to_a_missing_role_is_one_line_naming_it",
+    "test_lifecycle.py::test_active_schema_in_tx_reads_on_the_callers_connection",
+    "test_lifecycle.py::test_active_schema_in_tx_sees_the_callers_uncommitted_activation",
+    "test_lifecycle.py::test_cli_demo_prints_the_three_rings_and_the_tables",
+    "test_lifecycle.py::test_from_existing_schema_with_engine_reads_the_recorded_shape",
+    "test_lifecycle.py::test_installed_but_never_activated_schema_is_not_active",
+    "test_lifecycle.py::test_prepare_schema_does_not_activate",
+    "test_lifecycle.py::test_prepare_schema_on_a_create_all_install_says_how_to_adopt_it",
+    "test_lifecycle.py::test_prepare_schema_with_different_shape_for_installed_schema_raises",
+    "test_lifecycle.py::test_reset_drops_the_schema",
+    "test_lifecycle.py::test_reset_of_default_schema_with_force_drops_it",
+    "test_lifecycle.py::test_reset_of_default_schema_without_force_raises_and_says_how",
+    "test_migrations.py::test_alembic_check_fails_when_a_function_body_drifts",
+    "test_migrations.py::test_downgrade_to_0003_restores_the_receipt_btrees",
+    "test_migrations.py::test_host_app_qstore_revisions_take_shape_from_x_arguments",
+    "test_migrations.py::test_host_app_upgrade_heads_creates_host_table_and_qstore_schema",
+    "test_migrations.py::test_upgrade_0003_replaces_the_completion_function",
+    "test_migrations.py::test_upgrade_of_custom_schema_does_not_create_the_default_schema",
+    "test_shape_and_cli_errors.py::test_standalone_alembic_without_a_url_is_one_failed_line_with_the_fix",
 })
 FUZZ_FAST_SCALE = "0.1"
 

@@ -55,7 +55,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from qstore import migrate
 from qstore.aio import AsyncListener
 from qstore.errors import (
-    PartialCommitError,
     QueueStorageError,
     SchemaNotInstalledError,
     ValidationError,
@@ -507,22 +506,9 @@ class AsyncWorker:
         call = self.core.claim_call(queue, n, self.instance_id, [c.claimed for c in lent])
         try:
             result = await getattr(self.storage, call.op)(self.engine, *call.args)
-        except PartialCommitError as err:
-            if not lent:
-                raise
-            jobs, done = self.core.partly_committed(err)
-            left = set(err.pending)
-            self.batcher.settle_lent([c for c in lent if c.pair not in left], done)
-            self.batcher.return_lent([c for c in lent if c.pair in left])
-            return jobs
-        except BaseException:
-            if lent:  # nothing of the call committed: the batcher sends them, with its retries
-                self.batcher.return_lent(lent)
-            raise
-        jobs, done = self.core.claim_result(result)
-        if lent:
-            self.batcher.settle_lent(lent, done)
-        return jobs
+        except BaseException as err:
+            return self.core.claim_raised(self.batcher, lent, err)
+        return self.core.claim_returned(self.batcher, lent, result)
 
     # -- running handlers ------------------------------------------------------------------------
     @staticmethod

@@ -425,6 +425,14 @@ def _ignore(value: Any) -> None:
     """The outcome observer when no telemetry records."""
 
 
+class Lender(Protocol):
+    """What a claim that takes completions along needs of the batcher that lent them."""
+
+    def settle_lent(self, lent: Sequence[Any], done: Sequence[tuple[int, int]]) -> None: ...
+
+    def return_lent(self, lent: Sequence[Any]) -> None: ...
+
+
 class Host(Protocol):
     """What a worker does for the core that depends on how it runs."""
 
@@ -576,6 +584,30 @@ class WorkerCore:
         completed pairs)`` (its claim and first completion committed; work on those jobs)."""
         jobs = [x for x in err.committed if isinstance(x, ClaimedRuntimeJob)]
         return jobs, [x for x in err.committed if not isinstance(x, ClaimedRuntimeJob)]
+
+    def claim_returned(self, lender: Lender, lent: Sequence[Any], result: Any) -> list[ClaimedRuntimeJob]:
+        """After a :meth:`claim_call` that took ``lent`` completions along returned
+        ``result``: the completions it settled are settled with ``lender`` (the batcher);
+        returns the claimed jobs."""
+        jobs, done = self.claim_result(result)
+        if lent:
+            lender.settle_lent(lent, done)
+        return jobs
+
+    def claim_raised(self, lender: Lender, lent: Sequence[Any], err: BaseException) -> list[ClaimedRuntimeJob]:
+        """After a :meth:`claim_call` that took ``lent`` completions along raised ``err``:
+        a partial commit settles what committed, gives the rest back to ``lender`` and
+        returns the jobs it claimed; any other failure gives every lent completion back (the
+        batcher sends them, with its retries) and raises ``err`` again."""
+        if lent and isinstance(err, PartialCommitError):
+            jobs, done = self.partly_committed(err)
+            left = set(err.pending)
+            lender.settle_lent([c for c in lent if c.pair not in left], done)
+            lender.return_lent([c for c in lent if c.pair in left])
+            return jobs
+        if lent:
+            lender.return_lent(lent)
+        raise err
 
     def claimed(self, jobs: Sequence[ClaimedRuntimeJob], context: Callable[[ClaimedRuntimeJob], JobContext],
                 now: float) -> list[Attempt]:

@@ -50,7 +50,7 @@ pin still held) per job completed during it <= 0.01; total bytes at the end of t
 just before the pin <= 1.1; jobs/s in the last pinned minute ÷ the clean rate (the clean
 minutes after the first) >= 0.95; promotion lag p95 over the run <= 1.5 s.
 
-    python scripts/bench_mix.py --minutes 10 --json docs/mix.json --plot docs/mix.png
+    python scripts/bench_mix.py --minutes 10 --rate 100 --producers 6 --json docs/mix_100.json --plot docs/mix_100.png
     python scripts/bench_mix.py --minutes 0.3 --rate 100 --max-delay 3 --max-snooze 2
 """
 

@@ -3,6 +3,8 @@ terminal count deltas), the deferred backlog (the wheel and its overflow) and th
 
 from __future__ import annotations
 
+import enum
+
 from sqlalchemy import (
     CheckConstraint,
     Column,
@@ -195,8 +197,12 @@ def declare_dlq_entries(md: MetaData, cfg: QueueStorageConfig, state_type: TypeE
     )
 
 
-#: Resolutions of a wheel entry (``deferred_wheel_marks.resolution``).
-WHEEL_RESOLUTIONS = ("promoted", "cancelled", "moved")
+class WheelResolution(str, enum.Enum):
+    """How a wheel entry's wait ended (``deferred_wheel_marks.resolution``)."""
+
+    PROMOTED = "promoted"
+    CANCELLED = "cancelled"
+    MOVED = "moved"
 
 
 def declare_deferred_wheel(md: MetaData, cfg: QueueStorageConfig,
@@ -231,7 +237,7 @@ def declare_deferred_wheel(md: MetaData, cfg: QueueStorageConfig,
         Column("resolution", TEXT, nullable=False),
         Column("marked_at", TS, nullable=False, server_default=NOW),
         PrimaryKeyConstraint("entry_id", "wheel_slot", name="deferred_wheel_marks_pkey"),
-        CheckConstraint("resolution IN ('promoted', 'cancelled', 'moved')",
+        CheckConstraint("resolution IN (" + ", ".join(f"'{r.value}'" for r in WheelResolution) + ")",
                         name="deferred_wheel_marks_resolution"),
         schema=cfg.schema,
     )

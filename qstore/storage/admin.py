@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import BigInteger, CompoundSelect, Connection, Select, bindparam, func, select
 
 from qstore.schema import StorageSchema
+from qstore.schema.queue_plane import WheelResolution
 from qstore.storage import destinations
 from qstore.storage.bodies import Body
 from qstore.storage.checks import seconds
@@ -187,7 +188,7 @@ def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | N
             return False
         # the wait ends (its wheel entry marked moved, or its overflow row deleted) and a new
         # one with the new queue and priority is appended, due at the same time
-        taken = queue.take_deferred(conn, sch, job_id, [JobState.SCHEDULED], resolution="moved")
+        taken = queue.take_deferred(conn, sch, job_id, [JobState.SCHEDULED], resolution=WheelResolution.MOVED)
         if not taken:
             return False  # promoted or cancelled meanwhile
         row = taken[0]

@@ -56,6 +56,7 @@ from sqlalchemy.util.concurrency import await_
 
 from qstore.config import COUNTER_BUCKETS, WHEEL_BUCKET_SECONDS, WHEEL_GUARD_SLOTS, WHEEL_SLOTS
 from qstore.schema import StorageSchema
+from qstore.schema.queue_plane import WheelResolution
 from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage.bodies import Body
 from qstore.storage.columns import body_values
@@ -364,7 +365,7 @@ def delete_done(conn: Connection, sch: StorageSchema, rows: Sequence[Any]) -> No
 
 # -- the backlogs -------------------------------------------------------------------------------
 def take_deferred(conn: Connection, sch: StorageSchema, job_id: int, states: Sequence[JobState],
-                  resolution: str = "cancelled") -> list[Any]:
+                  resolution: WheelResolution = WheelResolution.CANCELLED) -> list[Any]:
     """End the job's wait if it is in one of ``states``: mark its live wheel entry
     ``resolution`` (a mark another writer already placed wins: then nothing is taken), or
     delete its overflow row. Returns the row taken (its job snapshot columns), or nothing.
@@ -372,7 +373,7 @@ def take_deferred(conn: Connection, sch: StorageSchema, job_id: int, states: Seq
     An overflow row that moved into the wheel while this waited for it is looked for in the
     wheel again (a new statement sees the move)."""
     d = deferred_statements(sch)
-    arg = {"b_job": job_id, "states": [st.value for st in states], "resolution": resolution}
+    arg = {"b_job": job_id, "states": [st.value for st in states], "resolution": resolution.value}
     rows = list(conn.execute(d.take_entry, arg).all())
     if not rows:
         rows = list(conn.execute(d.take_overflow, arg).all())
@@ -531,7 +532,7 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
     due = (select(w.c.wheel_slot, w.c.entry_id, w.c.job_id)
            .where(w.c.state == bindparam("state"), w.c.run_at <= now, unmarked, ~paused(w.c.queue))
            .order_by(w.c.run_at, w.c.priority, w.c.job_id).limit(limit).cte("due"))
-    take_due_entries = claimed(due, literal("promoted", Text()))
+    take_due_entries = claimed(due, literal(WheelResolution.PROMOTED.value, Text()))
 
     due_overflow = (select(df.c.job_id).where(df.c.state == bindparam("state"), df.c.run_at <= now,
                                               ~paused(df.c.queue))

@@ -193,6 +193,7 @@ def test_completions_a_claim_sent_are_counted_once_with_the_stale_ones(engine, s
     batcher.settle_lent(lent, got.completed)
     s = batcher.stats
     assert (s.completed, s.stale, s.calls, s.with_claims, batcher.pending) == (1, 1, 1, 1, 0)
+    batcher.stop()
 
 
 def test_completions_with_follow_up_jobs_are_not_lent_to_a_claim(engine, st):
@@ -202,3 +203,4 @@ def test_completions_with_follow_up_jobs_are_not_lent_to_a_claim(engine, st):
     batcher.submit(a, [InsertParams("follow", {}, InsertOpts(queue="later"))])
     batcher.submit(b)
     assert [c.claimed for c in batcher.lend()] == [b] and batcher.queued == 1
+    batcher.stop()

@@ -190,7 +190,7 @@ def declare_unique_claims(md: MetaData, cfg: QueueStorageConfig) -> tuple[Sequen
     )
     releases = Table(
         "job_unique_releases", md,
-        Column("claim_id", BIGINT, nullable=False),
+        Column("claim_id", BIGINT, nullable=False, autoincrement=False),
         Column("unique_key", BYTES, nullable=False),
         Column("job_id", BIGINT, nullable=False),
         Column("released_at", TS, nullable=False, server_default=NOW),

@@ -1,8 +1,8 @@
 """Heartbeats and progress: a heartbeat or progress report appends one ``attempt_progress``
 row (no mutable per-attempt state is written), an attempt that never reports writes none,
-and a heartbeat never rewrites an append-only claim row: the completion fast path leaves
-an attempt with a progress row to the general path, and a receipt a previous release
-materialised on its heartbeat too.
+and a heartbeat never rewrites an append-only claim row: a heartbeated attempt completes on
+the fast path, and a receipt a previous release materialised on its heartbeat completes on
+the general path.
 
 Every test runs twice: on an install with receipts, and on one without, where each claim
 writes a lease."""
@@ -438,11 +438,12 @@ def test_the_fast_statement_completes_an_attempt_that_never_heartbeated(engine, 
     assert complete_receipts(engine, rst, c) == [(c.job.id, 1)]
 
 
-def test_the_fast_statement_leaves_a_heartbeated_attempt_to_the_general_path(engine, rst):
+def test_the_fast_statement_completes_a_heartbeated_attempt_and_drops_its_progress(engine, rst):
     c = running(engine, rst)
-    rst.heartbeat_batch(engine, [(c.job.id, 1)])
-    assert complete_receipts(engine, rst, c) == []
-    assert state(engine, rst, c.job.id) == JobState.RUNNING
+    rst.heartbeat_progress_batch(engine, [(c.job.id, 1, {"pct": 50})])
+    assert complete_receipts(engine, rst, c) == [(c.job.id, 1)]
+    row = rst.load_job(engine, c.job.id)
+    assert row.state == JobState.COMPLETED and row.progress is None
 
 
 def test_the_fast_statement_leaves_a_receipt_a_previous_release_materialised_on_heartbeat(engine, rst):
@@ -455,7 +456,7 @@ def test_the_fast_statement_leaves_a_receipt_a_previous_release_materialised_on_
     assert state(engine, rst, c.job.id) == JobState.COMPLETED
 
 
-def test_a_heartbeat_committed_while_the_fast_statement_waits_sends_the_attempt_to_the_general_path(engine, rst):
+def test_a_fast_completion_waiting_for_a_heartbeat_completes_the_attempt_once_it_commits(engine, rst):
     c = running(engine, rst)
     got: list[list[tuple[int, int]]] = []
     with engine.connect() as beat:
@@ -467,8 +468,8 @@ def test_a_heartbeat_committed_while_the_fast_statement_waits_sends_the_attempt_
         assert fast.is_alive()  # waiting for the receipt
         beat.commit()
     fast.join(10)
-    assert got == [[]]  # it saw the progress row committed before its lock was granted
-    assert state(engine, rst, c.job.id) == JobState.RUNNING
+    assert got == [[(c.job.id, 1)]]
+    assert state(engine, rst, c.job.id) == JobState.COMPLETED
 
 
 def test_a_heartbeated_attempt_completes_through_the_general_path_and_keeps_its_progress_rows(engine, st):

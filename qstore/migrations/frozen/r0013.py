@@ -9,14 +9,15 @@ longer writes its receipt.
   ``claim_id``, and a released key is taken over in place.
 * ``enqueue_jobs`` takes a released key over (``ON CONFLICT … DO UPDATE … WHERE`` the
   claim's release exists) and reports as a key's owner only a claim not released.
-* ``complete_receipts`` locks the receipts in a statement of its own and leaves to the
-  general path an attempt with an ``attempt_progress`` row in its receipt's claim slot (a
-  heartbeat or progress report), besides a materialised receipt as before.
+* A heartbeat no longer marks its receipt (``materialized_at``); nothing in the schema
+  changes for that: the completion fast path, ``complete_receipts`` of revision 0010, takes
+  a heartbeated attempt like any other (a completion clears the attempt's progress on either
+  path), and still leaves a materialised receipt (a callback's, or a heartbeat's of the
+  previous release) to the general path.
 
 The upgrade keeps every claim row (each live key stays owned: no release row exists yet).
-The downgrade deletes the released claims, restores ``enqueue_jobs`` of revision 0011 and
-``complete_receipts`` of revision 0010, and drops the trigger, its function, the release
-table, the column and the sequence. The texts of the functions are in the ``r0013`` folder
+The downgrade deletes the released claims, restores ``enqueue_jobs`` of revision 0011, and
+drops the trigger, its function, the release table, the column and the sequence. The texts of the functions are in the ``r0013`` folder
 next to this module. Never edited after landing (see :mod:`qstore.migrations.frozen.r0001`).
 """
 
@@ -44,7 +45,6 @@ def upgrade(shape: Shape) -> list[str]:
         r0010.render("r0013", "unique_claim_renew", shape),
         f"""CREATE TRIGGER {TRIGGER} BEFORE UPDATE ON {s}.job_unique_claims FOR EACH ROW EXECUTE FUNCTION {s}.unique_claim_renew()""",
         r0010.render("r0013", "enqueue_jobs", shape, **r0011.WHEEL),
-        r0010.render("r0013", "complete_receipts", shape),
     ]
 
 
@@ -52,7 +52,6 @@ def downgrade(shape: Shape) -> list[str]:
     s = shape.schema
     return [
         r0010.render("r0011", "enqueue_jobs", shape, **r0011.WHEEL),
-        r0010.render("r0010", "complete_receipts", shape),
         # a released key is free: without its release row it must not read as owned
         f"""DELETE FROM {s}.job_unique_claims c
 WHERE EXISTS (SELECT 1 FROM {s}.job_unique_releases r WHERE r.claim_id = c.claim_id)""",

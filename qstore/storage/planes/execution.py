@@ -12,9 +12,9 @@ primary key makes finishing an attempt at-most-once; anything stale is simply no
 A heartbeat or progress report appends one ``attempt_progress`` row in the ring slot that
 holds its attempt (the receipt's claim slot, or the lease's slot on a receipts-off install):
 no row is updated or deleted, and the slot is reclaimed by ``TRUNCATE`` once the ring's prune
-gate finds no live attempt in it. A heartbeat locks the receipt but never writes it (the
-completion fast path leaves an attempt with a progress row to the general path). Mutable
-per-attempt state (``attempt_state``) is created only
+gate finds no live attempt in it. A heartbeat locks the receipt but never writes it, so
+a heartbeated attempt still completes on the fast path (a completion drops the attempt's
+progress on either path). Mutable per-attempt state (``attempt_state``) is created only
 when a callback hands a result back to its attempt (``resume``).
 """
 

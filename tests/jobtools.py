@@ -81,6 +81,15 @@ def running(engine, s, deadline: float | None = None, **opts: object) -> Claimed
     return claim(engine, s, str(opts.get("queue", "q")), deadline)
 
 
+def materialise(engine, s, job: ClaimedRuntimeJob) -> None:
+    """Mark ``job``'s receipt materialised, as a callback (or a previous release's heartbeat)
+    does since its claim: its completion then needs the general path."""
+    with engine.begin() as c:
+        n = c.execute(text(f"UPDATE {relation(s.schema(), 'lease_claims')} SET materialized_at = clock_timestamp() "
+                           "WHERE job_id = :j AND run_lease = :r"), {"j": job.job.id, "r": job.job.run_lease}).rowcount
+    assert n == 1
+
+
 def count(engine, s, table: str, where: str = "true") -> int:
     with engine.connect() as c:
         return c.execute(text(f'SELECT count(*) FROM {relation(s.schema(), table)} WHERE {where}')).scalar_one()

@@ -468,13 +468,16 @@ class Capacity:
     before it claims and gives back those its claim did not fill). Not thread-safe by
     itself: the thread worker calls it under its lock.
 
-    ``cycles``: the claim cycles that may be in flight at once per queue; the floor a claim
-    waits for (see :meth:`take`) is half the places, or a ``cycles``-th of them when that is
-    less, so each of the cycles can have a claim in flight."""
+    ``cycles``: the claim cycles that may be in flight at once per queue. One claim takes
+    at most a ``cycles``-th of the places (its :attr:`share`, rounded up), and the floor a
+    claim waits for (see :meth:`take`) is half the places, or a ``cycles``-th of them when
+    that is less: each of the cycles can have a claim in flight, and no cycle's claim takes
+    the places of the others."""
 
     def __init__(self, total: int, cycles: int = 1) -> None:
         self.total = total
         self.free = total
+        self.share = max(1, -(-total // cycles))
         self.floor = max(1, total // max(2, cycles))
 
     def take(self, most: int, free_since: float | None, now: float) -> tuple[int, float | None, float | None]:
@@ -482,7 +485,8 @@ class Capacity:
         were taken; otherwise ``(0, wait, free_since)``: wait up to ``wait`` seconds (None:
         until a release) and ask again. A claim waits until half the places (or ``most``)
         are free, or one place has been free for ``CLAIM_LINGER`` seconds: one claim of many
-        jobs instead of many claims of one."""
+        jobs instead of many claims of one. Never more than :attr:`share`."""
+        most = min(most, self.share)
         enough = min(most, self.floor)
         if self.free >= enough:
             n = min(most, self.free)

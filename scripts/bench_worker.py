@@ -250,7 +250,9 @@ def new_worker(app: App, engine: Engine, args: argparse.Namespace, *, is_async: 
                cycles: int | None = None) -> Any:
     """The default worker of the run: a :class:`Worker`, or a :class:`LoopWorker`; with
     ``cycles``, that many claims in flight per queue (``claims_in_flight``)."""
-    extra = {} if cycles is None else {"claims_in_flight": cycles}
+    extra: dict[str, Any] = {} if cycles is None else {"claims_in_flight": cycles}
+    if args.prefetch is not None:
+        extra["prefetch"] = args.prefetch
     settings = WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency, schedule=args.schedule, **extra)
     if is_async:
         return LoopWorker(app, args.url, engine, settings)
@@ -1088,6 +1090,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--claims-in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[],
                    help="drain and pickup: run the worker with each of these claims_in_flight values "
                         "(comma-separated; the first is the run's worker, the others worker_cN)")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="drain and pickup: the workers' prefetch (default: the setting's default)")
     p.add_argument("--async", dest="run_async", action="store_true",
                    help="drain and pickup: also the AsyncWorker (async def no-op task), after the worker")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[500.0, 2000.0],

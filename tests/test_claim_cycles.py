@@ -306,6 +306,23 @@ def test_a_busy_queue_brings_the_extra_cycles_in_and_a_quiet_one_sends_them_back
     assert after["qstore-claim-default"] > before["qstore-claim-default"]
 
 
+def test_a_paused_queue_keeps_the_extra_cycles_waiting_until_it_resumes(engine, st):  # type: ignore[no-untyped-def]
+    held = Held()
+    st.set_queue_options(engine, "default", paused=True)
+    enqueue(engine, st, 60)
+    w, watch = started(sync_app(st, held), engine, cycles_settings(2), delay=0.0)
+    held.worker = w
+    w.start()
+    try:
+        eventually(lambda: watch.by["qstore-claim-default"] >= 3, what="the lead polled the paused queue")
+        assert not held.runs and set(watch.by) == {"qstore-claim-default"}
+        st.set_queue_options(engine, "default", paused=False)
+        eventually(lambda: w.stats.completed >= 60, what="60 completed after the resume")
+    finally:
+        w.stop(5)
+    assert set(held.runs.values()) == {1} and len(held.runs) == 60
+
+
 def test_bounded_claimers_keep_one_claim_in_flight_per_queue(engine, st):  # type: ignore[no-untyped-def]
     jobs = 120
     held = Held()

@@ -155,7 +155,7 @@ def async_app(storage: QueueStorage, held: Held, pause: float = 0.0) -> App:
 
 
 def cycles_settings(n: int, **given: Any) -> WorkerSettings:
-    given.setdefault("concurrency", 4)
+    given.setdefault("concurrency", 8)
     given.setdefault("claim_batch", 8)
     return WorkerSettings(claims_in_flight=n, listen=False, poll_interval=0.05, maintain=False, **given)
 
@@ -212,9 +212,18 @@ def test_bounded_claimers_make_one_cycle_whatever_claims_in_flight_says(engine, 
 # -- the thread worker ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_each_job_runs_once_and_each_completion_commits_once_with_cycles_in_flight(engine, st, n):  # type: ignore[no-untyped-def]
-    jobs = 200
+def test_each_job_runs_once_and_each_completion_commits_once_with_cycles_in_flight(engine, st):  # type: ignore[no-untyped-def]
+    drained_once_each(engine, st, 2)
+
+
+def test_three_cycles_in_flight_run_each_job_once_and_commit_each_completion_once(engine, st):  # type: ignore[no-untyped-def]
+    drained_once_each(engine, st, 3)
+
+
+def drained_once_each(engine: Engine, st: QueueStorage, n: int) -> None:
+    """A worker with ``n`` cycles drains a queue: its ``n`` claims were in flight together,
+    each job ran once, each completion committed once (the storage's counts agree)."""
+    jobs = 120
     held = Held()
     ids = enqueue(engine, st, jobs)
     w, watch = started(sync_app(st, held), engine, cycles_settings(n), delay=0.003)
@@ -234,7 +243,7 @@ def test_each_job_runs_once_and_each_completion_commits_once_with_cycles_in_flig
 
 
 def test_cycles_in_flight_never_hold_more_attempts_than_concurrency_plus_prefetch(engine, st):  # type: ignore[no-untyped-def]
-    jobs = 160
+    jobs = 100
     held = Held()
     enqueue(engine, st, jobs)
     settings = cycles_settings(3, concurrency=3, prefetch=2, claim_batch=4)
@@ -252,7 +261,7 @@ def test_cycles_in_flight_never_hold_more_attempts_than_concurrency_plus_prefetc
 
 
 def test_a_stop_with_claims_in_flight_leaves_every_job_completed_or_given_back(engine, st):  # type: ignore[no-untyped-def]
-    jobs = 300
+    jobs = 200
     held = Held()
     ids = enqueue(engine, st, jobs)
     w, watch = started(sync_app(st, held, pause=0.01), engine, cycles_settings(2), delay=0.03)
@@ -370,9 +379,17 @@ async def until(check: Callable[[], Any], timeout: float = 10.0, what: str = "co
         await asyncio.sleep(0.005)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_the_async_worker_runs_each_job_once_with_cycles_in_flight(db_url, engine, st, n):  # type: ignore[no-untyped-def]
-    jobs = 200
+def test_the_async_worker_runs_each_job_once_with_cycles_in_flight(db_url, engine, st):  # type: ignore[no-untyped-def]
+    async_drained_once_each(db_url, engine, st, 2)
+
+
+def test_the_async_worker_with_three_cycles_runs_each_job_once(db_url, engine, st):  # type: ignore[no-untyped-def]
+    async_drained_once_each(db_url, engine, st, 3)
+
+
+def async_drained_once_each(db_url: str, engine: Engine, st: QueueStorage, n: int) -> None:
+    """:func:`drained_once_each` with the asyncio worker."""
+    jobs = 120
     held = Held()
     ids = enqueue(engine, st, jobs)
 
@@ -393,7 +410,7 @@ def test_the_async_worker_runs_each_job_once_with_cycles_in_flight(db_url, engin
 
 
 def test_the_async_worker_with_cycles_in_flight_never_holds_more_than_its_places(db_url, engine, st):  # type: ignore[no-untyped-def]
-    jobs = 160
+    jobs = 100
     held = Held()
     enqueue(engine, st, jobs)
 
@@ -409,7 +426,7 @@ def test_the_async_worker_with_cycles_in_flight_never_holds_more_than_its_places
 
 
 def test_an_async_stop_with_claims_in_flight_leaves_every_job_completed_or_given_back(db_url, engine, st):  # type: ignore[no-untyped-def]
-    jobs = 300
+    jobs = 200
     held = Held()
     ids = enqueue(engine, st, jobs)
 

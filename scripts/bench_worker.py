@@ -27,6 +27,14 @@ from before the drain until the dead tuples are counted) and system, N no-op job
   maintainer running inside as by default); the drain runs from ``worker.start()`` until
   the worker has committed every completion.
 
+With ``--claims-in-flight 1,2`` (a comma-separated list) the drain and the pickup run the
+worker once per value, one after the other in each round and phase (the order turned round
+every other round, so the values alternate): the first value is the run's ``worker`` (its
+targets and ratios), each further value N runs as ``worker_cN`` (and ``async_worker_cN``),
+and the summaries add its ratio to the ``worker`` of the same run; without it the worker
+runs with the setting's default. The pickup's table then shows the worker's claim and
+completion calls per job.
+
 With ``--async`` the drain and the pickup also run ``async_worker``: an
 :class:`~qstore.worker.AsyncWorker` (the same settings, on an event loop of its own thread,
 over an ``AsyncEngine`` on the same URL) with an ``async def`` no-op task, right after the
@@ -238,9 +246,14 @@ def wait_completed(worker: Any, n: int, timeout: float) -> float:
                        f"within {timeout:.0f} s")
 
 
-def new_worker(app: App, engine: Engine, args: argparse.Namespace, *, is_async: bool = False) -> Any:
-    """The default worker of the run: a :class:`Worker`, or a :class:`LoopWorker`."""
-    settings = WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency, schedule=args.schedule)
+def new_worker(app: App, engine: Engine, args: argparse.Namespace, *, is_async: bool = False,
+               cycles: int | None = None) -> Any:
+    """The default worker of the run: a :class:`Worker`, or a :class:`LoopWorker`; with
+    ``cycles``, that many claims in flight per queue (``claims_in_flight``)."""
+    extra: dict[str, Any] = {} if cycles is None else {"claims_in_flight": cycles}
+    if args.prefetch is not None:
+        extra["prefetch"] = args.prefetch
+    settings = WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency, schedule=args.schedule, **extra)
     if is_async:
         return LoopWorker(app, args.url, engine, settings)
     return Worker(app, engine, settings)
@@ -262,9 +275,24 @@ class Systems:
         self.cpg.drop()
 
 
+def worker_name(is_async: bool, cycles: int | None, args: argparse.Namespace) -> str:
+    """The system name of a worker run: ``worker`` / ``async_worker`` for the first value
+    of ``--claims-in-flight`` (or none), with ``_cN`` for the others."""
+    base = "async_worker" if is_async else "worker"
+    first = args.claims_in_flight[0] if args.claims_in_flight else None
+    return base if cycles == first else f"{base}_c{cycles}"
+
+
+def worker_variants(args: argparse.Namespace, rnd: int) -> list[int | None]:
+    """The ``claims_in_flight`` values of round ``rnd``: the list, turned round in even
+    rounds so that each value runs first as often as the others."""
+    values: list[int | None] = list(args.claims_in_flight) or [None]
+    return values if rnd % 2 else values[::-1]
+
+
 def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
                  args: argparse.Namespace, exact: bool, trace: WireTrace | None = None,
-                 *, is_async: bool = False) -> dict[str, Any]:
+                 *, is_async: bool = False, cycles: int | None = None) -> dict[str, Any]:
     """Load ``n`` jobs, then drain them with a default worker (see the module docstring)."""
     recorder = Recorder()
     app, _ = make_app(system, recorder, is_async=is_async)
@@ -274,12 +302,13 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
     with engine.begin() as conn:
         system.enqueue_copy(conn, prepared)
     recorder.reset(n)
-    res: dict[str, Any] = {"system": "async_worker" if is_async else "worker", "phase": phase, "jobs": n}
+    res: dict[str, Any] = {"system": worker_name(is_async, cycles, args), "phase": phase, "jobs": n,
+                           "claims_in_flight": cycles}
     if trace is not None:
         trace.attach_engine(engine)  # the worker's connections are all new: the pool was disposed
         engine.dispose()
     with pinned(engine, phase == "pinned"):
-        worker = new_worker(app, engine, args, is_async=is_async)
+        worker = new_worker(app, engine, args, is_async=is_async, cycles=cycles)
         meter = ServerMeter(engine, breakdown=trace is not None).start()
         cpu0 = time.process_time()
         t0 = time.perf_counter()
@@ -412,9 +441,9 @@ def pg_drain(engine: Engine, cpg: ClassicPsycopg, phase: str, n: int, args: argp
     return res
 
 
-def drain_plan(engine: Engine, sy: Systems, args: argparse.Namespace, exact: bool
+def drain_plan(engine: Engine, sy: Systems, args: argparse.Namespace, exact: bool, rnd: int = 1
                ) -> list[tuple[str, Callable[[str, int, WireTrace | None], dict[str, Any]]]]:
-    """(system, run(phase, jobs, trace)) in the order they run in each round and phase."""
+    """(system, run(phase, jobs, trace)) in the order they run in round ``rnd`` of each phase."""
     plan: list[tuple[str, Callable[[str, int, WireTrace | None], dict[str, Any]]]] = []
     if "classic" in sy.classics:
         plan.append(("classic", lambda p, n, t: loop_drain(engine, sy.csys, p, n, args, exact, t)))
@@ -422,19 +451,27 @@ def drain_plan(engine: Engine, sy: Systems, args: argparse.Namespace, exact: boo
         plan.append(("classic_pg", lambda p, n, t: pg_drain(engine, sy.cpg, p, n, args, exact, t)))
     if not args.skip_storage:
         plan.append(("storage", lambda p, n, t: loop_drain(engine, sy.qsys, p, n, args, exact, t)))
-    plan.append(("worker", lambda p, n, t: worker_drain(engine, sy.qsys, p, n, args, exact, t)))
+    for c in worker_variants(args, rnd):
+        plan.append((worker_name(False, c, args),
+                     functools.partial(worker_run, engine, sy.qsys, args, exact, False, c)))
     if args.run_async:
-        plan.append(("async_worker", lambda p, n, t: worker_drain(engine, sy.qsys, p, n, args, exact, t,
-                                                                  is_async=True)))
+        for c in worker_variants(args, rnd):
+            plan.append((worker_name(True, c, args),
+                         functools.partial(worker_run, engine, sy.qsys, args, exact, True, c)))
     return plan
+
+
+def worker_run(engine: Engine, qsys: bs.QstoreSystem, args: argparse.Namespace, exact: bool, is_async: bool,
+               cycles: int | None, phase: str, n: int, trace: WireTrace | None) -> dict[str, Any]:
+    return worker_drain(engine, qsys, phase, n, args, exact, trace, is_async=is_async, cycles=cycles)
 
 
 def run_drain(engine: Engine, args: argparse.Namespace, exact: bool) -> list[dict[str, Any]]:
     sy = Systems(args)
     results = []
     try:
-        plan = drain_plan(engine, sy, args, exact)
         for rnd in range(1, args.rounds + 1):
+            plan = drain_plan(engine, sy, args, exact, rnd)
             for phase in args.phases:
                 for label, fn in plan:
                     print(f"... drain round {rnd}/{args.rounds}: {label} / {phase}", flush=True)
@@ -457,7 +494,7 @@ def run_accounting(engine: Engine, args: argparse.Namespace, exact: bool) -> lis
     out = []
     try:
         for label, _ in drain_plan(engine, sy, args, exact):
-            if label == "async_worker":  # its AsyncEngine's connections are not traced
+            if label.startswith("async_worker"):  # its AsyncEngine's connections are not traced
                 continue
             print(f"... accounting: {label}", flush=True)
             eng = make_engine(args.url, args.concurrency + args.producers + 4)
@@ -475,6 +512,19 @@ def run_accounting(engine: Engine, args: argparse.Namespace, exact: bool) -> lis
     finally:
         sy.drop(engine)
     return out
+
+
+def paired(results: list[dict[str, Any]], system: str, phase: str) -> dict[str, Any]:
+    """``system`` (a ``worker_cN`` or ``async_worker_cN``) against the ``worker`` (or
+    ``async_worker``) of the same round and phase: each round's ratio of drain rates, and
+    their median."""
+    base = "async_worker" if system.startswith("async_") else "worker"
+    by_round: dict[int, dict[str, float]] = {}
+    for r in results:
+        if r["phase"] == phase and r["system"] in (system, base):
+            by_round.setdefault(r["round"], {})[r["system"]] = r["drain"]["jobs_per_s"]
+    each = [rr[system] / rr[base] for rr in by_round.values() if system in rr and base in rr and rr[base]]
+    return {"median": median(each) if each else None, "each": [round(x, 3) for x in each]}
 
 
 def summarise_drain(results: list[dict[str, Any]], jobs: int, classics: list[str]) -> dict[str, Any]:
@@ -515,6 +565,8 @@ def summarise_drain(results: list[dict[str, Any]], jobs: int, classics: list[str
             "wal_vs_classic": bs.ratio(get("worker", phase, wal_key),
                                        get(best, phase, wal_key) if best else None),
             "async_vs_worker": bs.ratio(get("async_worker", phase), get("worker", phase)),
+            "cycles_vs_worker": {k.split("/")[0]: paired(results, k.split("/")[0], phase)
+                                 for k in out if k.endswith(f"/{phase}") and "worker_c" in k},
         }
     t = TARGETS
     long_drain = jobs >= LONG_DRAIN
@@ -565,6 +617,9 @@ def print_drain(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
         print(f"  {phase:<6}  vs classic ({rr['better_classic']}) {bs.times(rr['vs_classic'])}   "
               f"{each}   vs storage {bs.times(rr['vs_storage'])}   WAL {bs.times(rr['wal_vs_classic'])}"
               + (f"   async worker / worker {bs.times(rr['async_vs_worker'])}" if rr["async_vs_worker"] else ""))
+        for name, pr in rr["cycles_vs_worker"].items():
+            print(f"          {name} / {'async_worker' if name.startswith('async_') else 'worker'} of the same "
+                  f"round: median {bs.times(pr['median'])}, each {' '.join(f'{x:.3f}' for x in pr['each'])}")
     bs.print_targets(summary["targets"], "worker drain")
 
 
@@ -690,12 +745,13 @@ def pickup_figures(system: str, phase: str, rate: float, schedule: PacedSchedule
 
 
 def worker_pickup(engine: Engine, qsys: bs.QstoreSystem, phase: str, rate: float,
-                  args: argparse.Namespace, exact: bool, *, is_async: bool = False) -> dict[str, Any]:
+                  args: argparse.Namespace, exact: bool, *, is_async: bool = False,
+                  cycles: int | None = None) -> dict[str, Any]:
     recorder = Recorder()
     app, task = make_app(qsys, recorder, is_async=is_async)
     qsys.fresh(engine)
     checkpoint(engine)
-    worker = new_worker(app, engine, args, is_async=is_async)
+    worker = new_worker(app, engine, args, is_async=is_async, cycles=cycles)
     errors = Errors()
 
     def defer_one(i: int) -> int:
@@ -714,11 +770,20 @@ def worker_pickup(engine: Engine, qsys: bs.QstoreSystem, phase: str, rate: float
             worker.stop(timeout=30.0)
             runs.stop()
         dead = dead_tuples(engine, qsys.schema, exact)
-    res = pickup_figures("async_worker" if is_async else "worker", phase, rate, schedule, recorder,
+    res = pickup_figures(worker_name(is_async, cycles, args), phase, rate, schedule, recorder,
                          errors.counts, dead)
+    res["claims_in_flight"] = cycles
     m = schedule.measured(recorder.started)
     pickups = [(schedule.commit_at[i], recorder.started[i]) for i in m.jobs if i in recorder.started]
-    res["stats"] = stats_of(worker)
+    res["stats"] = st = stats_of(worker)
+    handled = max(len(recorder.started), 1)
+    # the worker's own round trips for its jobs: claims (with the completions they took
+    # along) and the batcher's completion calls
+    res["calls_per_job"] = {
+        "claims": st["claim_calls"] / handled, "empty_claims": st["empty_claims"] / handled,
+        "completions_alone": (st["completion_calls"] - st["claims_with_completions"]) / handled,
+        "round_trips": (st["claim_calls"] + st["completion_calls"] - st["claims_with_completions"]) / handled,
+    }
     res["tail_overlap"] = tail_overlap(runs, pickups)
     return res
 
@@ -796,16 +861,17 @@ def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[di
         plan.append(("classic", lambda p, r: classic_pickup(engine, sy.csys, p, r, args, exact)))
     if "classic_pg" in sy.classics:
         plan.append(("classic_pg", lambda p, r: pg_pickup(engine, sy.cpg, p, r, args, exact)))
-    plan.append(("worker", lambda p, r: worker_pickup(engine, sy.qsys, p, r, args, exact)))
-    if args.run_async:
-        plan.append(("async_worker", lambda p, r: worker_pickup(engine, sy.qsys, p, r, args, exact,
-                                                                is_async=True)))
     results = []
     try:
         for rnd in range(1, args.rounds + 1):
+            workers: list[tuple[str, Callable[[str, float], dict[str, Any]]]] = []
+            for is_async in (False, True) if args.run_async else (False,):
+                for c in worker_variants(args, rnd):
+                    workers.append((worker_name(is_async, c, args), functools.partial(
+                        pickup_run, engine, sy.qsys, args, exact, is_async, c)))
             for rate in args.rates:
                 for phase in args.phases:
-                    for label, fn in plan:
+                    for label, fn in plan + workers:
                         print(f"... pickup round {rnd}/{args.rounds}: {label} / {rate:g}/s / {phase}",
                               flush=True)
                         r = fn(phase, rate)
@@ -820,6 +886,11 @@ def run_pickup(engine: Engine, args: argparse.Namespace, exact: bool) -> list[di
     return results
 
 
+def pickup_run(engine: Engine, qsys: bs.QstoreSystem, args: argparse.Namespace, exact: bool, is_async: bool,
+               cycles: int | None, phase: str, rate: float) -> dict[str, Any]:
+    return worker_pickup(engine, qsys, phase, rate, args, exact, is_async=is_async, cycles=cycles)
+
+
 def summarise_pickup(results: list[dict[str, Any]], classics: list[str]) -> dict[str, Any]:
     groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
     for r in results:
@@ -832,6 +903,8 @@ def summarise_pickup(results: list[dict[str, Any]], classics: list[str]) -> dict
                for q in ("p50", "p95", "p99")},
             "holds_rate": all(r["holds_rate"] for r in rs),
             "achieved_rate": median([r["achieved_rate"] for r in rs]),
+            "round_trips_per_job": median([r["calls_per_job"]["round_trips"] for r in rs])
+            if all("calls_per_job" in r for r in rs) else None,
         }
     targets: dict[str, dict[str, Any]] = {}
     ratios: dict[str, dict[str, Any]] = {}
@@ -884,6 +957,22 @@ def print_pickup(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
                  f"({bs.times(rr['async_p95_vs_worker'])} the worker's)"
                  if rr["async_worker_p95_ms"] is not None else ""))
     bs.print_targets(summary["targets"], "worker pickup")
+    rows = [[r["system"], f"{r['offered_rate']:g}", r["phase"], r["round"],
+             f"{r['calls_per_job']['round_trips']:.3f}", f"{r['calls_per_job']['claims']:.3f}",
+             f"{r['calls_per_job']['empty_claims']:.3f}", f"{r['calls_per_job']['completions_alone']:.3f}"]
+            for r in results if "calls_per_job" in r]
+    med = summary["medians"]
+    for key, m in med.items():
+        system, rate, phase = key.split("/")
+        base = med.get(f"{'async_worker' if system.startswith('async_') else 'worker'}/{rate}/{phase}")
+        if "worker_c" in system and base is not None:
+            print(f"  {system} {rate}/s {phase}: p95 {bs.fmt(m['p95_ms'], '.2f')} ms against "
+                  f"{bs.fmt(base['p95_ms'], '.2f')} ms ({bs.times(bs.ratio(m['p95_ms'], base['p95_ms']))}), "
+                  f"round trips/job {bs.fmt(m['round_trips_per_job'], '.3f')} against "
+                  f"{bs.fmt(base['round_trips_per_job'], '.3f')} (medians)")
+    print("\nThe workers' claim and completion calls per job picked up:")
+    print(format_table(["system", "rate", "phase", "round", "round trips/job", "claims/job", "empty claims/job",
+                        "completion calls alone/job"], rows))
     rows = [[r["phase"], f"{r['offered_rate']:g}", task, o["runs"], f"{o['run_p50_ms']:.1f}",
              f"{o['all_share']:.1%}", f"{o['tail_share']:.1%}"]
             for r in results if "tail_overlap" in r for task, o in r["tail_overlap"].items()]
@@ -998,6 +1087,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--classic-pg-driver", choices=("threads", "asyncio"), default="threads",
                    help="how the psycopg classic queue runs its workers")
     p.add_argument("--skip-storage", action="store_true", help="drain: no storage-level loop")
+    p.add_argument("--claims-in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                   help="drain and pickup: run the worker with each of these claims_in_flight values "
+                        "(comma-separated; the first is the run's worker, the others worker_cN)")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="drain and pickup: the workers' prefetch (default: the setting's default)")
     p.add_argument("--async", dest="run_async", action="store_true",
                    help="drain and pickup: also the AsyncWorker (async def no-op task), after the worker")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[500.0, 2000.0],
@@ -1024,6 +1118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.schedule = MaintenanceSchedule(**dict(args.schedule)) if args.schedule else None
     if any(c not in CLASSICS for c in args.classics):
         p.error(f"--classics must name some of {', '.join(CLASSICS)}")
+    if any(c < 1 for c in args.claims_in_flight) or len(set(args.claims_in_flight)) != len(args.claims_in_flight):
+        p.error("--claims-in-flight takes distinct values >= 1")
     if any(x not in PHASES for x in args.phases):
         p.error(f"--phases must be a subset of {','.join(PHASES)}")
     return args

@@ -64,6 +64,9 @@ SLOW_MODULES = frozenset({
 #: representative of each family (the host-app recipe and its ORM session, the drift check,
 #: an install, its rollback in a caller's transaction and its race, one refusal).
 SLOW_TESTS = frozenset({
+    "test_claim_cycles.py::test_three_cycles_in_flight_run_each_job_once_and_commit_each_completion_once",
+    "test_claim_cycles.py::test_the_async_worker_with_three_cycles_runs_each_job_once",
+    "test_claim_cycles.py::test_an_async_stop_with_claims_in_flight_leaves_every_job_completed_or_given_back",
     "test_host_app.py::test_a_bare_relative_downgrade_is_refused_naming_the_command_to_run",
     "test_host_app.py::test_upgrade_head_singular_is_alembics_multiple_heads_error",
     "test_host_app.py::test_the_cli_and_the_maintainer_work_on_the_hosts_install",

@@ -79,8 +79,9 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     if args.schema not in (DEFAULT_SCHEMA, app.storage.schema()):
         raise _failed(f"--schema {args.schema!r} differs from the schema of app {args.app!r} "
                       f"({app.storage.schema()!r}); leave --schema out")
+    cycles = {} if args.claims_in_flight is None else {"claims_in_flight": args.claims_in_flight}
     settings = WorkerSettings(queues=args.queue or None, concurrency=args.concurrency,
-                              claim_batch=args.claim_batch, prefetch=args.prefetch,
+                              claim_batch=args.claim_batch, prefetch=args.prefetch, **cycles,
                               poll_interval=args.poll_interval,
                               heartbeat_interval=args.heartbeat_interval,
                               shutdown_timeout=args.shutdown_timeout, maintain=not args.no_maintain)
@@ -117,6 +118,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="most jobs one claim takes (never more than free handlers; default 32)")
     p.add_argument("--prefetch", type=int, default=None,
                    help="claimed jobs that may wait for a free handler (default: --concurrency)")
+    p.add_argument("--claims-in-flight", type=int, default=None, metavar="N",
+                   help="claims of one queue in flight at once (default: WorkerSettings' default)")
     p.add_argument("--poll-interval", type=float, default=1.0,
                    help="seconds an idle queue waits before claiming without a notification (default 1)")
     p.add_argument("--heartbeat-interval", type=float, default=30.0,

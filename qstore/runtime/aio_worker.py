@@ -13,7 +13,9 @@ On the worker's loop, as tasks:
 
 * one **dispatcher** per queue, claiming (``claim_runtime_batch`` and its variants, or
   ``complete_and_claim`` with the completions waiting in the batcher) into free capacity and waking on ``NOTIFY`` (an :class:`~qstore.aio.AsyncListener`, which also
-  delivers an operator's cancels) or after ``poll_interval``;
+  delivers an operator's cancels) or after ``poll_interval``; with ``claims_in_flight`` N
+  > 1, N dispatchers per queue that take turns as the thread worker's do
+  (:class:`~qstore.runtime.core.ClaimCycles`);
 * **handlers**: at most ``concurrency`` run at once. An ``async def`` handler runs on the
   loop itself (no thread hand-off); a plain ``def`` handler runs on a bounded pool of
   ``concurrency`` daemon threads, so it never blocks the loop;
@@ -68,6 +70,7 @@ from qstore.runtime.core import (
     Attempt,
     Call,
     Capacity,
+    ClaimCycles,
     Procedure,
     Sleep,
     WorkerCore,
@@ -156,10 +159,12 @@ class AsyncWorker:
         self._capacity_changed = asyncio.Event()
         self._stopping = asyncio.Lock()
         self._wakes = {q: asyncio.Event() for q in self.queues}
-        self._places = Capacity(self.settings.concurrency + (self.settings.prefetch or 0))
         self._outages = OutageLog(log, "qstore worker")
         self.core = WorkerCore(app, self.settings, self, self._outages,
                                {"give_up": self._give_up, "hurry": self._hurry})
+        self._places = Capacity(self.settings.concurrency + (self.settings.prefetch or 0), self.core.cycles)
+        self._cycles = {q: ClaimCycles(self.core.cycles) for q in self.queues}
+        self._busy = {q: asyncio.Event() for q in self.queues}  # set while the queue is busy (and at a stop)
         self.batcher = AsyncCompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
                                               interval=self.settings.completion_interval, outages=self._outages)
         if app.telemetry.enabled:
@@ -318,7 +323,11 @@ class AsyncWorker:
             self._loops.append(self._loop.create_task(self._listen_loop(), name="qstore-listener"))
         self._loops.append(self._loop.create_task(self._keeper_loop(), name="qstore-keeper"))
         for q in self.queues:
-            self._dispatchers.append(self._loop.create_task(self._dispatch_loop(q), name=f"qstore-claim-{q}"))
+            self._cycles[q].busy = False
+            self._busy[q].clear()
+            for i in range(self.core.cycles):
+                self._dispatchers.append(self._loop.create_task(self._dispatch_loop(q, i),
+                                                                name=f"qstore-claim-{ClaimCycles.name(q, i)}"))
         log.info("qstore worker started (asyncio): schema %s, queues %s, concurrency %d%s%s",
                  self.app.storage.schema(), ", ".join(self.queues), s.concurrency,
                  "" if s.listen else ", polling only", ", maintainer on" if self.maintainer else "")
@@ -384,7 +393,7 @@ class AsyncWorker:
                  len(self.core.attempts), limit)
         self._stop_requested.set()
         self._claiming.clear()
-        for wake in self._wakes.values():
+        for wake in (*self._wakes.values(), *self._busy.values()):
             wake.set()
         self._capacity_changed.set()
         await asyncio.gather(*self._dispatchers, return_exceptions=True)
@@ -465,20 +474,47 @@ class AsyncWorker:
     def _context(self, claimed: ClaimedRuntimeJob) -> JobContext:
         return JobContext(claimed, self.app.storage, self.sync_engine)
 
-    async def _dispatch_loop(self, queue: str) -> None:
-        wake = self._wakes[queue]
+    def _returned(self, queue: str, index: int, want: int, got: int) -> None:
+        """Tell the queue's cycles how a claim of cycle ``index`` went (see
+        :meth:`ClaimCycles.returned`)."""
+        cycles = self._cycles[queue]
+        became = cycles.returned(want, got)
+        if cycles.n == 1:
+            return
+        if cycles.busy:
+            self._busy[queue].set()
+            if became and index != 0:
+                self._wakes[queue].set()  # the lead may be waiting after a short claim
+        elif self._claiming.is_set():
+            self._busy[queue].clear()
+
+    async def _dispatch_loop(self, queue: str, index: int = 0) -> None:
+        """Claim cycle ``index`` of ``queue`` (0: the lead; see :class:`ClaimCycles`)."""
+        wake, busy = self._wakes[queue], self._busy[queue]
+        cycles = self._cycles[queue]
+        who = ClaimCycles.name(queue, index)
+        lead = index == 0
         s = self.settings
         what = f"claims on queue {queue!r}"
         while self._claiming.is_set():
+            if not lead:
+                await busy.wait()  # set while the queue is busy, and by a stop
+                if not self._claiming.is_set():
+                    break
             want = await self._reserve(s.claim_batch)
             if want == 0:
                 break
-            wake.clear()
+            if not lead and not cycles.may_claim(index):  # the queue went quiet meanwhile
+                self._release(want)
+                continue
+            if lead:
+                wake.clear()
             try:
                 jobs = await self._claim(queue, want)
             except Exception as err:
-                self.batcher.expect_claims(queue, False)
+                self.batcher.expect_claims(who, False)
                 self._release(want)
+                self._returned(queue, index, want, 0)
                 self.core.count("claim_calls")
                 self.core.count("claim_errors")
                 gone = await self._schema_gone(err)
@@ -486,18 +522,20 @@ class AsyncWorker:
                     self.fatal(gone)
                     break
                 self._outages.failed(what, err, s.error_backoff)
-                await wait_event(wake, s.error_backoff)  # a stop sets it
-                continue
+                if lead:
+                    await wait_event(wake, s.error_backoff)  # a stop sets it
+                continue  # (the other cycles wait for the lead's next full claim)
             self._outages.ok(what)
-            self.batcher.expect_claims(queue, len(jobs) >= want)  # a full claim: more to claim soon
+            self.batcher.expect_claims(who, len(jobs) >= want)  # a full claim: more to claim soon
             self._release(want - len(jobs))
+            self._returned(queue, index, want, len(jobs))
             for a in self.core.claimed(jobs, self._context, time.monotonic()):
                 task = asyncio.get_running_loop().create_task(self._handle(a))
                 self._handlers.add(task)
                 task.add_done_callback(self._handlers.discard)
-            if len(jobs) < want:
+            if lead and len(jobs) < want:
                 await wait_event(wake, s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK))
-        self.batcher.expect_claims(queue, False)
+        self.batcher.expect_claims(who, False)
 
     async def _claim(self, queue: str, n: int) -> list[ClaimedRuntimeJob]:
         """Claim up to ``n`` attempts of ``queue``, taking the completions waiting in the

@@ -71,6 +71,7 @@ __all__ = [
     "Attempt",
     "Call",
     "Capacity",
+    "ClaimCycles",
     "Host",
     "Probe",
     "Sleep",
@@ -141,6 +142,16 @@ class WorkerSettings:
     (keep it well under the maintainer's ``heartbeat_staleness``, 90 s by default).
     ``claim_deadline``: the storage deadline of each attempt (``None``: none; the maintainer
     rescues attempts past it). ``aging_interval``: claim with priority aging.
+    ``claims_in_flight``: claim cycles of one queue that may be in flight at once (default
+    1). Each cycle is one ``complete_and_claim`` round trip; with 2 the database runs one
+    cycle while the worker decodes and dispatches the other. The cycles share the worker's
+    places (``concurrency + prefetch``: together they never claim more) and the completions
+    waiting in the batcher (each goes out with exactly one claim or with the batcher). The
+    first cycle of a queue claims as a single one does (it waits for a notification or
+    ``poll_interval`` when the queue runs dry); the others claim only while the queue's last
+    claim came back full, so an idle or trickling queue makes no more round trips than with
+    1. Each cycle in flight holds a connection of the engine's pool. With ``max_claimers`` a
+    worker is one claimer of its queue and claims one cycle at a time.
     ``max_claimers``: claim through the queue's bounded claimer slots (at most this many
     claimers per queue across workers) with ``claimer_lease_ttl`` / ``claimer_idle``.
     ``shutdown_timeout``: how long stopping waits for running handlers before giving their
@@ -158,6 +169,7 @@ class WorkerSettings:
     heartbeat_interval: float = 30.0
     claim_deadline: float | None = None
     aging_interval: float | None = None
+    claims_in_flight: int = 1
     max_claimers: int | None = None
     claimer_lease_ttl: float = 30.0
     claimer_idle: float = 10.0
@@ -181,6 +193,7 @@ class WorkerSettings:
         _number(self.prefetch, "prefetch", strict=False, integer=True, optional=True)
         if self.prefetch is None:  # default: as many claimed jobs waiting as handlers
             object.__setattr__(self, "prefetch", self.concurrency)
+        _number(self.claims_in_flight, "claims_in_flight", minimum=1, strict=False, integer=True)
         _number(self.max_claimers, "max_claimers", minimum=1, strict=False, integer=True, optional=True)
         _number(self.completion_batch, "completion_batch", minimum=1, strict=False, integer=True)
         for name in ("poll_interval", "heartbeat_interval", "claimer_lease_ttl", "claimer_idle",
@@ -451,19 +464,29 @@ class Host(Protocol):
 
 class Capacity:
     """A worker's places: ``concurrency`` handlers plus ``prefetch`` claimed attempts
-    waiting for one. Not thread-safe by itself: the thread worker calls it under its lock."""
+    waiting for one, shared by every claim cycle of the worker (a cycle reserves places
+    before it claims and gives back those its claim did not fill). Not thread-safe by
+    itself: the thread worker calls it under its lock.
 
-    def __init__(self, total: int) -> None:
+    ``cycles``: the claim cycles that may be in flight at once per queue. One claim takes
+    at most a ``cycles``-th of the places (its :attr:`share`, rounded up), and the floor a
+    claim waits for (see :meth:`take`) is half the places, or a ``cycles``-th of them when
+    that is less: each of the cycles can have a claim in flight, and no cycle's claim takes
+    the places of the others."""
+
+    def __init__(self, total: int, cycles: int = 1) -> None:
         self.total = total
         self.free = total
-        self.floor = max(1, total // 2)
+        self.share = max(1, -(-total // cycles))
+        self.floor = max(1, total // max(2, cycles))
 
     def take(self, most: int, free_since: float | None, now: float) -> tuple[int, float | None, float | None]:
         """One step of reserving up to ``most`` places: ``(n, 0, None)`` when ``n`` places
         were taken; otherwise ``(0, wait, free_since)``: wait up to ``wait`` seconds (None:
         until a release) and ask again. A claim waits until half the places (or ``most``)
         are free, or one place has been free for ``CLAIM_LINGER`` seconds: one claim of many
-        jobs instead of many claims of one."""
+        jobs instead of many claims of one. Never more than :attr:`share`."""
+        most = min(most, self.share)
         enough = min(most, self.floor)
         if self.free >= enough:
             n = min(most, self.free)
@@ -485,6 +508,39 @@ class Capacity:
         was = self.free
         self.free += n
         return was <= 0 or self.free >= self.floor > was or idle
+
+
+class ClaimCycles:
+    """How the claim cycles of one queue take turns (see ``claims_in_flight`` in
+    :class:`WorkerSettings`): ``n`` cycles, numbered from 0, may each have one claim in flight.
+
+    Cycle 0, the *lead*, claims as a lone dispatcher does: at once while its claims come
+    back full, else after a notification or its poll. The other cycles claim only while the
+    queue is :attr:`busy`: its latest claim to return came back full (it filled every place
+    it asked for, so more is likely waiting). A claim that comes back short or fails makes
+    the queue quiet, and the other cycles then wait for the next full claim, so an idle or
+    trickling queue has one cycle that claims, as with ``n`` = 1. Not thread-safe by
+    itself: the thread worker calls it under its lock."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.busy = False
+
+    @staticmethod
+    def name(queue: str, index: int) -> str:
+        """The name of cycle ``index`` of ``queue`` (to the batcher's ``expect_claims`` and
+        in thread and task names): the queue's own for the lead."""
+        return queue if index == 0 else f"{queue}#{index}"
+
+    def may_claim(self, index: int) -> bool:
+        """Whether cycle ``index`` may claim now: the lead always, the others while busy."""
+        return index == 0 or self.busy
+
+    def returned(self, want: int, got: int) -> bool:
+        """A claim for ``want`` places returned ``got`` attempts (0 for a claim that failed);
+        True when this made a quiet queue busy (wake the other cycles, the lead included)."""
+        was, self.busy = self.busy, got >= want > 0
+        return self.busy and not was
 
 
 def worker_inputs(app: App, settings: WorkerSettings | None) -> tuple[WorkerSettings, tuple[str, ...]]:
@@ -544,6 +600,13 @@ class WorkerCore:
                         job.attempt)
 
     # -- claiming ---------------------------------------------------------------------------------
+    @property
+    def cycles(self) -> int:
+        """The claim cycles each queue may have in flight: ``claims_in_flight``, or 1 through
+        bounded claimer slots (``max_claimers``): a worker is one claimer of its queue, and
+        its claims go through its one slot one at a time."""
+        return 1 if self.settings.max_claimers is not None else self.settings.claims_in_flight
+
     @property
     def claims_complete(self) -> bool:
         """Whether a claim can take completions along (``complete_and_claim``): not through

@@ -6,7 +6,10 @@
   ``prefetch`` claimed jobs waiting for a handler), claims at most that many attempts in one
   call (``claim_runtime_batch``; with ``max_claimers`` the bounded-claimer variant), hands
   them to the handlers and claims again at once while the queue gives work; when a claim
-  comes back empty it waits for a ``NOTIFY`` on the queue's channel or ``poll_interval``;
+  comes back empty it waits for a ``NOTIFY`` on the queue's channel or ``poll_interval``.
+  With ``claims_in_flight`` N > 1 a queue has N dispatchers sharing the capacity: the
+  first claims as described, the others only while the queue's claims come back full
+  (:class:`~qstore.runtime.core.ClaimCycles`), so up to N claims are in flight at once;
 * **handlers**: sync tasks on a pool of ``concurrency`` threads, ``async def`` tasks on one
   event loop thread; what a handler returns or raises is applied to its attempt (see
   :mod:`qstore.runtime.tasks`); successful attempts go to the completion batcher
@@ -67,6 +70,7 @@ from qstore.runtime.core import (
     PARTIAL_RECHECK,
     Attempt,
     Capacity,
+    ClaimCycles,
     Procedure,
     Sleep,
     WorkerCore,
@@ -180,8 +184,6 @@ class Worker:
 
         self._lock = threading.Lock()
         self._capacity = threading.Condition(self._lock)
-        self._places = Capacity(self.settings.concurrency + (self.settings.prefetch or 0))
-
         self._wakes = {q: threading.Event() for q in self.queues}
         self._claiming = threading.Event()  # set while dispatchers may claim
         self._closing = threading.Event()  # set once stopping begins (keeper, listener end)
@@ -199,6 +201,9 @@ class Worker:
         self.core = WorkerCore(app, self.settings, self, self._outages,
                                {"give_up": self._give_up, "hurry": self._hurry}, self._lock)
         self._attempts = self.core.attempts
+        self._places = Capacity(self.settings.concurrency + (self.settings.prefetch or 0), self.core.cycles)
+        self._cycles = {q: ClaimCycles(self.core.cycles) for q in self.queues}
+        self._busy = {q: threading.Event() for q in self.queues}  # set while the queue is busy (and at a stop)
         self.batcher = CompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
                                          interval=self.settings.completion_interval, outages=self._outages)
         if app.telemetry.enabled:
@@ -308,7 +313,11 @@ class Worker:
             self._spawn(self._listen_loop, "qstore-listener")
         self._spawn(self._keeper_loop, "qstore-keeper")
         for q in self.queues:
-            self._dispatchers.append(self._spawn(functools.partial(self._dispatch_loop, q), f"qstore-claim-{q}"))
+            self._cycles[q].busy = False
+            self._busy[q].clear()
+            for i in range(self.core.cycles):
+                self._dispatchers.append(self._spawn(functools.partial(self._dispatch_loop, q, i),
+                                                     f"qstore-claim-{ClaimCycles.name(q, i)}"))
         log.info("qstore worker started: schema %s, queues %s, concurrency %d%s%s",
                  self.storage.schema(), ", ".join(self.queues), s.concurrency,
                  "" if s.listen else ", polling only", ", maintainer on" if self.maintainer else "")
@@ -422,6 +431,9 @@ class Worker:
         self._claiming.clear()
         for wake in self._wakes.values():
             wake.set()
+        with self._lock:  # (under the lock: a cycle clears its event only while claiming)
+            for busy in self._busy.values():
+                busy.set()
         self._capacity_notify()
         for t in self._dispatchers:
             t.join()
@@ -517,20 +529,52 @@ class Worker:
             return self.core.claim_raised(self.batcher, lent, err)
         return self.core.claim_returned(self.batcher, lent, result)
 
-    def _dispatch_loop(self, queue: str) -> None:
-        wake = self._wakes[queue]
+    def _returned(self, queue: str, index: int, want: int, got: int) -> None:
+        """Tell the queue's cycles how a claim of cycle ``index`` went (see
+        :meth:`ClaimCycles.returned`): a busy queue lets the other cycles claim, a quiet
+        one sends them back to waiting."""
+        with self._lock:
+            cycles = self._cycles[queue]
+            became = cycles.returned(want, got)
+            if cycles.n == 1:
+                return
+            if cycles.busy:
+                self._busy[queue].set()
+                if became and index != 0:
+                    self._wakes[queue].set()  # the lead may be waiting after a short claim
+            elif self._claiming.is_set():
+                self._busy[queue].clear()
+
+    def _dispatch_loop(self, queue: str, index: int = 0) -> None:
+        """Claim cycle ``index`` of ``queue`` (0: the lead; see :class:`ClaimCycles`)."""
+        wake, busy = self._wakes[queue], self._busy[queue]
+        cycles = self._cycles[queue]
+        who = ClaimCycles.name(queue, index)
+        lead = index == 0
         s = self.settings
         what = f"claims on queue {queue!r}"
         while self._claiming.is_set():
+            if not lead:
+                busy.wait()  # set while the queue is busy, and by a stop
+                if not self._claiming.is_set():
+                    break
             want = self._reserve(s.claim_batch)
             if want == 0:
                 break
-            wake.clear()
+            if not lead:
+                with self._lock:
+                    go = cycles.may_claim(index)
+                if not go:  # the queue went quiet while this cycle waited for places
+                    self._release(want)
+                    continue
+            else:
+                wake.clear()
             try:
                 jobs = self._claim(queue, want)
             except Exception as err:
-                self.batcher.expect_claims(queue, False)
+                self.batcher.expect_claims(who, False)
                 self._release(want)
+                self._returned(queue, index, want, 0)
                 self._count("claim_calls")
                 self._count("claim_errors")
                 gone = self._schema_gone(err)
@@ -538,24 +582,26 @@ class Worker:
                     self._fatal(gone)
                     break
                 self._outages.failed(what, err, s.error_backoff)
-                wake.wait(s.error_backoff)  # a stop sets it
-                continue
+                if lead:
+                    wake.wait(s.error_backoff)  # a stop sets it
+                continue  # (the other cycles wait for the lead's next full claim)
             self._outages.ok(what)
             # a full claim: the queue has more, and this dispatcher claims again as soon as
             # places free up; the completions of those places can wait for that claim
-            self.batcher.expect_claims(queue, len(jobs) >= want)
+            self.batcher.expect_claims(who, len(jobs) >= want)
             self._release(want - len(jobs))
+            self._returned(queue, index, want, len(jobs))
             attempts = self.core.claimed(jobs, lambda j: JobContext(j, self.storage, self.engine),
                                          time.monotonic())
             if attempts:
                 self._launch(attempts)
-            if len(jobs) < want:
+            if lead and len(jobs) < want:
                 # The queue had no more for this claim. Claiming again at once would mostly
                 # come back empty (a round trip and a claim's server time for nothing); wait
                 # for a notification instead, which a claim in flight does not lose. After a
                 # partial claim the rest may sit in lanes another claimer held: look again soon.
                 wake.wait(s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK))
-        self.batcher.expect_claims(queue, False)
+        self.batcher.expect_claims(who, False)
 
     def _launch(self, attempts: list[Attempt]) -> None:
         """Hand claimed attempts to their handlers: sync ones to the thread pool, async

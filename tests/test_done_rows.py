@@ -229,7 +229,41 @@ def _callback(outcome: str) -> Any:
     return write
 
 
+#: unique key bits by state (``UniqueOpts.states``)
+BIT = {st: 1 << i for i, st in enumerate(
+    ("scheduled", "available", "running", "completed", "retryable", "failed", "cancelled", "waiting_external"))}
+
+
+def _promotion_conflict(engine: Engine, s: QueueStorage) -> None:
+    """A retried unique job whose key another job took meanwhile fails at its promotion
+    (its body is the deferred backlog's)."""
+    not_while_retryable = UniqueOpts(states=BIT["available"] | BIT["running"] | BIT["completed"])
+    job = running(engine, s, unique=not_while_retryable)
+    s.retry_after(engine, job.job.id, job.job.run_lease, 0)
+    add(engine, s, unique=not_while_retryable)  # takes the freed key
+    s.promote_due(engine, JobState.RETRYABLE, 10)
+    row = s.load_job(engine, job.job.id)
+    assert row is not None and row.state == JobState.FAILED
+
+
+def _rescue_conflict(engine: Engine, s: QueueStorage) -> None:
+    """An exhausted attempt whose failed state's key another job's failure holds fails at
+    its rescue all the same (the key's owner recorded)."""
+    only_failed = UniqueOpts(states=BIT["failed"])
+    owner = running(engine, s, unique=only_failed)
+    s.fail_terminal(engine, owner.job.id, owner.job.run_lease, "first")
+    loser = running(engine, s, unique=only_failed, max_attempts=1)
+    attempts = "lease_claims" if s.lease_claim_receipts() else "leases"
+    at = "claimed_at" if s.lease_claim_receipts() else "heartbeat_at"
+    with engine.begin() as c:
+        c.execute(text(f'UPDATE "{s.schema()}".{attempts} SET {at} = now() - interval \'1 hour\' '
+                       "WHERE job_id = :j"), {"j": loser.job.id})
+    assert [r.id for r in s.rescue_stale_heartbeats(engine, 60)] == [loser.job.id]
+
+
 WRITES = {
+    "unique_conflict_at_promotion": _promotion_conflict,
+    "unique_conflict_at_rescue": _rescue_conflict,
     "complete_fast_path": _complete_fast,
     "complete_general_path_unique": _complete_general_unique,
     "complete_after_a_heartbeat": _complete_after_heartbeat,

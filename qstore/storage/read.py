@@ -224,7 +224,7 @@ def queue_counts_fast(ctx: StorageContext, conn: Connection, queue: str) -> Queu
 
 def _job_tables(ctx: StorageContext) -> tuple[Table, ...]:
     sch = ctx.schema
-    # what load_job reads of the rings (terminal_jobs is done rows joined to ready rows), in
+    # what load_job reads of the rings (its done rows are found through and hydrated from ready rows), in
     # the rings' order, as prune locks them
     rings = {sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent, sch.done.parent,
              sch.leases.parent, sch.claims.parent, sch.closures.parent, sch.progress.parent}

@@ -97,6 +97,7 @@ SLOW_TESTS = frozenset({
     "test_host_app.py::test_install_recognises_the_hosts_version_row",
     "test_shape_and_cli_errors.py::test_install_with_a_conflicting_config_names_both_values",
     "test_demo.py::test_the_steady_run_plots_a_png",
+    "test_demo.py::test_a_short_steady_run_summarises_both_systems_side_by_side",
     "test_demo.py::test_bulk_mode_runs_every_job_to_a_terminal_state",
     "test_demo.py::test_bulk_mode_summary_says_it_measures_a_preloaded_backlog",
     "test_demo.py::test_bulk_mode_gives_up_in_one_line_when_jobs_outlast_the_timeout",

@@ -374,7 +374,8 @@ def test_enqueue_into_a_200_character_queue_notifies_on_its_shortened_channel(
 
 def test_cancel_notifies_on_a_channel_that_fits_for_the_longest_prefix_and_schema(
         engine: Engine, make_storage: Callable[..., QueueStorage], listen: Callable[[str], psycopg.Connection]) -> None:
-    s = make_storage(schema="s" * 48, notify_prefix="p" * 48)
+    s = make_storage(schema="s" * 48, notify_prefix="p" * 48,
+                     queue_slot_count=4, lease_slot_count=2, claim_slot_count=2)
     lis = listen(s.config.cancel_channel)
     c = running(engine, s)
     assert s.cancel_job(engine, c.job.id) is not None

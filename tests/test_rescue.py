@@ -198,3 +198,19 @@ def test_rescue_does_not_loop_an_exhausted_job(engine, st):
     assert st.promote_due(engine, JobState.RETRYABLE, 10) == 0
     assert st.claim_runtime_batch(engine, "q", 5) == []
     assert rescue_heartbeat(engine, st, c.job.id) == []
+
+
+@pytest.mark.parametrize(("statement", "bound"), [
+    ("overdue_leases", "deadline_at < statement_timestamp()"),
+    ("timed_out", "callback_timeout_at < statement_timestamp()"),
+])
+def test_rescue_finds_overdue_attempts_through_an_index(engine, st, statement: str, bound: str) -> None:
+    """The deadline and timeout bounds are index conditions (a stable clock), so a rescue
+    tick reads the overdue attempts, not every live one."""
+    from qstore.storage.upkeep.rescue import _statements
+
+    compiled = getattr(_statements(st.tables), statement).compile(engine)
+    with engine.connect() as conn:
+        conn.exec_driver_sql("SET enable_seqscan = off")
+        plan = "\n".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + str(compiled), {**compiled.params, "limit": 10}))
+    assert any("Index Cond" in line and bound in line for line in plan.splitlines()), plan

@@ -409,3 +409,18 @@ def test_waits_leave_no_dead_tuple_in_the_backlog_under_a_pinned_horizon(fresh_e
         assert len(st.prune_wheel(engine, ahead(2)).pruned) >= 1  # TRUNCATE needs no horizon
         assert wheel_rows(engine, st) == 0
         pin.rollback()
+
+
+
+@pytest.mark.parametrize("statement", ["take_due_entries", "take_due_overflow"])
+def test_promotion_reads_only_due_waits_through_the_due_index(engine, st, statement: str) -> None:
+    """The due bound is an index condition, so a promotion reads the due waits, not every
+    wait of the state (a volatile clock in the bound would make it a filter over all)."""
+    from qstore.storage.planes.queue import deferred_statements
+
+    compiled = getattr(deferred_statements(st.tables), statement).compile(engine)
+    params = {**compiled.params, "state": "scheduled", "limit": 10}
+    with engine.connect() as conn:
+        plan = "\n".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + str(compiled), params))
+    conds = [line for line in plan.splitlines() if "Index Cond" in line and "state =" in line]
+    assert conds and all("run_at <= statement_timestamp()" in line for line in conds), plan

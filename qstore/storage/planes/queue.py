@@ -573,13 +573,17 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
     def paused(queue: Any) -> Any:
         return select(m.c.queue).where(m.c.queue == func.regexp_replace(queue, "#[0-9]+$", ""), m.c.paused).exists()
 
+    # Due means run_at <= the statement's start: a stable value, so the (state, run_at, ...)
+    # indexes bound the scan to due entries (clock_timestamp() is volatile and would be a
+    # filter over every waiting entry of the state)
+    due_at = func.statement_timestamp()
     limit = bindparam("limit", type_=Integer())
     due = (select(w.c.wheel_slot, w.c.entry_id, w.c.job_id)
-           .where(w.c.state == bindparam("state"), w.c.run_at <= now, unmarked, ~paused(w.c.queue))
+           .where(w.c.state == bindparam("state"), w.c.run_at <= due_at, unmarked, ~paused(w.c.queue))
            .order_by(w.c.run_at, w.c.priority, w.c.job_id).limit(limit).cte("due"))
     take_due_entries = claimed(due, literal(WheelResolution.PROMOTED.value, Text()))
 
-    due_overflow = (select(df.c.job_id).where(df.c.state == bindparam("state"), df.c.run_at <= now,
+    due_overflow = (select(df.c.job_id).where(df.c.state == bindparam("state"), df.c.run_at <= due_at,
                                               ~paused(df.c.queue))
                     .order_by(df.c.run_at, df.c.priority, df.c.job_id).limit(limit)
                     .with_for_update(skip_locked=True))

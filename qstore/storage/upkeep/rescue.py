@@ -54,7 +54,9 @@ class RescueStatements:
 @functools.lru_cache(maxsize=64)
 def _statements(sch: StorageSchema) -> RescueStatements:
     c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
-    now = func.clock_timestamp()
+    # the statement's start, a stable value: the deadline and timeout bounds below are then
+    # index conditions (a volatile clock_timestamp() would make them filters over every row)
+    now = func.statement_timestamp()
     cutoff = now - bindparam("staleness", type_=INTERVAL())
     closed = receipt_closed(cl, c)
     leased = attempt_leased(le, c)

@@ -43,6 +43,7 @@ from alembic import command
 from qstore.config import DEFAULT_SCHEMA, QueueStorageConfig
 from qstore.errors import QueueStorageError, ShapeMismatchError, ValidationError
 from qstore.schema import StorageSchema, storage_schema
+from qstore.schema.control_plane import unique_claim_trigger
 from qstore.schema.functions import execute_ddl
 
 __all__ = [
@@ -303,12 +304,13 @@ def include_object_for(sch: StorageSchema) -> Callable[[Any, str | None, str, bo
 
 @contextmanager
 def _registered_entities(sch: StorageSchema) -> Iterator[None]:
-    """While the block runs, alembic_utils compares this install's functions and views (so
-    ``alembic check`` diffs their bodies); afterwards its process-wide registry is as it was,
+    """While the block runs, alembic_utils compares this install's functions, views and
+    trigger (so ``alembic check`` diffs their bodies); afterwards its process-wide registry is as it was,
     so a later autogenerate in the same process (a host application's) never simulates
     another database's functions."""
     try:
         from alembic_utils.pg_function import PGFunction
+        from alembic_utils.pg_trigger import PGTrigger
         from alembic_utils.pg_view import PGView
         from alembic_utils.replaceable_entity import register_entities, registry
     except ImportError:  # the runtime does not need alembic_utils; only diffing does
@@ -320,6 +322,7 @@ def _registered_entities(sch: StorageSchema) -> Iterator[None]:
         [PGFunction(schema=f.schema, signature=f.signature, definition=f.definition)
          for f in sch.functions]
         + [PGView(schema=v.schema, signature=v.name, definition=v.definition) for v in sch.views]
+        + [PGTrigger.from_sql(unique_claim_trigger(sch.config))]
     )
     try:
         yield

@@ -96,7 +96,8 @@ R = TypeVar("R")
 #: (ready entries, tombstones, claim ranges) and done side (done entries, terminal count
 #: deltas), the lease ring, the claim ring (receipts, closures), the hot control tables
 #: (lanes, enqueue/claim heads, attempt state, claimer leases), the counters, the deferred
-#: wheel (entries and marks), the backlogs (the deferred overflow, DLQ, unique keys) and
+#: wheel (entries and marks), the backlogs (the deferred overflow, DLQ, unique keys and their
+#: releases) and
 #: every other table of the schema.
 FAMILIES = ("queue_ready", "queue_done", "lease_ring", "claim_ring", "hot", "counters", "deferred_wheel",
             "backlog", "other")
@@ -484,7 +485,7 @@ def family_of_tables(sch: StorageSchema) -> dict[str, str]:
                 sch.claimer_leases, sch.claimer_state),
         "counters": (sch.live_counts, sch.rollups, sch.rollup_ledger, sch.counter_state),
         "deferred_wheel": (sch.wheel, sch.wheel_marks),
-        "backlog": (sch.deferred, sch.dlq, sch.unique_claims),
+        "backlog": (sch.deferred, sch.dlq, sch.unique_claims, sch.unique_releases),
     }
     return {t.name: family for family, items in members.items() for item in items for t in _tables(item)}
 

@@ -15,13 +15,19 @@ from qstore.types import ClaimedRuntimeJob, JobState
 #: The pseudo-table of the live deferred backlog for :func:`relation`: overflow rows
 #: (``deferred_jobs``) and the deferred wheel's entries without a mark.
 BACKLOG = "deferred_backlog"
+#: The pseudo-table of the owned unique keys for :func:`relation`: claims that no release
+#: names (a released claim stays a row until the maintainer purges it).
+LIVE_KEYS = "live_unique_claims"
 _SNAPSHOT = ("job_id, kind, queue, args, state, priority, attempt, run_lease, max_attempts, run_at, "
              "attempted_at, finalized_at, created_at, unique_key, unique_states, payload")
 
 
 def relation(schema: str, table: str) -> str:
-    """``"schema".table`` as SQL, or for :data:`BACKLOG` the live deferred backlog as a
-    subquery with the overflow's columns."""
+    """``"schema".table`` as SQL, for :data:`BACKLOG` the live deferred backlog as a
+    subquery with the overflow's columns, for :data:`LIVE_KEYS` the owned keys."""
+    if table == LIVE_KEYS:
+        return (f'(SELECT c.* FROM "{schema}".job_unique_claims c WHERE NOT EXISTS (SELECT 1 FROM '
+                f'"{schema}".job_unique_releases r WHERE r.claim_id = c.claim_id)) AS {LIVE_KEYS}')
     if table != BACKLOG:
         return f'"{schema}".{table}'
     return (f'(SELECT {_SNAPSHOT} FROM "{schema}".deferred_jobs UNION ALL SELECT {_SNAPSHOT} '
@@ -73,6 +79,15 @@ def claim(engine, s, queue: str = "q", deadline: float | None = None) -> Claimed
 def running(engine, s, deadline: float | None = None, **opts: object) -> ClaimedRuntimeJob:
     add(engine, s, **opts)
     return claim(engine, s, str(opts.get("queue", "q")), deadline)
+
+
+def materialise(engine, s, job: ClaimedRuntimeJob) -> None:
+    """Mark ``job``'s receipt materialised, as a callback (or a previous release's heartbeat)
+    does since its claim: its completion then needs the general path."""
+    with engine.begin() as c:
+        n = c.execute(text(f"UPDATE {relation(s.schema(), 'lease_claims')} SET materialized_at = clock_timestamp() "
+                           "WHERE job_id = :j AND run_lease = :r"), {"j": job.job.id, "r": job.job.run_lease}).rowcount
+    assert n == 1
 
 
 def count(engine, s, table: str, where: str = "true") -> int:

@@ -25,7 +25,7 @@ from typing import Any
 from jobtools import add, claim, params, running
 from sqlalchemy import Engine, text
 
-from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
+from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig, UniqueOpts
 from qstore.types import CallbackConfig, JobState, ListDlqFilter, QueueClaimerLease
 
 __all__ = ["CASES", "Case", "Check", "Given", "missing_case_names"]
@@ -213,6 +213,15 @@ def rollable_deltas(engine: Engine, s: QueueStorage) -> Given:
     given = completed(engine, s)
     assert s.rotate(engine).kind == "rotated"
     return given
+
+
+def released_key(engine: Engine, s: QueueStorage) -> Given:
+    """A unique job cancelled: its key released (a claim row and a release row)."""
+    s.enqueue_params_batch(engine, [params(args={"u": 1}, unique=UniqueOpts())])
+    with engine.connect() as conn:
+        job_id = conn.execute(text(f'SELECT max(job_id) FROM "{s.schema()}".job_unique_claims')).scalar_one()
+    assert s.cancel_job(engine, job_id) is not None
+    return {"job_id": job_id}
 
 
 def every_ring_written(engine: Engine, s: QueueStorage) -> Given:
@@ -425,6 +434,8 @@ CASES: dict[str, Case] = {
         rollable_deltas, lambda s, t, g: s.rollup_terminal_count_deltas(t, 4, pinned_after=NOT_PINNED),
         lambda r, g: (r.rolled_slots, r.skipped_mvcc_pinned) == (1, False)),
     "rebuild_terminal_counters": Case(completed, lambda s, t, g: s.rebuild_terminal_counters(t), _equals(1)),
+    "purge_released_keys": Case(released_key, lambda s, t, g: s.purge_released_keys(t, pinned_after=NOT_PINNED),
+                                _equals(1)),
     "terminal_counter_trusted": Case(nothing, lambda s, t, g: s.terminal_counter_trusted(t), _equals(True),
                                      writes=False),
 }

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from jobtools import count, requeue
+from jobtools import count, materialise, requeue
 from psycopg import pq
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session
@@ -154,10 +154,10 @@ def test_the_same_attempt_twice_completes_once(engine, storage):
     assert count(engine, storage, "done_entries") == 1
 
 
-def test_pairs_and_heartbeated_attempts_take_the_general_path_in_the_same_call(engine, storage):
+def test_pairs_and_materialised_attempts_take_the_general_path_in_the_same_call(engine, storage):
     enqueue(engine, storage, 4)
     plain, beating, by_pair = storage.claim_runtime_batch(engine, "q", 3)
-    storage.heartbeat_batch(engine, [(beating.job.id, beating.job.run_lease)])
+    materialise(engine, storage, beating)
     got = storage.complete_and_claim(engine, [beating, (by_pair.job.id, by_pair.job.run_lease), plain], "q", 5)
     assert got.completed == [(beating.job.id, 1), (by_pair.job.id, 1), (plain.job.id, 1)]  # input order
     assert len(got.claimed) == 1
@@ -169,7 +169,7 @@ def test_an_attempt_materialised_since_its_claim_is_completed_after_the_statemen
     enqueue(engine, storage, 3)
     a, b = storage.claim_runtime_batch(engine, "q", 2)
     # the client still holds a plain receipt: the statement leaves it, the general path ends it
-    storage.heartbeat_batch(engine, [(a.job.id, a.job.run_lease)])
+    materialise(engine, storage, a)
     got = storage.complete_and_claim(engine, [a, b], "q", 1)
     assert got.completed == pairs([a, b]) and len(got.claimed) == 1
     assert storage.queue_counts(engine, "q").terminal == 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from jobtools import census, claim, count, params, running, state
+from jobtools import LIVE_KEYS, census, claim, count, params, running, state
 from sqlalchemy import text
 
 from qstore import UniqueConflictError, UniqueOpts, ValidationError
@@ -303,7 +303,7 @@ def test_discard_failed_by_kind_releases_unique_keys(engine, st):
     with pytest.raises(UniqueConflictError):
         st.enqueue_params_batch(engine, [params("a", {"u": 1}, unique=holds_failed)])
     assert st.discard_failed_by_kind(engine, "a") == 2
-    assert count(engine, st, "job_unique_claims") == 0
+    assert count(engine, st, LIVE_KEYS) == 0
     assert st.enqueue_params_batch(engine, [params("a", {"u": 1}, unique=holds_failed),
                                             params("a", {"u": 2}, unique=holds_failed)]) == 2
 

@@ -9,7 +9,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from jobtools import add, params
+from jobtools import add, materialise, params
 from sqlalchemy import create_engine, event, text
 
 from qstore import DatabaseError, PartialCommitError, UniqueOpts
@@ -37,7 +37,7 @@ def test_engine_completion_that_fails_after_its_fast_part_committed_says_what_co
         engine, st, refuse_attempt_state_deletes):
     st.enqueue_params_batch(engine, [params(args={"n": i}) for i in range(2)])
     plain, beating = st.claim_runtime_batch(engine, "q", 2)
-    assert st.heartbeat_batch(engine, [(beating.job.id, beating.job.run_lease)]) == 1
+    materialise(engine, st, beating)
     with pytest.raises(PartialCommitError) as err:
         st.complete_runtime_batch(engine, [plain, beating])
     assert err.value.committed == [(plain.job.id, plain.job.run_lease)]
@@ -49,7 +49,7 @@ def test_engine_completion_that_fails_after_its_fast_part_committed_says_what_co
 def test_engine_completion_pending_after_a_partial_commit_completes_on_retry(engine, st):
     st.enqueue_params_batch(engine, [params(args={"n": i}) for i in range(2)])
     plain, beating = st.claim_runtime_batch(engine, "q", 2)
-    st.heartbeat_batch(engine, [(beating.job.id, beating.job.run_lease)])
+    materialise(engine, st, beating)
     assert st.complete_runtime_batch(engine, [plain, beating]) == [
         (plain.job.id, plain.job.run_lease), (beating.job.id, beating.job.run_lease)]
 
@@ -61,7 +61,7 @@ def test_engine_completion_needing_the_general_path_from_the_start_is_one_transa
     keyed = UniqueOpts(states=0b0000_0110)
     st.enqueue_params_batch(engine, [params(args={"n": 1}), params(args={"n": 2}, unique=keyed)])
     plain, unique = st.claim_runtime_batch(engine, "q", 2)
-    st.heartbeat_batch(engine, [(unique.job.id, unique.job.run_lease)])
+    materialise(engine, st, unique)
     with pytest.raises(DatabaseError) as err:
         st.complete_runtime_batch(engine, [plain, unique])
     assert not isinstance(err.value, PartialCommitError)

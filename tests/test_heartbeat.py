@@ -1,6 +1,8 @@
 """Heartbeats and progress: a heartbeat or progress report appends one ``attempt_progress``
 row (no mutable per-attempt state is written), an attempt that never reports writes none,
-and a heartbeat never rewrites an append-only claim row.
+and a heartbeat never rewrites an append-only claim row: a heartbeated attempt completes on
+the fast path, and a receipt a previous release materialised on its heartbeat completes on
+the general path.
 
 Every test runs twice: on an install with receipts, and on one without, where each claim
 writes a lease."""
@@ -82,14 +84,13 @@ def test_heartbeat_is_visible_in_load_job(engine, st):
     assert st.load_job(engine, c.job.id).heartbeat_at == hb
 
 
-def test_heartbeat_sets_materialized_at_once_and_never_rewrites_the_claim_row(engine, st):
+def test_heartbeat_never_writes_the_claim_row(engine, st):
     c = running(engine, st)
-    st.heartbeat_batch(engine, [(c.job.id, 1)])
     first = claim_row(engine, st, c.job.id)
-    assert (first[2] is not None) == st.lease_claim_receipts()  # a lease has nothing to mark
     st.heartbeat_batch(engine, [(c.job.id, 1)])
     st.heartbeat_progress_batch(engine, [(c.job.id, 1, {"p": 1})])
-    assert claim_row(engine, st, c.job.id) == first  # same ctid, xmin, materialized_at: never rewritten
+    assert claim_row(engine, st, c.job.id) == first  # same ctid and xmin: never rewritten
+    assert first[2] is None  # a receipt is not materialised by a heartbeat
 
 
 def test_second_heartbeat_advances_heartbeat_at(engine, st):
@@ -386,3 +387,104 @@ def test_a_heartbeat_in_progress_does_not_hold_up_the_attempts_own_lease_updates
             other.commit()
         beating.commit()
     assert state(engine, s, c.job.id) == JobState.WAITING_EXTERNAL
+
+
+# -- heartbeats and the completion fast path ------------------------------------------------------
+
+
+def dead_tuples(engine, s, table: str) -> int:
+    """Dead tuples in every ring child of ``table`` (``pgstattuple``, exact)."""
+    with engine.connect() as c:
+        return int(c.execute(text(
+            "SELECT coalesce(sum((pgstattuple(i.inhrelid::regclass)).dead_tuple_count), 0) FROM pg_inherits i "
+            f"WHERE i.inhparent = '\"{s.schema()}\".{table}'::regclass")).scalar_one())
+
+
+def test_heartbeats_under_a_pinned_horizon_leave_no_dead_tuple_in_the_claim_rows(engine, st):
+    with engine.begin() as c:
+        try:
+            c.execute(text("CREATE EXTENSION IF NOT EXISTS pgstattuple"))
+        except Exception:  # pragma: no cover - a server without the contrib module
+            pytest.skip("needs pgstattuple")
+    table = attempt_table(st)
+    before = dead_tuples(engine, st, table)
+    with engine.connect() as pin:
+        pin.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+        pin.execute(text("SELECT txid_current()"))  # a snapshot and an xid: the horizon is held
+        jobs = [running(engine, st) for _ in range(10)]
+        for pct in (1, 2, 3):
+            assert st.heartbeat_progress_batch(engine, [(j.job.id, 1, {"pct": pct}) for j in jobs]) == 10
+        assert dead_tuples(engine, st, table) == before
+        pin.rollback()
+
+
+def complete_receipts(engine, s, c) -> list[tuple[int, int]]:
+    """The fast statement alone (``complete_receipts``) for the claimed attempt ``c``."""
+    with engine.begin() as conn:
+        return [tuple(r) for r in conn.execute(text(
+            f'SELECT * FROM "{s.schema()}".complete_receipts(ARRAY[:slot]::integer[], ARRAY[:job]::bigint[], '
+            "ARRAY[:lease]::bigint[], ARRAY[:kind]::text[])"),
+            {"slot": c.claim.claim_slot, "job": c.job.id, "lease": c.job.run_lease, "kind": c.job.kind})]
+
+
+@pytest.fixture
+def rst(make_storage):
+    """An install with receipts (the fast path completes receipts)."""
+    return make_storage(lease_claim_receipts=True)
+
+
+def test_the_fast_statement_completes_an_attempt_that_never_heartbeated(engine, rst):
+    c = running(engine, rst)
+    assert complete_receipts(engine, rst, c) == [(c.job.id, 1)]
+
+
+def test_the_fast_statement_completes_a_heartbeated_attempt_and_drops_its_progress(engine, rst):
+    c = running(engine, rst)
+    rst.heartbeat_progress_batch(engine, [(c.job.id, 1, {"pct": 50})])
+    assert complete_receipts(engine, rst, c) == [(c.job.id, 1)]
+    row = rst.load_job(engine, c.job.id)
+    assert row.state == JobState.COMPLETED and row.progress is None
+
+
+def test_the_fast_statement_leaves_a_receipt_a_previous_release_materialised_on_heartbeat(engine, rst):
+    c = running(engine, rst)
+    with engine.begin() as conn:  # what that release's heartbeat wrote
+        conn.execute(text(f'UPDATE "{rst.schema()}".lease_claims SET materialized_at = clock_timestamp() '
+                          f"WHERE job_id = {c.job.id}"))
+    assert complete_receipts(engine, rst, c) == []
+    assert rst.complete_runtime_batch(engine, [c]) == [(c.job.id, 1)]
+    assert state(engine, rst, c.job.id) == JobState.COMPLETED
+
+
+def test_a_fast_completion_waiting_for_a_heartbeat_completes_the_attempt_once_it_commits(engine, rst):
+    c = running(engine, rst)
+    got: list[list[tuple[int, int]]] = []
+    with engine.connect() as beat:
+        beat.begin()
+        assert rst.heartbeat_batch(beat, [(c.job.id, 1)]) == 1  # holds the receipt's lock
+        fast = threading.Thread(target=lambda: got.append(complete_receipts(engine, rst, c)))
+        fast.start()
+        time.sleep(0.3)
+        assert fast.is_alive()  # waiting for the receipt
+        beat.commit()
+    fast.join(10)
+    assert got == [[(c.job.id, 1)]]
+    assert state(engine, rst, c.job.id) == JobState.COMPLETED
+
+
+def test_a_heartbeated_attempt_completes_through_the_general_path_and_keeps_its_progress_rows(engine, st):
+    c = running(engine, st)
+    st.heartbeat_progress_batch(engine, [(c.job.id, 1, {"pct": 50})])
+    assert st.complete_runtime_batch(engine, [c]) == [(c.job.id, 1)]
+    assert state(engine, st, c.job.id) == JobState.COMPLETED
+    assert reports(engine, st, c.job.id) == [(1, reports(engine, st, c.job.id)[0][1], {"pct": 50})]
+    assert st.complete_runtime_batch(engine, [c]) == []
+
+
+def test_stale_rescue_takes_a_heartbeated_attempt_whose_receipt_was_never_materialised(engine, st):
+    c = running(engine, st)
+    st.heartbeat_progress_batch(engine, [(c.job.id, 1, {"pct": 5})])
+    time.sleep(0.6)
+    assert [r.id for r in st.rescue_stale_heartbeats(engine, 0.5)] == [c.job.id]
+    row = st.load_job(engine, c.job.id)
+    assert row.state == JobState.RETRYABLE and row.progress == {"pct": 5}

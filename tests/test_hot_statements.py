@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from jobtools import materialise
 from sqlalchemy import Engine, create_engine, event
 
 from qstore import InsertOpts, InsertParams
@@ -27,7 +28,7 @@ def cycle(engine: Engine, storage: Any) -> None:
     storage.enqueue(engine, InsertParams("k", {"n": 1}, InsertOpts(queue="q")))
     storage.enqueue_many(engine, [InsertParams("k", {"n": n}, InsertOpts(queue="q")) for n in range(3)])
     a, b = storage.claim_runtime_batch(engine, "q", 2)
-    storage.heartbeat_batch(engine, [(b.job.id, b.job.run_lease)])
+    materialise(engine, storage, b)
     assert len(storage.complete_runtime_batch(engine, [a, b])) == 2  # fast and general path
     got = storage.complete_and_claim(engine, [], "q", 1)
     assert len(storage.complete_and_claim(engine, got.claimed, "q", 1).completed) == 1

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -506,3 +507,76 @@ def test_a_previous_release_workers_retry_is_promoted_by_this_release(module_eng
         conn.execute(text(f'UPDATE "{cfg.schema}".deferred_wheel SET run_at = clock_timestamp()'))
     assert st.promote_due(engine, JobState.RETRYABLE, 10) == 1
     assert st.load_job(engine, retried).state is JobState.AVAILABLE  # type: ignore[union-attr]
+
+
+# -- unique-key releases as appended rows (revision 0013) --------------------------------------
+
+KEYS_REVISION = "0013"
+BEFORE_KEYS = REVISIONS[REVISIONS.index(KEYS_REVISION) - 1]
+
+
+def _unique(key: str, **opts: Any) -> Any:
+    from qstore import InsertOpts, InsertParams, UniqueOpts
+
+    return InsertParams("k", {"key": key}, InsertOpts(queue=Q, unique=UniqueOpts(), **opts))
+
+
+def _claims(engine: Engine, schema: str) -> dict[int, bytes]:
+    """job id → key of every ``job_unique_claims`` row."""
+    with engine.connect() as conn:
+        return {r[0]: bytes(r[1]) for r in conn.execute(text(
+            f'SELECT job_id, unique_key FROM "{schema}".job_unique_claims'))}
+
+
+def _conflicts_with(st: QueueStorage, engine: Engine, key: str) -> int | None:
+    """The owner an enqueue of ``key`` reports (None: the enqueue took the key)."""
+    from qstore import UniqueConflictError
+
+    try:
+        st.enqueue_many(engine, [_unique(key)])
+    except UniqueConflictError as err:
+        return int(str(err).rsplit("job ", 1)[1])
+    return None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_key_release_revision_keeps_live_keys_and_its_downgrade_deletes_released_ones(module_engine, mode):
+    _url, engine = module_engine
+    cfg = config(f"keys_{mode}", mode)
+    migrate_to(engine, cfg, BEFORE_KEYS)
+    st = QueueStorage(cfg)
+    # at the revision before: a running, a completed (the default mask keeps its key), a
+    # scheduled and an available unique job, and one whose key that revision released (deleted)
+    (running,) = st.enqueue_many(engine, [_unique("running")])
+    assert [c.job.id for c in st.claim_runtime_batch(engine, Q, 1)] == [running]
+    (done,) = st.enqueue_many(engine, [_unique("done")])
+    (c,) = st.claim_runtime_batch(engine, Q, 1)
+    assert c.job.id == done and st.complete_runtime_batch(engine, [c]) == [(done, 1)]
+    (scheduled,) = st.enqueue_many(engine, [_unique("scheduled", run_at=datetime.now(timezone.utc) + timedelta(hours=1))])
+    available, gone = st.enqueue_many(engine, [_unique("available"), _unique("gone")])
+    with engine.begin() as conn:
+        conn.execute(text(f'DELETE FROM "{cfg.schema}".job_unique_claims WHERE job_id = {gone}'))
+    before = _claims(engine, cfg.schema)
+
+    migrate_to(engine, cfg, "heads")
+    assert _claims(engine, cfg.schema) == before  # every live key stays, owned by its job
+    owners = {"running": running, "done": done, "scheduled": scheduled, "available": available}
+    assert {k: _conflicts_with(st, engine, k) for k in owners} == owners
+    assert _conflicts_with(st, engine, "gone") is None  # free: taken by a new job
+    # at head: two keys released by cancels (appended release rows)
+    assert st.cancel_job(engine, available).state == JobState.CANCELLED  # type: ignore[union-attr]
+    assert st.cancel_job(engine, scheduled).state == JobState.CANCELLED  # type: ignore[union-attr]
+    with engine.connect() as conn:
+        assert conn.execute(text(f'SELECT count(*) FROM "{cfg.schema}".job_unique_releases')).scalar_one() == 2
+    live = {j: k for j, k in _claims(engine, cfg.schema).items() if j not in (available, scheduled)}
+
+    migrate_to(engine, cfg, BEFORE_KEYS)
+    assert _claims(engine, cfg.schema) == live  # the released claims were deleted
+    with engine.connect() as conn:
+        assert not inspect(conn).has_table("job_unique_releases", schema=cfg.schema)
+    assert _conflicts_with(st, engine, "running") == running  # that revision's enqueue_jobs
+    assert _conflicts_with(st, engine, "available") is None  # free there too
+
+    migrate_to(engine, cfg, "heads")
+    assert _conflicts_with(st, engine, "done") == done
+    assert _conflicts_with(st, engine, "scheduled") is None

@@ -3,8 +3,9 @@
 Queue storage needs upkeep that nothing on the enqueue/claim/complete path does: rotating
 and pruning the three rings (without it history is never truncated), promoting due
 scheduled and retryable jobs (without it they never become claimable), rescuing abandoned
-attempts (stale heartbeats, passed deadlines, timed-out callbacks) and folding terminal
-count deltas into the counters. :class:`Maintainer` runs those tasks on the cadences of a
+attempts (stale heartbeats, passed deadlines, timed-out callbacks), folding terminal
+count deltas into the counters and deleting released unique keys (both only while the MVCC
+horizon is not pinned). :class:`Maintainer` runs those tasks on the cadences of a
 :class:`MaintenanceSchedule`, in a background thread or one pass at a time.
 
 Any number of processes may run a maintainer for the same install: each tries to take a
@@ -98,6 +99,10 @@ class MaintenanceSchedule:
     instead of every second, and a claim-ring turn runs under fewer of the slowest pickups.
     ``claim_ring_turn_bytes=0`` turns it on every run (a fixed clock).
 
+    Every ``keys_every`` seconds the released unique claims are deleted, unless a snapshot
+    has pinned the horizon for ``rollup_pinned_after`` seconds (then the run touches
+    nothing): until then a released key is a claim row and a release row, free to take.
+
     Every field must be a positive finite number, except ``prune_backoff_limit`` and
     ``claim_ring_turn_bytes``, which may be 0. After ``k`` consecutive prunes of a ring that
     pruned nothing, the next ``2**min(k, prune_backoff_limit) - 1`` ticks of that ring only
@@ -120,6 +125,7 @@ class MaintenanceSchedule:
     rollup_every: float = 30.0
     rollup_max_slots: int = 4
     rollup_pinned_after: float = 5.0
+    keys_every: float = 5.0
     prune_backoff_limit: int = 5
     leader_retry_every: float = 1.0
 
@@ -317,6 +323,9 @@ class Maintainer:
                   lambda: s.rollup_terminal_count_deltas(
                       e, sch.rollup_max_slots,
                       pinned_after=timedelta(seconds=sch.rollup_pinned_after))),
+            _Task("unique_keys", sch.keys_every,
+                  lambda: {"purged": s.purge_released_keys(
+                      e, pinned_after=timedelta(seconds=sch.rollup_pinned_after))}),
         ]
 
     def _promote(self) -> dict[str, int]:

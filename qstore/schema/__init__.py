@@ -109,6 +109,9 @@ class StorageSchema:
     counter_state: Table
     queue_meta: Table
     unique_claims: Table
+    #: Append-only releases of unique claims (a key is free once its claim is released).
+    unique_releases: Table
+    unique_claim_seq: Sequence  # claim_id of job_unique_claims: a new one per write of a row
     claimer_leases: Table
     claimer_state: Table
     storage_config: Table
@@ -170,7 +173,7 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     lanes, enqueue_heads, claim_heads = control_plane.declare_lanes(md, config)
     live_counts, rollups, rollup_ledger, counter_state = control_plane.declare_counters(md, config)
     queue_meta = control_plane.declare_queue_meta(md, config)
-    unique_claims = control_plane.declare_unique_claims(md, config)
+    unique_claim_seq, unique_claims, unique_releases = control_plane.declare_unique_claims(md, config)
     claimer_leases, claimer_state = control_plane.declare_claimers(md, config)
     storage_config, backends, transition = control_plane.declare_install_tables(md, config)
     record("control")
@@ -186,7 +189,8 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
         lanes=lanes, enqueue_heads=enqueue_heads, claim_heads=claim_heads,
         live_counts=live_counts, rollups=rollups, rollup_ledger=rollup_ledger,
         counter_state=counter_state, queue_meta=queue_meta,
-        unique_claims=unique_claims, claimer_leases=claimer_leases,
+        unique_claims=unique_claims, unique_releases=unique_releases, unique_claim_seq=unique_claim_seq,
+        claimer_leases=claimer_leases,
         claimer_state=claimer_state, storage_config=storage_config, backends=backends,
         transition=transition, job_id_seq=job_id_seq, lane_rotor=lane_rotor,
         wheel_entry_seq=wheel_entry_seq, functions=functions, views=views,
@@ -198,13 +202,15 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
 
 
 def _attach_ddl_events(sch: StorageSchema) -> None:
-    """create_all: seed rows after the tables, functions + views after everything;
-    drop_all: views, functions and runtime lane sequences first."""
+    """create_all: seed rows after the tables, functions, the unique-claim trigger and views
+    after everything; drop_all: views, the trigger, functions and runtime lane sequences
+    first."""
 
     def after_create(target: MetaData, connection: Connection, **_: Any) -> None:
         seed_rows(connection, sch)
         for fn in sch.functions:
             execute_ddl(connection, fn.create_sql())
+        execute_ddl(connection, control_plane.unique_claim_trigger(sch.config))
         for view in sch.views:
             execute_ddl(connection, view.create_sql())
 
@@ -242,10 +248,13 @@ def _regclass(seq: Sequence) -> str:
 
 
 def drop_runtime_objects(connection: Connection, sch: StorageSchema) -> None:
-    """Drop what is not a table: views, functions and the per-lane sequences created at
-    runtime by ``ensure_lane`` (named ``queue_{enqueue,claim}_seq_<md5>``)."""
+    """Drop what is not a table: views, the unique-claim trigger, functions and the per-lane
+    sequences created at runtime by ``ensure_lane`` (named ``queue_{enqueue,claim}_seq_<md5>``)."""
     for view in sch.views:
         connection.execute(text(view.drop_sql()))
+    prep = connection.dialect.identifier_preparer
+    connection.execute(text(f"DROP TRIGGER IF EXISTS {control_plane.UNIQUE_CLAIM_TRIGGER} "
+                            f"ON {prep.quote_schema(sch.config.schema)}.job_unique_claims"))
     for fn in sch.functions:
         connection.execute(text(fn.drop_sql()))
     lane_seqs = connection.execute(
@@ -256,7 +265,6 @@ def drop_runtime_objects(connection: Connection, sch: StorageSchema) -> None:
         ),
         {"schema": sch.config.schema},
     ).scalars()
-    prep = connection.dialect.identifier_preparer
     for name in list(lane_seqs):
         connection.execute(
             text(f"DROP SEQUENCE IF EXISTS {prep.quote_schema(sch.config.schema)}.{prep.quote(name)}")

@@ -162,15 +162,49 @@ def declare_queue_meta(md: MetaData, cfg: QueueStorageConfig) -> Table:
     )
 
 
-def declare_unique_claims(md: MetaData, cfg: QueueStorageConfig) -> Table:
-    return Table(
+#: The trigger that gives an updated ``job_unique_claims`` row a new ``claim_id``.
+UNIQUE_CLAIM_TRIGGER = "job_unique_claims_renew"
+
+
+def declare_unique_claims(md: MetaData, cfg: QueueStorageConfig) -> tuple[Sequence, Table, Table]:
+    """Unique-key ownership: ``job_unique_claims`` (one row per key: the job that took it and
+    the claim's number, ``claim_id``) and the append-only ``job_unique_releases`` (one row
+    per released claim, by ``claim_id``).
+
+    A key is owned by its claim row's job unless a release row names the row's
+    ``claim_id``; a released key is taken over in place (``ON CONFLICT … DO UPDATE``), and
+    every update of a claim row gives it a new ``claim_id`` (a ``BEFORE UPDATE`` trigger,
+    ``unique_claim_renew``), so a release never outlives the claim it released. Releasing
+    deletes nothing: the maintainer deletes released claims and their release rows while
+    the MVCC horizon is not pinned."""
+    seq = Sequence("job_unique_claim_seq", schema=cfg.schema, metadata=md, start=1)
+    claims = Table(
         "job_unique_claims", md,
         Column("unique_key", BYTES, nullable=False),
         Column("job_id", BIGINT, nullable=False),
+        Column("claim_id", BIGINT, nullable=False,
+               server_default=text(f"nextval('{cfg.schema}.job_unique_claim_seq'::regclass)")),
         UniqueConstraint("unique_key", name="job_unique_claims_unique_key_key"),
         Index("job_unique_claims_job_idx", "job_id"),
         schema=cfg.schema,
     )
+    releases = Table(
+        "job_unique_releases", md,
+        Column("claim_id", BIGINT, nullable=False, autoincrement=False),
+        Column("unique_key", BYTES, nullable=False),
+        Column("job_id", BIGINT, nullable=False),
+        Column("released_at", TS, nullable=False, server_default=NOW),
+        PrimaryKeyConstraint("claim_id", name="job_unique_releases_pkey"),
+        schema=cfg.schema,
+    )
+    return seq, claims, releases
+
+
+def unique_claim_trigger(cfg: QueueStorageConfig) -> str:
+    """``CREATE TRIGGER`` of :data:`UNIQUE_CLAIM_TRIGGER` (after the function exists)."""
+    s = cfg.schema
+    return (f"CREATE TRIGGER {UNIQUE_CLAIM_TRIGGER} BEFORE UPDATE ON {s}.job_unique_claims "
+            f"FOR EACH ROW EXECUTE FUNCTION {s}.unique_claim_renew()")
 
 
 def declare_claimers(md: MetaData, cfg: QueueStorageConfig) -> tuple[Table, Table]:

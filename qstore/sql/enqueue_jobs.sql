@@ -2,7 +2,9 @@
 ##
 ## Allocates the ids, takes the unique keys (a key another job owns makes the call write
 ## nothing and return the key and its owner instead of raising, so a caller's transaction
-## stays usable), picks each ready row's lane, reserves lane positions in the lock order
+## stays usable; a key whose claim was released, a row in job_unique_releases, is free and
+## taken over in place: the row lock makes one of concurrent takers win, and the others
+## re-check the row the winner wrote, whose new claim_id no release names), picks each ready row's lane, reserves lane positions in the lock order
 ## every producer follows (queue in byte order, then priority, then shard), inserts ready
 ## rows into the queue ring's current slot and scheduled rows into the deferred wheel (or
 ## its overflow, deferred_jobs, when due beyond the wheel's span), and queues
@@ -46,11 +48,15 @@ BEGIN
     -- one job: the same steps without the set-based machinery
     v_id := nextval('${s}.job_id_seq'::regclass);
     IF p_takes_key[1] THEN
-      INSERT INTO ${s}.job_unique_claims (unique_key, job_id) VALUES (p_unique_keys[1], v_id)
-        ON CONFLICT (unique_key) DO NOTHING;
+      INSERT INTO ${s}.job_unique_claims AS c (unique_key, job_id) VALUES (p_unique_keys[1], v_id)
+        ON CONFLICT (unique_key) DO UPDATE SET job_id = excluded.job_id
+        WHERE EXISTS (SELECT 1 FROM ${s}.job_unique_releases r WHERE r.claim_id = c.claim_id);
       IF NOT FOUND THEN
         RETURN QUERY SELECT NULL::bigint[], p_unique_keys[1],
-          (SELECT c.job_id FROM ${s}.job_unique_claims c WHERE c.unique_key = p_unique_keys[1]);
+          (SELECT c.job_id FROM ${s}.job_unique_claims c
+           WHERE c.unique_key = p_unique_keys[1]
+             AND NOT EXISTS (SELECT 1 FROM ${s}.job_unique_releases r
+                             WHERE r.claim_id = c.claim_id));
         RETURN;
       END IF;
     END IF;
@@ -95,20 +101,26 @@ BEGIN
 
   SELECT count(*) INTO v_wanted FROM unnest(p_takes_key) AS t(takes) WHERE t.takes;
   IF v_wanted > 0 THEN
+    -- a key named twice in the call is taken once (the other row then reports a conflict)
     WITH ins AS (
-      INSERT INTO ${s}.job_unique_claims (unique_key, job_id)
-      SELECT k.key, k.id FROM unnest(p_unique_keys, v_ids, p_takes_key) AS k(key, id, takes)
+      INSERT INTO ${s}.job_unique_claims AS c (unique_key, job_id)
+      SELECT DISTINCT ON (k.key) k.key, k.id
+      FROM unnest(p_unique_keys, v_ids, p_takes_key) AS k(key, id, takes)
       WHERE k.takes
-      ON CONFLICT (unique_key) DO NOTHING
+      ORDER BY k.key, k.id
+      ON CONFLICT (unique_key) DO UPDATE SET job_id = excluded.job_id
+        WHERE EXISTS (SELECT 1 FROM ${s}.job_unique_releases r WHERE r.claim_id = c.claim_id)
       RETURNING 1)
     SELECT count(*) INTO v_taken FROM ins;
     IF v_taken < v_wanted THEN
+      -- this call's own claims go (keys it took over included: they were free)
       DELETE FROM ${s}.job_unique_claims c WHERE c.job_id = ANY (v_ids);
       RETURN QUERY
-        SELECT NULL::bigint[], k.key, (SELECT c.job_id FROM ${s}.job_unique_claims c
-                                       WHERE c.unique_key = k.key)
+        SELECT NULL::bigint[], k.key, o.job_id
         FROM unnest(p_unique_keys, p_takes_key) WITH ORDINALITY AS k(key, takes, ord)
-        WHERE k.takes AND EXISTS (SELECT 1 FROM ${s}.job_unique_claims c WHERE c.unique_key = k.key)
+        JOIN ${s}.job_unique_claims o ON o.unique_key = k.key
+        WHERE k.takes
+          AND NOT EXISTS (SELECT 1 FROM ${s}.job_unique_releases r WHERE r.claim_id = o.claim_id)
         ORDER BY k.ord LIMIT 1;
       IF NOT FOUND THEN
         RETURN QUERY SELECT NULL::bigint[], NULL::bytea, NULL::bigint;

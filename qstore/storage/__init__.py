@@ -56,7 +56,7 @@ from qstore.storage import enqueue as enqueuing
 from qstore.storage.context import StorageContext
 from qstore.storage.operations import Operation, SyncFace, op
 from qstore.storage.targets import Policy, Target, run
-from qstore.storage.upkeep import counters, rescue, rings, wheel
+from qstore.storage.upkeep import counters, keys, rescue, rings, wheel
 
 if TYPE_CHECKING:
     from qstore.storage.listen import Listener
@@ -224,6 +224,7 @@ class Operations:
     rollup_terminal_count_deltas = op(UNITS, counters.rollup_terminal_count_deltas, max_slots=C.slot_count)
     rebuild_terminal_counters = op(JOIN, counters.rebuild_terminal_counters)
     terminal_counter_trusted = op(JOIN, counters.terminal_counter_trusted)
+    purge_released_keys = op(JOIN, keys.purge_released_keys)
 
 
 def operations() -> dict[str, Operation[Any, Any]]:

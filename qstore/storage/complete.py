@@ -3,8 +3,8 @@
 Fast path (``complete_runtime_batch`` for plain receipt-only attempts): one call of the
 server function ``complete_receipts`` locks the receipts, appends closures (``ON CONFLICT DO
 NOTHING`` — a rescue or cancel that closed first wins), narrow done rows from the claim-time
-receipt and kind, and grouped count deltas. Everything else (materialised leases,
-heartbeated receipts, unique-key transitions) takes the general path: take → decide →
+receipt and kind, and grouped count deltas. Everything else (leases, receipts
+materialised by a callback, unique-key transitions) takes the general path: take → decide →
 write. Stale attempts are absent from results.
 """
 

@@ -2,7 +2,7 @@
 their ready row). See :mod:`qstore.migrations.frozen.r0014`.
 
 Revision ID: 0014
-Revises: 0012
+Revises: 0013
 Create Date: 2026-12-06
 """
 
@@ -15,7 +15,7 @@ from qstore.migrate import revision_shape, run_statements
 from qstore.migrations.frozen import r0014
 
 revision = "0014"
-down_revision = "0012"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 

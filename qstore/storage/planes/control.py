@@ -7,6 +7,9 @@ the backend registry.
   N+1 visible" implies "position N committed or aborted".
 * **Unique keys**: a job owns its key while its state's bit is set in its
   ``unique_states`` mask; every transition syncs ownership (acquire first, then release).
+  A release appends a ``job_unique_releases`` row naming the claim's ``claim_id`` (no row
+  updated or deleted, so no dead tuple while the MVCC horizon is pinned); a released key is
+  free and taken over in place; :func:`purge_released_keys` deletes released claims.
 * **Counters**: deltas are appended by the queue plane; here the rollup folds them into
   the live counts, prunes append their ground-truth folds to the ledger, and the ledger is
   folded into the permanent rollups.
@@ -43,6 +46,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import INTERVAL, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.postgresql.dml import Insert as PgInsert
@@ -60,6 +64,7 @@ __all__ = [
     "ControlStatements",
     "Transition",
     "acquire_keys",
+    "purge_released_keys",
     "release_keys",
     "reserve_lanes",
     "statements",
@@ -69,6 +74,7 @@ __all__ = [
 ]
 
 BACKEND = "queue_storage"
+_PG = postgresql.dialect()
 #: How long a shared claimer target stays fresh before one claimer recomputes it.
 TARGET_REFRESH = timedelta(milliseconds=500)
 _COUNTER_KEY = ("ready_slot", "queue", "priority", "enqueue_shard", "counter_bucket")
@@ -228,19 +234,45 @@ def takes_key(tr: Transition) -> bool:
             and not (tr.old is not None and holds_key(tr.unique_states, tr.old)))
 
 
+def _released(sch: StorageSchema) -> Any:
+    """``EXISTS`` a release of the claim row ``job_unique_claims`` (correlated)."""
+    t, rel = sch.unique_claims, sch.unique_releases
+    return select(literal(1)).select_from(rel).where(rel.c.claim_id == t.c.claim_id).correlate(t).exists()
+
+
+def _released_in_conflict(sch: StorageSchema) -> Any:
+    """:func:`_released` for the ``WHERE`` of ``ON CONFLICT … DO UPDATE`` (written out:
+    SQLAlchemy renders a subquery there without its schema and without correlation)."""
+    t, rel = sch.unique_claims, sch.unique_releases
+    prep = _PG.identifier_preparer
+    return text(f"EXISTS (SELECT 1 FROM {prep.format_table(rel)} r "
+                f"WHERE r.claim_id = {prep.format_table(t)}.claim_id)")
+
+
 def _claim_keys(sch: StorageSchema, owners: dict[bytes, int]) -> Any:
+    """Take each key for its job: a new claim row, or the key's row taken over in place when
+    its claim was released (the trigger gives it a new ``claim_id``) or is already the
+    job's. The row lock makes one of concurrent takers of a released key win; the others
+    re-check the winner's row, which no release names, and take nothing."""
     t = sch.unique_claims
     ins = pg_insert(t).values([{"unique_key": k, "job_id": j} for k, j in owners.items()])
     return ins.on_conflict_do_update(
         index_elements=[t.c.unique_key],
         set_={"job_id": ins.excluded.job_id},
-        where=t.c.job_id == ins.excluded.job_id,
+        where=or_(t.c.job_id == ins.excluded.job_id, _released_in_conflict(sch)),
     ).returning(t.c.unique_key)
+
+
+def _owners(sch: StorageSchema, keys: Sequence[bytes]) -> Select[Any]:
+    """``(unique_key, job_id)`` of the keys among ``keys`` that are owned (claimed, not released)."""
+    t = sch.unique_claims
+    return select(t.c.unique_key, t.c.job_id).where(t.c.unique_key.in_(keys), ~_released(sch))
 
 
 def acquire_keys(conn: Connection, sch: StorageSchema, owners: Sequence[tuple[bytes, int]]) -> None:
     """Take ``(key, job_id)`` ownership; a key owned by another job (or named twice in one
-    batch) raises :class:`UniqueConflictError` (the caller's transaction must not commit)."""
+    batch) raises :class:`UniqueConflictError` (the caller's transaction must not commit).
+    A released key is free."""
     if not owners:
         return
     seen: dict[bytes, int] = {}
@@ -250,16 +282,16 @@ def acquire_keys(conn: Connection, sch: StorageSchema, owners: Sequence[tuple[by
     got = set(conn.execute(_claim_keys(sch, seen)).scalars())
     missing = [k for k in seen if k not in got]
     if missing:
-        t = sch.unique_claims
-        owner = conn.execute(select(t.c.job_id).where(t.c.unique_key == missing[0])).scalar()
+        owned: dict[bytes, int] = {k: j for k, j in conn.execute(_owners(sch, missing[:1]))}
+        owner = owned.get(missing[0])
         raise UniqueConflictError("job_unique_claims", f"unique key {missing[0].hex()} is owned by job {owner}")
 
 
 def try_acquire_keys(conn: Connection, sch: StorageSchema, owners: Sequence[tuple[bytes, int]]) -> dict[int, int]:
-    """Take ``(key, job_id)`` ownership where the key is free (or already the job's); never
-    raises for a key owned by another job. Returns ``{job_id: owning job_id}`` (-1: owner
-    unknown) for the jobs that did not get their key; within ``owners`` the first job naming
-    a key wins it."""
+    """Take ``(key, job_id)`` ownership where the key is free (never claimed, or released) or
+    already the job's; never raises for a key owned by another job. Returns ``{job_id:
+    owning job_id}`` (-1: owner unknown) for the jobs that did not get their key; within
+    ``owners`` the first job naming a key wins it."""
     lost: dict[int, int] = {}
     first: dict[bytes, int] = {}
     for key, job_id in owners:
@@ -271,20 +303,51 @@ def try_acquire_keys(conn: Connection, sch: StorageSchema, owners: Sequence[tupl
     got = set(conn.execute(_claim_keys(sch, first)).scalars())
     missing = [k for k in first if k not in got]
     if missing:
-        t = sch.unique_claims
-        owner = dict(conn.execute(select(t.c.unique_key, t.c.job_id).where(t.c.unique_key.in_(missing))).all())
+        owner: dict[bytes, int] = {k: j for k, j in conn.execute(_owners(sch, missing))}
         for key in missing:
             lost[first[key]] = owner.get(key, -1)
     return lost
 
 
+def _release(sch: StorageSchema, owned: Any) -> Insert:
+    """Append a release for each claim row matching ``owned`` (a condition on
+    ``job_unique_claims``) that is not released yet. Nothing is deleted."""
+    t, rel = sch.unique_claims, sch.unique_releases
+    return pg_insert(rel).from_select(
+        ["claim_id", "unique_key", "job_id"],
+        select(t.c.claim_id, t.c.unique_key, t.c.job_id).where(owned, ~_released(sch)).order_by(t.c.claim_id),
+    ).on_conflict_do_nothing(index_elements=[rel.c.claim_id])
+
+
 def release_keys(conn: Connection, sch: StorageSchema, owners: Iterable[tuple[bytes, int]]) -> None:
-    """Give up ``(key, job_id)`` ownership (only where that job still owns the key)."""
+    """Give up ``(key, job_id)`` ownership (only where that job still owns the key): one
+    appended release row per key, no row updated or deleted. The key is free at once."""
     pairs = list(owners)
     if not pairs:
         return
     t = sch.unique_claims
-    conn.execute(delete(t).where(tuple_(t.c.unique_key, t.c.job_id).in_(pairs)))
+    conn.execute(_release(sch, tuple_(t.c.unique_key, t.c.job_id).in_(pairs)))
+
+
+@functools.lru_cache(maxsize=64)
+def _purge_statements(sch: StorageSchema) -> tuple[Delete, Delete]:
+    t, rel = sch.unique_claims, sch.unique_releases
+    claims = delete(t).where(_released(sch))
+    # releases whose claim is gone or was taken again since (its claim_id renewed)
+    orphans = delete(rel).where(~select(literal(1)).select_from(t).where(
+        t.c.unique_key == rel.c.unique_key, t.c.claim_id == rel.c.claim_id).exists())
+    return claims, orphans
+
+
+def purge_released_keys(conn: Connection, sch: StorageSchema) -> int:
+    """Delete the released claim rows, then every release row whose claim row is gone (or
+    no longer carries its ``claim_id``); returns how many claim rows went. A key taken over
+    meanwhile keeps its row (its new ``claim_id`` has no release): the delete re-checks a
+    row updated since its snapshot."""
+    claims, orphans = _purge_statements(sch)
+    n = conn.execute(claims).rowcount
+    conn.execute(orphans)
+    return int(n)
 
 
 def sync_keys(conn: Connection, sch: StorageSchema, transitions: Iterable[Transition]) -> None:
@@ -413,7 +476,7 @@ class SlotStatements:
 
     ledger_append: Insert
     drop_live: Delete
-    release_keys: Delete
+    release_keys: Insert
     delta_stats: Select[Any]
     fold_deltas: Insert
 
@@ -461,7 +524,7 @@ def slot_statements(sch: StorageSchema, k: int) -> SlotStatements:
     return SlotStatements(
         ledger_append=ledger_append,
         drop_live=delete(live).where(live.c.ready_slot == k),
-        release_keys=delete(u).where(u.c.unique_key == owners.c.unique_key, u.c.job_id == owners.c.job_id),
+        release_keys=_release(sch, tuple_(u.c.unique_key, u.c.job_id).in_(select(owners.c.unique_key, owners.c.job_id))),
         delta_stats=select(
             select(func.count()).select_from(dl).scalar_subquery(),
             select(func.count()).select_from(grouped).scalar_subquery(),
@@ -474,7 +537,8 @@ def settle_pruned_slot(conn: Connection, sch: StorageSchema, k: int) -> None:
     """At a prune of queue slot ``k``, in its transaction and before its children are
     truncated: append the slot's ground-truth terminal counts (``count(done_k)`` by queue and
     priority) to the ledger, drop the slot's live counts, and release the unique keys its
-    done rows' jobs own (only where that job still owns the key)."""
+    done rows' jobs own (only where that job still owns the key: an appended release row
+    each, see :func:`release_keys`)."""
     s = slot_statements(sch, k)
     conn.execute(s.ledger_append)
     conn.execute(s.drop_live)

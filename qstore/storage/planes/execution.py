@@ -12,8 +12,9 @@ primary key makes finishing an attempt at-most-once; anything stale is simply no
 A heartbeat or progress report appends one ``attempt_progress`` row in the ring slot that
 holds its attempt (the receipt's claim slot, or the lease's slot on a receipts-off install):
 no row is updated or deleted, and the slot is reclaimed by ``TRUNCATE`` once the ring's prune
-gate finds no live attempt in it. A heartbeat sets the receipt's ``materialized_at`` at most
-once and never rewrites it. Mutable per-attempt state (``attempt_state``) is created only
+gate finds no live attempt in it. A heartbeat locks the receipt but never writes it, so
+a heartbeated attempt still completes on the fast path (a completion drops the attempt's
+progress on either path). Mutable per-attempt state (``attempt_state``) is created only
 when a callback hands a result back to its attempt (``resume``).
 """
 
@@ -94,7 +95,6 @@ class ExecutionStatements:
     hb_lock: Select[Any]
     hb_open: Select[Any]
     hb_leased: Select[Any]
-    hb_materialize: Update
     cb_lock_claim: Select[Any]
     cb_insert_lease: Insert
     cb_mark_materialized: Update
@@ -148,7 +148,7 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
         latest_progress=select(ap.c.job_id, ap.c.run_lease, ap.c.progress).select_from(ap.join(p, on_pair(ap)))
         .order_by(ap.c.job_id, ap.c.run_lease, ap.c.seq.desc()).ext(distinct_on(ap.c.job_id, ap.c.run_lease)),
         # lock open receipts first, so the later statements see every committed closure
-        hb_lock=select(c.c.claim_slot, c.c.job_id, c.c.run_lease, c.c.materialized_at)
+        hb_lock=select(c.c.claim_slot, c.c.job_id, c.c.run_lease)
         .select_from(c.join(hp, on_c)).where(~closed).order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),
         hb_open=select(c.c.job_id, c.c.run_lease).select_from(c.join(hp, on_c)).where(~closed),
         # Shared key lock on the leases, after the receipts (the order take_attempts locks
@@ -159,10 +159,6 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
             le.join(hp, and_(le.c.job_id == hp.c.job_id, le.c.run_lease == hp.c.run_lease)))
         .where(le.c.state.in_(bindparam("states", expanding=True)))
         .order_by(le.c.job_id, le.c.run_lease).with_for_update(of=le, read=True, key_share=True),
-        hb_materialize=update(c).where(
-            c.c.job_id == bindparam("b_job_id"), c.c.run_lease == bindparam("b_run_lease"),
-            c.c.claim_slot == bindparam("b_claim_slot"), c.c.materialized_at.is_(None),
-        ).values(materialized_at=now),
         cb_lock_claim=select(c).where(c.c.job_id == job, c.c.run_lease == lease).with_for_update(),
         cb_insert_lease=pg_insert(le).from_select(lease_cols, select(
             lrs.c.current_slot, lrs.c.generation, c.c.ready_slot, c.c.ready_generation, c.c.job_id,
@@ -303,7 +299,8 @@ def heartbeat(conn: Connection, sch: StorageSchema, items: Sequence[tuple[int, i
     transaction that is ending the attempt (it locks the receipt and deletes the lease) is
     waited for, and an attempt it ended is not written to. Rows are locked and written in
     ``(job_id, run_lease)`` order whatever the order of ``items``, so two heartbeats of the
-    same attempts never wait on each other in a cycle."""
+    same attempts never wait on each other in a cycle. Nothing is updated: the receipt is
+    only locked, and the attempt gets one appended ``attempt_progress`` row."""
     items = sorted({(int(j), int(r)): (int(j), int(r), pg) for j, r, pg in items}.values(),
                    key=lambda i: (i[0], i[1]))
     if not items:
@@ -318,10 +315,6 @@ def heartbeat(conn: Connection, sch: StorageSchema, items: Sequence[tuple[int, i
     live = [i for i in items if (i[0], i[1]) in open_now or (i[0], i[1]) in leased]
     if not live:
         return 0
-    for r in locked:
-        if r.materialized_at is None and (r.job_id, r.run_lease) in open_now:
-            conn.execute(s.hb_materialize, {"b_job_id": r.job_id, "b_run_lease": r.run_lease,
-                                            "b_claim_slot": r.claim_slot})
     # The row goes to the slot that holds the attempt, read under the locks above: the
     # receipt's claim slot (a receipt stays open while its attempt lives, lease or not), or
     # the lease's slot on a receipts-off install. The ring's prune gate keeps that slot

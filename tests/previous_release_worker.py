@@ -11,6 +11,11 @@ calls).
 ``work URL SCHEMA``: act as a worker of that release against whatever revision the schema is
 at now: enqueue, claim, complete (fast path and by id), heartbeat, retry, fail; print what
 each call returned.
+
+``history URL SCHEMA IDS``: look ended jobs up by id as that release does (``IDS`` a JSON
+object ``{"completed", "failed", "cancelled_running", "cancelled_scheduled"}`` of job ids):
+``load_job`` of each, then ``move_failed_to_dlq`` of the failed one and ``retry_job`` of
+the two cancelled ones; print the states each call showed.
 """
 
 from __future__ import annotations
@@ -114,11 +119,28 @@ def work(url: str, schema: str) -> dict[str, object]:
     return out
 
 
+def history(url: str, schema: str, ids: dict[str, int]) -> dict[str, object]:
+    engine = create_engine(url)
+    st = QueueStorage.from_existing_schema(schema, engine)
+
+    def state(row: object) -> object:
+        return row.state.value if row is not None else None  # type: ignore[attr-defined]
+
+    out: dict[str, object] = {f"load_{name}": state(st.load_job(engine, job_id)) for name, job_id in ids.items()}
+    out["dlq_failed"] = state(st.move_failed_to_dlq(engine, ids["failed"], "old"))
+    out["retry_cancelled_running"] = state(st.retry_job(engine, ids["cancelled_running"]))
+    out["retry_cancelled_scheduled"] = state(st.retry_job(engine, ids["cancelled_scheduled"]))
+    engine.dispose()
+    return out
+
+
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "states":
         print(json.dumps([states(x["url"], x["schema"], x["general"]) for x in json.loads(rest[0])]))
     elif command == "work":
         print(json.dumps(work(rest[0], rest[1])))
+    elif command == "history":
+        print(json.dumps(history(rest[0], rest[1], json.loads(rest[2]))))
     else:
         raise SystemExit(f"unknown command {command}")

@@ -342,6 +342,44 @@ def test_downgrade_to_0003_restores_the_receipt_btrees(migrated):
     assert "qstore.ready_entries_0 r" not in _claim_body(url)  # the frozen 0003 body
 
 
+#: the revision that indexes job_id of wide done rows only, and the revision below it
+WIDE_DONE = "0014"
+BEFORE_WIDE_DONE = REVISIONS[REVISIONS.index(WIDE_DONE) - 1]
+
+
+def _done_job_id_indexes(url: str) -> dict[str, str]:
+    """``table.index`` -> definition of the indexes on ``job_id`` of ``done_entries`` and of
+    its child 0."""
+    with engine_on(url) as eng, eng.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT c.relname, i.relname, pg_get_indexdef(i.oid) FROM pg_index x "
+            "JOIN pg_class c ON c.oid = x.indrelid JOIN pg_class i ON i.oid = x.indexrelid "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = 'qstore' AND c.relname IN ('done_entries', 'done_entries_0') "
+            "AND pg_get_indexdef(i.oid) LIKE '%(job_id)%'")).all()
+    return {f"{table}.{index}": definition for table, index, definition in rows}
+
+
+def test_upgrade_0014_indexes_job_id_of_wide_done_rows_only(migrated):
+    url = migrated(f"upgrade {BEFORE_WIDE_DONE}")
+    before = _done_job_id_indexes(url)
+    assert set(before) == {"done_entries.done_entries_job_id_idx", "done_entries_0.done_entries_0_job_id_idx"}
+    assert not any("WHERE" in d for d in before.values())
+    alembic(url, "upgrade", WIDE_DONE)
+    after = _done_job_id_indexes(url)
+    assert set(after) == {"done_entries.done_entries_wide_job_id_idx", "done_entries_0.done_entries_0_job_id_idx"}
+    assert all(d.endswith("WHERE (created_at IS NOT NULL)") for d in after.values()), after
+
+
+def test_downgrade_below_0014_restores_the_full_job_id_index_of_done_rows(migrated):
+    url = migrated("upgrade head")
+    alembic(url, "downgrade", BEFORE_WIDE_DONE)
+    assert _version(url, "qstore") == BEFORE_WIDE_DONE
+    idx = _done_job_id_indexes(url)
+    assert set(idx) == {"done_entries.done_entries_job_id_idx", "done_entries_0.done_entries_0_job_id_idx"}
+    assert not any("WHERE" in d for d in idx.values())
+
+
 # -- check --------------------------------------------------------------------------------
 
 

@@ -38,6 +38,9 @@ MODES = ("receipts", "leases")
 #: ``attempt_progress``, and the revision below it (whatever it is)
 PROGRESS_REVISION = "0012"
 BEFORE_PROGRESS = REVISIONS[REVISIONS.index(PROGRESS_REVISION) - 1]
+#: the revision that indexes job_id of wide done rows only, and the revision below it
+WIDE_DONE_REVISION = "0014"
+BEFORE_WIDE_DONE = REVISIONS[REVISIONS.index(WIDE_DONE_REVISION) - 1]
 Q = "upgrade"
 SMALL = {"queue_slot_count": 4, "lease_slot_count": 2, "claim_slot_count": 2}
 
@@ -188,6 +191,62 @@ def test_previous_release_worker_keeps_working_after_the_upgrade(module_engine, 
         assert row.state == JobState.COMPLETED and row.metadata == {"by": "old"}  # type: ignore[union-attr]
     counts = st.queue_counts(engine, "old_worker")
     assert (counts.available, counts.running, counts.terminal) == (0, 0, 3)
+
+
+def _ended_jobs(engine: Engine, st: QueueStorage) -> dict[str, int]:
+    """A completed and a failed attempt and a cancelled running one (narrow done rows), and
+    a cancelled scheduled job (a wide done row), ended by this release; their ids."""
+    from datetime import datetime, timedelta, timezone
+
+    from jobtools import params
+
+    st.enqueue_params_batch(engine, [params(args={"n": i}, queue=Q) for i in range(3)])
+    done, failed, cancelled = st.claim_runtime_batch(engine, Q, 3)
+    st.complete_runtime_batch(engine, [done])
+    st.fail_terminal(engine, failed.job.id, failed.job.run_lease, "boom")
+    st.cancel_job(engine, cancelled.job.id)
+    later = datetime.now(timezone.utc) + timedelta(hours=2)
+    st.enqueue_params_batch(engine, [params(args={"n": 9}, queue=Q, run_at=later)])
+    with engine.connect() as conn:
+        scheduled = conn.execute(text(f'SELECT job_id FROM "{st.schema()}".deferred_jobs')).scalar_one()
+    st.cancel_job(engine, scheduled)
+    return {"completed": done.job.id, "failed": failed.job.id, "cancelled_running": cancelled.job.id,
+            "cancelled_scheduled": scheduled}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_previous_release_finds_ended_jobs_by_id_without_the_full_done_index(module_engine, previous_release,
+                                                                                mode):
+    """Rolling deploy over the revision that indexes job_id of wide done rows only: the
+    previous release looks done rows up on ``done_entries.job_id`` (now a scan of the ring's
+    done rows for narrow ones) and still finds, moves and retries each."""
+    url, engine = module_engine
+    cfg = config(f"rolling_done_{mode}", mode)
+    migrate_to(engine, cfg, "heads")
+    ids = _ended_jobs(engine, QueueStorage(cfg))
+    out = run_previous(previous_release, "history", url, cfg.schema, json.dumps(ids))
+    assert out == {"load_completed": "completed", "load_failed": "failed", "load_cancelled_running": "cancelled",
+                   "load_cancelled_scheduled": "cancelled", "dlq_failed": "failed",
+                   "retry_cancelled_running": "available", "retry_cancelled_scheduled": "available"}
+
+
+def test_jobs_ended_below_the_wide_done_index_revision_are_found_by_id_after_it(module_engine):
+    """Done rows written before the upgrade (with the full index) are found by this
+    release's lookup after it, and again after a downgrade and upgrade."""
+    _url, engine = module_engine
+    cfg = config("wide_done_upgrade", "receipts")
+    migrate_to(engine, cfg, BEFORE_WIDE_DONE)
+    st = QueueStorage(cfg)
+    ids = _ended_jobs(engine, st)
+    migrate_to(engine, cfg, "heads")
+    states = {name: st.load_job(engine, job_id).state for name, job_id in ids.items()}  # type: ignore[union-attr]
+    assert states == {"completed": JobState.COMPLETED, "failed": JobState.FAILED,
+                      "cancelled_running": JobState.CANCELLED, "cancelled_scheduled": JobState.CANCELLED}
+    migrate_to(engine, cfg, BEFORE_WIDE_DONE)
+    migrate_to(engine, cfg, "heads")
+    assert st.move_failed_to_dlq(engine, ids["failed"], "poison") is not None
+    assert st.retry_job(engine, ids["cancelled_scheduled"]).state is JobState.AVAILABLE  # type: ignore[union-attr]
+    assert st.retry_job(engine, ids["cancelled_running"]).state is JobState.AVAILABLE  # type: ignore[union-attr]
 
 
 def test_terminal_history_reads_a_json_null_payload_as_the_ready_rows(engine, st):

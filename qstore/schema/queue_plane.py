@@ -99,9 +99,21 @@ def declare_claim_ranges(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
     )
 
 
+#: The predicate of a *wide* done row: one that carries its whole body (``created_at`` is
+#: always set in a body) because it has no ready row to hydrate from. A *narrow* row leaves
+#: every body column NULL and shares the lane key of its ready row, which lives and is
+#: pruned in the same queue slot.
+WIDE_DONE_ROW = "created_at IS NOT NULL"
+
+
 def declare_done_entries(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> RingFamily:
     """Terminal facts. Narrow rows (claimed attempts) leave the body columns NULL and
-    hydrate from their ready row; wide rows carry the body themselves."""
+    hydrate from their ready row; wide rows carry the body themselves.
+
+    Only wide rows have a ``job_id`` index entry (``done_entries_wide_job_id_idx``, partial
+    on :data:`WIDE_DONE_ROW`): a narrow row is found by job id through its ready row's
+    ``job_id`` index and the shared lane key, so the completion of a claimed attempt, the
+    common case, writes no ``job_id`` index entry of its own."""
     return _ring(
         md, cfg, "done_entries",
         Column("ready_slot", INT, nullable=False),
@@ -125,7 +137,7 @@ def declare_done_entries(md: MetaData, cfg: QueueStorageConfig, state_type: Type
         Column("unique_states", TEXT),
         Column("payload", OPTIONAL_JSON),
         PrimaryKeyConstraint(*LANE_KEY, name="done_entries_pkey"),
-        Index("done_entries_job_id_idx", "job_id"),
+        Index("done_entries_wide_job_id_idx", "job_id", postgresql_where=text(WIDE_DONE_ROW)),
         Index("done_entries_failed_idx", "queue", postgresql_where=text("state = 'failed'")),
     )
 

@@ -117,8 +117,8 @@ def retry_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | No
             return destinations.apply(conn, ctx, [(Body.from_taken(t), Decision(Destination.READY, attempt=0),
                                                    t.old_state)])[0]
     d = sch.done.parent
-    rows = conn.execute(queue.select_done(
-        sch, d.c.job_id == job_id, d.c.state.in_([JobState.FAILED, JobState.CANCELLED]), newest_per_job=True, limit=1)).all()
+    rows = conn.execute(queue.select_done_of_job(
+        sch, job_id, d.c.state.in_([JobState.FAILED, JobState.CANCELLED]), newest_per_job=True, limit=1)).all()
     if not rows:
         return None
     queue.delete_done(conn, sch, rows)

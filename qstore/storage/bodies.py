@@ -74,7 +74,7 @@ class Body:
 
     @classmethod
     def from_snapshot(cls, row: Any) -> Body:
-        """From a deferred / DLQ / terminal_jobs row (wide job snapshot)."""
+        """From a deferred / DLQ / hydrated done row (wide job snapshot)."""
         return cls(body_job(row, JobState(row.state)))
 
 

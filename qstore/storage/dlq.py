@@ -45,8 +45,8 @@ def move_failed_to_dlq(ctx: StorageContext, conn: Connection, job_id: int, dlq_r
     """Move the job's newest failed terminal row into the DLQ; None when it has none."""
     sch = ctx.schema
     d = sch.done.parent
-    rows = conn.execute(queue_plane.select_done(sch, d.c.job_id == job_id, d.c.state == JobState.FAILED,
-                                          newest_per_job=True, limit=1)).all()
+    rows = conn.execute(queue_plane.select_done_of_job(sch, job_id, d.c.state == JobState.FAILED,
+                                                       newest_per_job=True, limit=1)).all()
     moved = _move(ctx, conn, rows, dlq_reason)
     return moved[0] if moved else None
 

@@ -22,18 +22,17 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
-    column,
     func,
     select,
-    table,
     true,
 )
 from sqlalchemy.types import BigInteger, Text
 
 from qstore.schema import StorageSchema
-from qstore.storage.columns import BODY, ORIGINAL_PRIORITY_KEY, body_job, payload_fields
+from qstore.storage.columns import ORIGINAL_PRIORITY_KEY, body_job, payload_fields
 from qstore.storage.context import StorageContext
 from qstore.storage.jobs import stripes_for
+from qstore.storage.planes import queue as queue_plane
 from qstore.storage.statements import (
     AttemptProgress,
     attempt_leased,
@@ -75,8 +74,6 @@ def _statements(sch: StorageSchema) -> ReadStatements:
     r, t, cr = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent
     c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
     job = bindparam("job_id", type_=BigInteger())
-    tj = table("terminal_jobs", *(column(col.name) for col in BODY), column("state"), column("finalized_at"),
-               schema=sch.config.schema)
     queues = bindparam("queues", type_=Text(), expanding=True)
     waiting = live_deferred(sch)
     tombstoned = select(t.c.job_id).where(
@@ -123,7 +120,8 @@ def _statements(sch: StorageSchema) -> ReadStatements:
         .select_from(c.outerjoin(st, and_(st.c.job_id == c.c.job_id, st.c.run_lease == c.c.run_lease))
                      .outerjoin(cp, true()))
         .where(c.c.job_id == job, ~closed, ~leased),
-        terminal=select(tj).where(tj.c.job_id == job),
+        # done rows of the job, hydrated from their ready rows as the terminal_jobs view does
+        terminal=queue_plane.select_done_of_job(sch, job, lock=False),
         # one statement, so the three counts come from one snapshot
         counts=select(
             count(select(r.c.job_id).where(r.c.queue.in_(queues), ~tombstoned, ~claimed)),
@@ -226,7 +224,7 @@ def queue_counts_fast(ctx: StorageContext, conn: Connection, queue: str) -> Queu
 
 def _job_tables(ctx: StorageContext) -> tuple[Table, ...]:
     sch = ctx.schema
-    # what load_job reads of the rings (terminal_jobs is done rows joined to ready rows), in
+    # what load_job reads of the rings (its done rows are found through and hydrated from ready rows), in
     # the rings' order, as prune locks them
     rings = {sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent, sch.done.parent,
              sch.leases.parent, sch.claims.parent, sch.closures.parent, sch.progress.parent}

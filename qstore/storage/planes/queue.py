@@ -46,6 +46,7 @@ from sqlalchemy import (
     text,
     true,
     tuple_,
+    union_all,
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, REGCLASS, TIMESTAMP
@@ -76,6 +77,7 @@ __all__ = [
     "notify",
     "notify_queues",
     "select_done",
+    "select_done_of_job",
     "statements",
     "take_deferred",
     "take_due",
@@ -114,6 +116,8 @@ class QueueStatements:
     notify: Select[Any]
     tombstone: Insert
     done_base: Select[Any]
+    done_columns: tuple[Any, ...]
+    done_hydration: Any
     take_dlq: ReturningDelete[Any]
 
 
@@ -158,6 +162,8 @@ def statements(sch: StorageSchema) -> QueueStatements:
             queue=bindparam("k_queue"), priority=bindparam("k_priority"),
             enqueue_shard=bindparam("k_shard"), lane_seq=bindparam("k_seq"), job_id=job),
         done_base=select(*cols, *hyd).select_from(d.outerjoin(r, join)),
+        done_columns=(*cols, *hyd),
+        done_hydration=join,
         take_dlq=q.delete().where(q.c.job_id == job).returning(*q.c),
     )
 
@@ -349,6 +355,45 @@ def select_done(sch: StorageSchema, *where: Any, newest_per_job: bool = False, l
     if limit is not None:
         stmt = stmt.limit(limit)
     return stmt.with_for_update(of=d, skip_locked=True)
+
+
+_DONE_KEY = ("ready_slot", "ready_generation", "queue", "priority", "enqueue_shard", "lane_seq")
+
+
+def select_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any], *where: Any,
+                       newest_per_job: bool = False, limit: Any = None, lock: bool = True) -> Select[Any]:
+    """The hydrated done rows of job ``job_id`` (an id or a bound parameter) matching
+    ``where``: :func:`select_done`'s rows and columns, locked ``FOR UPDATE OF done SKIP
+    LOCKED`` unless ``lock`` is False. Every lookup of done rows by job id goes through here.
+
+    ``done_entries`` has no ``job_id`` index for narrow rows (a claimed attempt's, body
+    columns NULL): they are found through the job's ready rows (``ready_entries_job_id_idx``)
+    joined on the lane key they share, one primary-key probe of ``done_entries`` per ready
+    row. Wide rows (a body of their own, no ready row) are found through the partial index
+    ``done_entries_wide_job_id_idx``. The two branches meet in a ``UNION ALL`` of lane keys,
+    each tagged with the branch that found it, and a done row is taken only from the branch
+    its own kind belongs to, so no row is returned twice."""
+    d, r = sch.done.parent, sch.ready.parent
+    kr, kd = r.alias("kr"), d.alias("kd")
+    wide = kd.c.created_at.isnot(None)  # the predicate of done_entries_wide_job_id_idx
+    keys = union_all(
+        select(*(kr.c[c] for c in _DONE_KEY), kr.c.job_id, literal(False).label("wide")).where(kr.c.job_id == job_id),
+        select(*(kd.c[c] for c in _DONE_KEY), kd.c.job_id, literal(True).label("wide")).where(kd.c.job_id == job_id, wide),
+    ).subquery("k")
+    s = statements(sch)
+    # the job id is matched to the key's (a join condition), not to the bound value: a
+    # restriction of done_entries on job_id would let the planner scan it for the few rows
+    # it expects instead of probing its primary key
+    on = and_(*(d.c[c] == keys.c[c] for c in _DONE_KEY), d.c.job_id == keys.c.job_id,
+              d.c.created_at.isnot(None) == keys.c.wide)
+    stmt = (select(*s.done_columns)
+            .select_from(keys.join(d, on).outerjoin(r, s.done_hydration))
+            .where(*where))
+    if newest_per_job:
+        stmt = stmt.order_by(d.c.finalized_at.desc())
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    return stmt.with_for_update(of=d, skip_locked=True) if lock else stmt
 
 
 def delete_done(conn: Connection, sch: StorageSchema, rows: Sequence[Any]) -> None:

@@ -477,16 +477,8 @@ class AsyncWorker:
     def _returned(self, queue: str, index: int, want: int, got: int) -> None:
         """Tell the queue's cycles how a claim of cycle ``index`` went (see
         :meth:`ClaimCycles.returned`)."""
-        cycles = self._cycles[queue]
-        became = cycles.returned(want, got)
-        if cycles.n == 1:
-            return
-        if cycles.busy:
-            self._busy[queue].set()
-            if became and index != 0:
-                self._wakes[queue].set()  # the lead may be waiting after a short claim
-        elif self._claiming.is_set():
-            self._busy[queue].clear()
+        self._cycles[queue].signal(index, want, got, claiming=self._claiming.is_set(),
+                                   busy=self._busy[queue], wake=self._wakes[queue])
 
     async def _dispatch_loop(self, queue: str, index: int = 0) -> None:
         """Claim cycle ``index`` of ``queue`` (0: the lead; see :class:`ClaimCycles`)."""

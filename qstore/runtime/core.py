@@ -72,6 +72,7 @@ __all__ = [
     "Call",
     "Capacity",
     "ClaimCycles",
+    "Flag",
     "Host",
     "Probe",
     "Sleep",
@@ -510,6 +511,14 @@ class Capacity:
         return was <= 0 or self.free >= self.floor > was or idle
 
 
+class Flag(Protocol):
+    """An event a worker signals with (``threading.Event`` or ``asyncio.Event``)."""
+
+    def set(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+
 class ClaimCycles:
     """How the claim cycles of one queue take turns (see ``claims_in_flight`` in
     :class:`WorkerSettings`): ``n`` cycles, numbered from 0, may each have one claim in flight.
@@ -541,6 +550,22 @@ class ClaimCycles:
         True when this made a quiet queue busy (wake the other cycles, the lead included)."""
         was, self.busy = self.busy, got >= want > 0
         return self.busy and not was
+
+    def signal(self, index: int, want: int, got: int, *, claiming: bool, busy: Flag, wake: Flag) -> None:
+        """Record how a claim of cycle ``index`` went (see :meth:`returned`) and signal the
+        queue's other cycles through its events: ``busy`` is set while the queue is busy
+        (the extra cycles claim) and cleared when it went quiet (unless the worker is
+        stopping, which keeps it set so they see the stop); ``wake`` wakes the lead, which
+        may be waiting after a short claim, when another cycle's claim made the queue busy."""
+        became = self.returned(want, got)
+        if self.n == 1:
+            return
+        if self.busy:
+            busy.set()
+            if became and index != 0:
+                wake.set()
+        elif claiming:
+            busy.clear()
 
 
 def worker_inputs(app: App, settings: WorkerSettings | None) -> tuple[WorkerSettings, tuple[str, ...]]:

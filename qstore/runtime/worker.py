@@ -534,16 +534,8 @@ class Worker:
         :meth:`ClaimCycles.returned`): a busy queue lets the other cycles claim, a quiet
         one sends them back to waiting."""
         with self._lock:
-            cycles = self._cycles[queue]
-            became = cycles.returned(want, got)
-            if cycles.n == 1:
-                return
-            if cycles.busy:
-                self._busy[queue].set()
-                if became and index != 0:
-                    self._wakes[queue].set()  # the lead may be waiting after a short claim
-            elif self._claiming.is_set():
-                self._busy[queue].clear()
+            self._cycles[queue].signal(index, want, got, claiming=self._claiming.is_set(),
+                                       busy=self._busy[queue], wake=self._wakes[queue])
 
     def _dispatch_loop(self, queue: str, index: int = 0) -> None:
         """Claim cycle ``index`` of ``queue`` (0: the lead; see :class:`ClaimCycles`)."""

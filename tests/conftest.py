@@ -169,6 +169,16 @@ ROLLBACK_TABLE = "test_a_rolled_back_caller_transaction_leaves_nothing_behind"
 MISSING_SCHEMA_TABLE = "test_an_operation_on_a_schema_that_is_not_installed_says_so"
 
 
+def _second_receipt_mode(item: pytest.Item) -> bool:
+    """A test that runs in both receipt modes (``both_receipt_modes``, or a ``mode``
+    parameter) in its receipts-off run: the fast tier runs each such test with receipts
+    (the default), the long tier runs it without."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return False
+    return "leases" in callspec.id.split("-") or callspec.params.get("mode") in ("leases", False)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow_tier = _slow_tier(config)
     operations = sorted({item.callspec.params["name"] for item in items  # type: ignore[attr-defined]
@@ -176,11 +186,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         module = item.path.stem
         named = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
-        if module in SLOW_MODULES or named in SLOW_TESTS or (module == "test_input_fuzz" and slow_tier):
+        if (module in SLOW_MODULES or named in SLOW_TESTS or (module == "test_input_fuzz" and slow_tier)
+                or _second_receipt_mode(item)):
             item.add_marker(pytest.mark.slow)
         elif getattr(item, "originalname", "") == ROLLBACK_TABLE:
             params = item.callspec.params  # type: ignore[attr-defined]
-            turn = operations.index(params["name"]) % 4  # 0, 1: one kind each; 2, 3: slow tier
+            turn = operations.index(params["name"]) % 8  # 0, 1: one kind each; 2-7: slow tier
             if turn > 1 or params["kind"] != ("connection", "session")[turn]:
                 item.add_marker(pytest.mark.slow)
         elif (getattr(item, "originalname", "") == MISSING_SCHEMA_TABLE

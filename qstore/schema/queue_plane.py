@@ -4,6 +4,7 @@ terminal count deltas), the deferred backlog (the wheel and its overflow) and th
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from sqlalchemy import (
     CheckConstraint,
@@ -104,6 +105,12 @@ def declare_claim_ranges(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
 #: every body column NULL and shares the lane key of its ready row, which lives and is
 #: pruned in the same queue slot.
 WIDE_DONE_ROW = "created_at IS NOT NULL"
+
+
+def wide_done_row(done: Any) -> Any:
+    """:data:`WIDE_DONE_ROW` as a Core condition on ``done`` (``done_entries``, a child or
+    an alias of it)."""
+    return done.c.created_at.isnot(None)
 
 
 def declare_done_entries(md: MetaData, cfg: QueueStorageConfig, state_type: TypeEngine) -> RingFamily:

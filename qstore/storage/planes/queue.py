@@ -57,7 +57,7 @@ from sqlalchemy.util.concurrency import await_
 
 from qstore.config import COUNTER_BUCKETS, WHEEL_BUCKET_SECONDS, WHEEL_GUARD_SLOTS, WHEEL_SLOTS
 from qstore.schema import StorageSchema
-from qstore.schema.queue_plane import WheelResolution
+from qstore.schema.queue_plane import WheelResolution, wide_done_row
 from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage.bodies import Body
 from qstore.storage.columns import body_values
@@ -375,7 +375,7 @@ def select_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any], *wh
     its own kind belongs to, so no row is returned twice."""
     d, r = sch.done.parent, sch.ready.parent
     kr, kd = r.alias("kr"), d.alias("kd")
-    wide = kd.c.created_at.isnot(None)  # the predicate of done_entries_wide_job_id_idx
+    wide = wide_done_row(kd)  # the predicate of done_entries_wide_job_id_idx
     keys = union_all(
         select(*(kr.c[c] for c in _DONE_KEY), kr.c.job_id, literal(False).label("wide")).where(kr.c.job_id == job_id),
         select(*(kd.c[c] for c in _DONE_KEY), kd.c.job_id, literal(True).label("wide")).where(kd.c.job_id == job_id, wide),
@@ -385,7 +385,7 @@ def select_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any], *wh
     # restriction of done_entries on job_id would let the planner scan it for the few rows
     # it expects instead of probing its primary key
     on = and_(*(d.c[c] == keys.c[c] for c in _DONE_KEY), d.c.job_id == keys.c.job_id,
-              d.c.created_at.isnot(None) == keys.c.wide)
+              wide_done_row(d) == keys.c.wide)
     stmt = (select(*s.done_columns)
             .select_from(keys.join(d, on).outerjoin(r, s.done_hydration))
             .where(*where))

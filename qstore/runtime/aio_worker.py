@@ -162,7 +162,8 @@ class AsyncWorker:
         self._outages = OutageLog(log, "qstore worker")
         self.core = WorkerCore(app, self.settings, self, self._outages,
                                {"give_up": self._give_up, "hurry": self._hurry})
-        self._places = Capacity(self.settings.concurrency + (self.settings.prefetch or 0), self.core.cycles)
+        self._places = Capacity(self.settings.concurrency + (self.settings.prefetch or 0), self.core.cycles,
+                                self.settings.claim_ahead or 0)
         self._cycles = {q: ClaimCycles(self.core.cycles) for q in self.queues}
         self._busy = {q: asyncio.Event() for q in self.queues}  # set while the queue is busy (and at a stop)
         self.batcher = AsyncCompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
@@ -235,7 +236,7 @@ class AsyncWorker:
 
     def forget(self, a: Attempt) -> None:
         if self.core.release(a):
-            self._release(1)
+            self._release(1, let_go=True)
 
     def complete(self, a: Attempt) -> None:
         self.batcher.submit(a.claimed, a.ctx.followups)
@@ -288,7 +289,7 @@ class AsyncWorker:
         s = self.settings
         self._loop = asyncio.get_running_loop()
         self._started = True
-        self._places.free = self._places.total - len(self.core.attempts)
+        self._places.reset(len(self.core.attempts), time.monotonic())
         for flag in (self._stop_requested, self._closing, self._hurry, self._give_up):
             flag.clear()
         self._failure = None
@@ -466,8 +467,14 @@ class AsyncWorker:
             await wait_event(self._capacity_changed, 0.5 if wait is None else wait)
         return 0
 
-    def _release(self, n: int) -> None:
-        if n and self._places.release(n, not self.core.attempts):
+    def _release(self, n: int, let_go: bool = False) -> None:
+        """Give ``n`` places back (``let_go``: of an attempt the worker let go)."""
+        if n and self._places.release(n, not self.core.attempts, let_go):
+            self._capacity_changed.set()
+
+    def _landed(self, rtt: float) -> None:
+        """A claim came back after ``rtt`` seconds (see :meth:`Capacity.landed`)."""
+        if self._places.landed(rtt, time.monotonic()):
             self._capacity_changed.set()
 
     # -- claiming --------------------------------------------------------------------------------
@@ -501,6 +508,7 @@ class AsyncWorker:
                 continue
             if lead:
                 wake.clear()
+            sent = time.monotonic()
             try:
                 jobs = await self._claim(queue, want)
             except Exception as err:
@@ -518,6 +526,7 @@ class AsyncWorker:
                     await wait_event(wake, s.error_backoff)  # a stop sets it
                 continue  # (the other cycles wait for the lead's next full claim)
             self._outages.ok(what)
+            self._landed(time.monotonic() - sent)
             self.batcher.expect_claims(who, len(jobs) >= want)  # a full claim: more to claim soon
             self._release(want - len(jobs))
             self._returned(queue, index, want, len(jobs))

@@ -146,13 +146,25 @@ class WorkerSettings:
     ``claims_in_flight``: claim cycles of one queue that may be in flight at once (default
     1). Each cycle is one ``complete_and_claim`` round trip; with 2 the database runs one
     cycle while the worker decodes and dispatches the other. The cycles share the worker's
-    places (``concurrency + prefetch``: together they never claim more) and the completions
+    places (``concurrency + prefetch``, and what ``claim_ahead`` allows: together they never
+    claim more) and the completions
     waiting in the batcher (each goes out with exactly one claim or with the batcher). The
     first cycle of a queue claims as a single one does (it waits for a notification or
     ``poll_interval`` when the queue runs dry); the others claim only while the queue's last
     claim came back full, so an idle or trickling queue makes no more round trips than with
     1. Each cycle in flight holds a connection of the engine's pool. With ``max_claimers`` a
     worker is one claimer of its queue and claims one cycle at a time.
+    ``claim_ahead``: the most places a claim may take beyond ``concurrency + prefetch``, for
+    the attempts the handlers will have finished by the time it comes back (default:
+    ``claim_batch``, or 0 when ``prefetch`` is 0; 0: never). The worker measures how many
+    attempts its handlers let go per second and how long a claim's round trip takes, and a
+    claim takes ahead at most twice what the handlers let go in one round trip
+    (:class:`Capacity`). With fast handlers the next claim is then in flight while the
+    handlers run the jobs of the last one, instead of the database and the worker taking
+    turns (a clean drain of no-op jobs went about 1.2-1.5 times as fast), and a job claimed
+    ahead waits about two round trips for a handler at most. With handlers slower than a
+    round trip per job the worker lets go of less than one attempt per round trip, claims
+    nothing ahead, and holds at most ``concurrency + prefetch`` attempts, as with 0.
     ``max_claimers``: claim through the queue's bounded claimer slots (at most this many
     claimers per queue across workers) with ``claimer_lease_ttl`` / ``claimer_idle``.
     ``shutdown_timeout``: how long stopping waits for running handlers before giving their
@@ -171,6 +183,7 @@ class WorkerSettings:
     claim_deadline: float | None = None
     aging_interval: float | None = None
     claims_in_flight: int = 1
+    claim_ahead: int | None = None
     max_claimers: int | None = None
     claimer_lease_ttl: float = 30.0
     claimer_idle: float = 10.0
@@ -195,6 +208,9 @@ class WorkerSettings:
         if self.prefetch is None:  # default: as many claimed jobs waiting as handlers
             object.__setattr__(self, "prefetch", self.concurrency)
         _number(self.claims_in_flight, "claims_in_flight", minimum=1, strict=False, integer=True)
+        _number(self.claim_ahead, "claim_ahead", strict=False, integer=True, optional=True)
+        if self.claim_ahead is None:  # default: up to one claim's worth, unless prefetch is off
+            object.__setattr__(self, "claim_ahead", self.claim_batch if self.prefetch else 0)
         _number(self.max_claimers, "max_claimers", minimum=1, strict=False, integer=True, optional=True)
         _number(self.completion_batch, "completion_batch", minimum=1, strict=False, integer=True)
         for name in ("poll_interval", "heartbeat_interval", "claimer_lease_ttl", "claimer_idle",
@@ -473,42 +489,101 @@ class Capacity:
     at most a ``cycles``-th of the places (its :attr:`share`, rounded up), and the floor a
     claim waits for (see :meth:`take`) is half the places, or a ``cycles``-th of them when
     that is less: each of the cycles can have a claim in flight, and no cycle's claim takes
-    the places of the others."""
+    the places of the others.
 
-    def __init__(self, total: int, cycles: int = 1) -> None:
+    ``ahead``: the most places a claim may take beyond the total (``claim_ahead``): the
+    places of attempts the handlers are expected to finish while that claim is in flight.
+    The worker reports each claim's round trip and each attempt it let go (:meth:`landed`,
+    :meth:`release`); from them :attr:`ahead_now` is twice the attempts the handlers let go
+    per claim round trip lately (their rate times the round trip), at most ``ahead``. Fast
+    handlers then have the next claim in flight while they run the last one's jobs, and a
+    job claimed ahead waits about two round trips for a handler at most; slow handlers let
+    go of less than one attempt per round trip, and the worker claims exactly as without
+    ``ahead``."""
+
+    #: How much of a new measurement the rate and round-trip estimates take in (the rest
+    #: is their previous value).
+    SMOOTHING = 0.5
+    #: How many round trips' worth of the handlers' rate a claim may take ahead.
+    AHEAD_TRIPS = 2.0
+
+    def __init__(self, total: int, cycles: int = 1, ahead: int = 0) -> None:
         self.total = total
-        self.free = total
+        self.free = total  # places of the total not held or reserved (below 0 when ahead is in use)
         self.share = max(1, -(-total // cycles))
         self.floor = max(1, total // max(2, cycles))
+        self.ahead = ahead
+        self.ahead_now = 0
+        self._let_go = 0  # attempts let go since the last measurement
+        self._since: float | None = None
+        self.rate = 0.0  # attempts let go per second (smoothed)
+        self.rtt = 0.0  # a claim's round trip (smoothed, seconds)
+
+    @property
+    def available(self) -> int:
+        """Places a claim may take now: the free ones and those it may take ahead."""
+        return self.free + self.ahead_now
+
+    def reset(self, held: int, now: float | None = None) -> None:
+        """Start over with ``held`` places held (a worker's start): no estimate, nothing ahead."""
+        self.free = self.total - held
+        self.ahead_now = 0
+        self._let_go = 0
+        self._since = now
+        self.rate = self.rtt = 0.0
 
     def take(self, most: int, free_since: float | None, now: float) -> tuple[int, float | None, float | None]:
         """One step of reserving up to ``most`` places: ``(n, 0, None)`` when ``n`` places
         were taken; otherwise ``(0, wait, free_since)``: wait up to ``wait`` seconds (None:
         until a release) and ask again. A claim waits until half the places (or ``most``)
         are free, or one place has been free for ``CLAIM_LINGER`` seconds: one claim of many
-        jobs instead of many claims of one. Never more than :attr:`share`."""
-        most = min(most, self.share)
+        jobs instead of many claims of one. Never more than :attr:`share` (plus the places
+        it may take ahead)."""
+        most = min(most, self.share + self.ahead_now)
         enough = min(most, self.floor)
-        if self.free >= enough:
-            n = min(most, self.free)
+        free = self.available
+        if free >= enough:
+            n = min(most, free)
             self.free -= n
             return n, 0.0, None
-        if self.free <= 0:
+        if free <= 0:
             return 0, None, None
         if free_since is None:
             return 0, CLAIM_LINGER, now
         if now - free_since >= CLAIM_LINGER:
-            n = min(most, self.free)
+            n = min(most, free)
             self.free -= n
             return n, 0.0, None
         return 0, CLAIM_LINGER - (now - free_since), free_since
 
-    def release(self, n: int, idle: bool) -> bool:
-        """Give ``n`` places back; True when a waiting claim should be woken (the worker
-        had none free, crossed the half-way mark, or holds nothing: ``idle``)."""
-        was = self.free
+    def release(self, n: int, idle: bool, let_go: bool = False) -> bool:
+        """Give ``n`` places back (``let_go``: of attempts the worker let go, counted for the
+        handlers' rate; otherwise a claim's unfilled reservation); True when a waiting claim
+        should be woken (the worker had none available, crossed the half-way mark, or holds
+        nothing: ``idle``)."""
+        was = self.available
         self.free += n
-        return was <= 0 or self.free >= self.floor > was or idle
+        if let_go:
+            self._let_go += n
+        now = self.available
+        return was <= 0 or now >= self.floor > was or idle
+
+    def landed(self, rtt: float, now: float) -> bool:
+        """A claim came back after ``rtt`` seconds: update the handlers' rate (attempts let
+        go since the last claim came back, per second), the round trip, and
+        :attr:`ahead_now`; True when more places became available (wake a waiting claim)."""
+        if self.ahead <= 0:
+            return False
+        k = self.SMOOTHING
+        self.rtt = rtt if self.rtt == 0.0 else k * rtt + (1 - k) * self.rtt
+        if self._since is not None and now > self._since:
+            sample = self._let_go / (now - self._since)
+            self.rate = k * sample + (1 - k) * self.rate
+        self._let_go = 0
+        self._since = now
+        was = self.ahead_now
+        self.ahead_now = min(self.ahead, int(self.AHEAD_TRIPS * self.rate * self.rtt))
+        return self.ahead_now > was and self.available > 0
 
 
 class Flag(Protocol):

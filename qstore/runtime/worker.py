@@ -201,7 +201,8 @@ class Worker:
         self.core = WorkerCore(app, self.settings, self, self._outages,
                                {"give_up": self._give_up, "hurry": self._hurry}, self._lock)
         self._attempts = self.core.attempts
-        self._places = Capacity(self.settings.concurrency + (self.settings.prefetch or 0), self.core.cycles)
+        self._places = Capacity(self.settings.concurrency + (self.settings.prefetch or 0), self.core.cycles,
+                                self.settings.claim_ahead or 0)
         self._cycles = {q: ClaimCycles(self.core.cycles) for q in self.queues}
         self._busy = {q: threading.Event() for q in self.queues}  # set while the queue is busy (and at a stop)
         self.batcher = CompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
@@ -251,7 +252,7 @@ class Worker:
         """Let ``a`` go once neither its handler nor a deadline's closure needs it: until
         then it keeps its place, is heartbeated, and a stop gives it back."""
         if self.core.release(a):
-            self._release(1)
+            self._release(1, let_go=True)
 
     def complete(self, a: Attempt) -> None:
         self.batcher.submit(a.claimed, a.ctx.followups)
@@ -282,7 +283,7 @@ class Worker:
         s = self.settings
         self._started = True
         with self._lock:  # handlers a previous stop left running still hold their places
-            self._places.free = self._places.total - len(self._attempts)
+            self._places.reset(len(self._attempts), time.monotonic())
         self._stop_requested.clear()
         self._closing.clear()
         self._hurry.clear()
@@ -511,11 +512,18 @@ class Worker:
                 self._capacity.wait(0.5 if wait is None else wait)
             return 0
 
-    def _release(self, n: int) -> None:
+    def _release(self, n: int, let_go: bool = False) -> None:
+        """Give ``n`` places back (``let_go``: of an attempt the worker let go)."""
         if n:
             with self._capacity:
-                if self._places.release(n, not self._attempts):
+                if self._places.release(n, not self._attempts, let_go):
                     self._capacity.notify_all()
+
+    def _landed(self, rtt: float) -> None:
+        """A claim came back after ``rtt`` seconds (see :meth:`Capacity.landed`)."""
+        with self._capacity:
+            if self._places.landed(rtt, time.monotonic()):
+                self._capacity.notify_all()
 
     # -- claiming --------------------------------------------------------------------------------
     def _claim(self, queue: str, n: int) -> list[ClaimedRuntimeJob]:
@@ -561,6 +569,7 @@ class Worker:
                     continue
             else:
                 wake.clear()
+            sent = time.monotonic()
             try:
                 jobs = self._claim(queue, want)
             except Exception as err:
@@ -578,6 +587,7 @@ class Worker:
                     wake.wait(s.error_backoff)  # a stop sets it
                 continue  # (the other cycles wait for the lead's next full claim)
             self._outages.ok(what)
+            self._landed(time.monotonic() - sent)
             # a full claim: the queue has more, and this dispatcher claims again as soon as
             # places free up; the completions of those places can wait for that claim
             self.batcher.expect_claims(who, len(jobs) >= want)

@@ -246,7 +246,7 @@ def test_cycles_in_flight_never_hold_more_attempts_than_concurrency_plus_prefetc
     jobs = 100
     held = Held()
     enqueue(engine, st, jobs)
-    settings = cycles_settings(3, concurrency=3, prefetch=2, claim_batch=4)
+    settings = cycles_settings(3, concurrency=3, prefetch=2, claim_batch=4, claim_ahead=0)
     w, watch = started(sync_app(st, held, pause=0.002), engine, settings, delay=0.003)
     held.worker = w
     w.start()
@@ -419,7 +419,7 @@ def test_the_async_worker_with_cycles_in_flight_never_holds_more_than_its_places
         return watch.most
 
     most = run_async_worker(db_url, engine, async_app(st, held, pause=0.002),
-                            cycles_settings(3, concurrency=3, prefetch=2, claim_batch=4), 0.003, body, held)
+                            cycles_settings(3, concurrency=3, prefetch=2, claim_batch=4, claim_ahead=0), 0.003, body, held)
     assert most >= 2
     assert 0 < held.most_held <= 3 + 2 and held.most_running <= 3
     assert set(held.runs.values()) == {1} and len(held.runs) == jobs

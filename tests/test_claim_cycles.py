@@ -212,6 +212,24 @@ def test_bounded_claimers_make_one_cycle_whatever_claims_in_flight_says(engine, 
 # -- the thread worker ---------------------------------------------------------------------------
 
 
+def test_a_default_worker_has_two_claims_of_a_busy_queue_in_flight(engine, st):  # type: ignore[no-untyped-def]
+    assert WorkerSettings().claims_in_flight == 2
+    jobs = 400
+    held = Held()
+    enqueue(engine, st, jobs)
+    w, watch = started(sync_app(st, held), engine,
+                       WorkerSettings(listen=False, poll_interval=0.05, maintain=False), delay=0.003)
+    held.worker = w
+    w.start()
+    try:
+        eventually(lambda: w.stats.completed >= jobs, what=f"{jobs} completed")
+    finally:
+        stats = w.stop(5)
+    assert watch.most == 2 and set(watch.by) == {"qstore-claim-default", "qstore-claim-default#1"}
+    assert set(held.runs.values()) == {1} and len(held.runs) == jobs
+    assert (stats.claimed, stats.completed, stats.stale_completions) == (jobs, jobs, 0)
+
+
 def test_each_job_runs_once_and_each_completion_commits_once_with_cycles_in_flight(engine, st):  # type: ignore[no-untyped-def]
     drained_once_each(engine, st, 2)
 

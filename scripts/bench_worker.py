@@ -253,6 +253,8 @@ def new_worker(app: App, engine: Engine, args: argparse.Namespace, *, is_async: 
     extra: dict[str, Any] = {} if cycles is None else {"claims_in_flight": cycles}
     if args.prefetch is not None:
         extra["prefetch"] = args.prefetch
+    if args.claim_ahead is not None:
+        extra["claim_ahead"] = args.claim_ahead
     settings = WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency, schedule=args.schedule, **extra)
     if is_async:
         return LoopWorker(app, args.url, engine, settings)
@@ -1092,6 +1094,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(comma-separated; the first is the run's worker, the others worker_cN)")
     p.add_argument("--prefetch", type=int, default=None,
                    help="drain and pickup: the workers' prefetch (default: the setting's default)")
+    p.add_argument("--claim-ahead", type=int, default=None,
+                   help="drain and pickup: the workers' claim_ahead (default: the setting's default; "
+                        "0 turns claiming ahead off)")
     p.add_argument("--async", dest="run_async", action="store_true",
                    help="drain and pickup: also the AsyncWorker (async def no-op task), after the worker")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[500.0, 2000.0],

@@ -9,7 +9,10 @@
   comes back empty it waits for a ``NOTIFY`` on the queue's channel or ``poll_interval``.
   With ``claims_in_flight`` N > 1 a queue has N dispatchers sharing the capacity: the
   first claims as described, the others only while the queue's claims come back full
-  (:class:`~qstore.runtime.core.ClaimCycles`), so up to N claims are in flight at once;
+  (:class:`~qstore.runtime.core.ClaimCycles`), so up to N claims are in flight at once
+  (2 by default). While the handlers are fast a claim may also take places beyond the
+  capacity, for the attempts they will have let go by the time it comes back
+  (``claim_ahead``, :class:`~qstore.runtime.core.Capacity`);
 * **handlers**: sync tasks on a pool of ``concurrency`` threads, ``async def`` tasks on one
   event loop thread; what a handler returns or raises is applied to its attempt (see
   :mod:`qstore.runtime.tasks`); successful attempts go to the completion batcher

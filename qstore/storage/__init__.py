@@ -183,7 +183,7 @@ class Operations:
     rescue_stale_heartbeats = op(JOIN, rescue.rescue_stale_heartbeats, staleness=C.positive_duration)
     rescue_expired_deadlines = op(JOIN, rescue.rescue_expired_deadlines)
     rescue_expired_callbacks = op(JOIN, rescue.rescue_expired_callbacks)
-    promote_due = op(ATOMIC, rescue.promote_due, state=C.promotable_state, batch_size=C.promotion_batch)
+    promote_due = op(UNITS, rescue.promote_due, state=C.promotable_state, batch_size=C.promotion_batch)
     advance_overflow = op(ATOMIC, wheel.advance_overflow, batch_size=C.promotion_batch)
     prune_wheel = op(JOIN, wheel.prune_wheel, at=C.optional_datetime)
 

@@ -308,7 +308,8 @@ class Runner:
             return list(self._conn.execute(hot.statement, values).all())
         sql, params = hot.parameters(self._dialect, values)
         try:
-            cur.execute(sql, params)
+            cur.execute(sql, params, prepare=True if hot.prepared and cur.connection.prepare_threshold is not None
+                        else None)
         except psycopg.OperationalError:
             if cur.connection.closed and self._conn is not None:
                 self._conn.invalidate()  # as SQLAlchemy does on a disconnect

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -166,7 +165,7 @@ def promote_due(ctx: StorageContext, tx: Transactions, state: JobState | str, ba
     with tx.hot() as run:
         if not any_due(run, ctx.schema, st):
             return 0
-    with tx.unit() as conn, (nullcontext() if tx.owned else conn.begin_nested()):
+    with tx.atomic() as conn:
         taken = queue.take_due(conn, ctx.schema, st, batch_size)
         if not taken:
             return 0

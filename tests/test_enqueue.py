@@ -120,6 +120,27 @@ def test_copy_and_insert_write_identical_rows_into_identical_lanes(engine, make_
     assert keys[0] == keys[1]
 
 
+@pytest.mark.parametrize("stripes", [1, 3])
+def test_single_job_enqueues_write_what_copy_writes_job_by_job(engine, make_storage, stripes):
+    # enqueue_job (the single-job function) against the COPY path, one call per job on
+    # both sides: the same rotor values, so the same lanes and lane positions
+    by_single = make_storage(queue_stripe_count=stripes)
+    by_copy = make_storage(queue_stripe_count=stripes)
+    in_wheel = job("f", {"soon": True}, run_at=datetime.now(UTC) + timedelta(minutes=2))
+    for j in [*PARITY_BATCH, in_wheel, *(j for j in PARITY_BATCH if j.opts.unique is None)]:
+        by_single.enqueue(engine, j)
+        by_copy.enqueue_params_copy(engine, [j])
+
+    ready = [rows(engine, st, "ready_entries", READY_COLS) for st in (by_single, by_copy)]
+    assert len(ready[0]) == 2 * len(PARITY_BATCH) - 4 and ready[0] == ready[1]
+    waiting = [rows(engine, st, BACKLOG, DEFERRED_COLS) for st in (by_single, by_copy)]
+    assert len(waiting[0]) == 3 and waiting[0] == waiting[1]
+    with engine.connect() as c:
+        keys = [sorted(c.execute(text(f'SELECT unique_key, job_id FROM "{st.schema()}".job_unique_claims')).all())
+                for st in (by_single, by_copy)]
+    assert len(keys[0]) == 2 and keys[0] == keys[1]
+
+
 def test_copy_rows_get_server_timestamps(engine, storage):
     before = datetime.now(UTC)
     storage.enqueue_params_copy(engine, [job()])
@@ -489,6 +510,48 @@ def test_second_producer_is_not_stranded_when_first_producer_rolls_back(engine, 
     assert storage.queue_counts(engine, "q").available == 0
 
 
+@pytest.mark.parametrize("first, second", [(1, 2), (2, 1)], ids=["single_then_batch", "batch_then_single"])
+def test_single_and_batch_producers_share_the_lane_reservation_lock(engine, storage, first, second):
+    # enqueue_job and enqueue_jobs (through reserve_lanes) take one lock per lane
+    _warm_lane(engine, storage)
+    with engine.connect() as a:
+        a.begin()
+        storage.enqueue_params_batch(a, [job(args={"job": f"a{i}"}) for i in range(first)])
+        b = Producer(storage, engine, [job(args={"job": f"b{i}"}) for i in range(second)])
+        b.start()
+        assert not b.done.wait(0.4), "B reserved a lane position while A's reservation was open"
+        a.commit()
+        assert b.done.wait(10)
+    assert b.error is None
+    expected = [{"job": f"a{i}"} for i in range(first)] + [{"job": f"b{i}"} for i in range(second)]
+    assert [j.job.args for j in drain(engine, storage)] == expected
+
+
+def _functions_called(conn, schema: str) -> dict[str, int]:
+    """The schema's functions called so far in ``conn``'s transaction (``track_functions``
+    set in it), by name."""
+    got = conn.execute(text("SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE schemaname = :s"),
+                       {"s": schema})
+    return {name: calls for name, calls in got}
+
+
+def test_single_job_enqueue_into_an_existing_lane_calls_no_lane_function(engine, storage):
+    storage.set_queue_options(engine, "q", enqueue_shards=1)
+    storage.enqueue(engine, job())  # the lane exists
+    with engine.connect() as conn, conn.begin():
+        conn.execute(text("SET LOCAL track_functions = 'pl'"))
+        storage.enqueue(conn, job())
+        assert _functions_called(conn, storage.schema()) == {"enqueue_job": 1}
+
+
+def test_single_job_enqueue_creates_a_missing_lane_once(engine, storage):
+    with engine.connect() as conn, conn.begin():
+        conn.execute(text("SET LOCAL track_functions = 'pl'"))
+        storage.enqueue(conn, job(queue="fresh", priority=3))
+        assert _functions_called(conn, storage.schema()) == {"enqueue_job": 1, "ensure_lane": 1}
+    assert [j.job.queue for j in storage.claim_runtime_batch(engine, "fresh", 5)] == ["fresh"]
+
+
 def test_producer_on_another_priority_lane_is_not_blocked(engine, storage):
     _warm_lane(engine, storage)
     storage.enqueue_params_batch(engine, [job(priority=3)])  # lane exists
@@ -694,7 +757,7 @@ def test_single_job_enqueue_on_an_engine_is_one_autocommitted_statement(engine, 
         job_id = storage.enqueue(engine, job(args={"n": 1}))
     assert len(log.sent) == 1
     statement, autocommit = log.sent[0]
-    assert "enqueue_jobs" in statement and autocommit
+    assert ".enqueue_job(" in statement and autocommit  # the single-job function, not the batch one
     assert storage.load_job(engine, job_id).args == {"n": 1}  # committed: another connection sees it
 
 

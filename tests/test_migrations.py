@@ -380,6 +380,33 @@ def test_downgrade_below_0014_restores_the_full_job_id_index_of_done_rows(migrat
     assert not any("WHERE" in d for d in idx.values())
 
 
+#: the revision that adds the single-job enqueue function, and the revision below it
+SINGLE_ENQUEUE = "0015"
+BEFORE_SINGLE_ENQUEUE = REVISIONS[REVISIONS.index(SINGLE_ENQUEUE) - 1]
+
+
+def _functions(url: str) -> set[str]:
+    with engine_on(url) as eng, eng.connect() as conn:
+        return set(conn.execute(text(
+            "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname = 'qstore'")).scalars())
+
+
+def test_upgrade_0015_adds_the_single_job_enqueue_beside_the_batch_one(migrated):
+    url = migrated(f"upgrade {BEFORE_SINGLE_ENQUEUE}")
+    assert "enqueue_job" not in _functions(url)
+    alembic(url, "upgrade", SINGLE_ENQUEUE)
+    assert {"enqueue_job", "enqueue_jobs", "reserve_lanes"} <= _functions(url)
+
+
+def test_downgrade_below_0015_drops_the_single_job_enqueue_only(migrated):
+    url = migrated("upgrade head")
+    alembic(url, "downgrade", BEFORE_SINGLE_ENQUEUE)
+    assert _version(url, "qstore") == BEFORE_SINGLE_ENQUEUE
+    functions = _functions(url)
+    assert "enqueue_job" not in functions and {"enqueue_jobs", "reserve_lanes"} <= functions
+
+
 # -- check --------------------------------------------------------------------------------
 
 

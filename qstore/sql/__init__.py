@@ -37,7 +37,7 @@ __all__ = ["FUNCTIONS", "RINGS", "VIEWS", "function_texts", "render", "view_text
 #: The head's functions, in the order an install creates them (a function another one
 #: calls comes first).
 FUNCTIONS = ("backoff_duration", "ensure_lane", "reserve_lanes", "claim_ready", "complete_receipts",
-             "wheel_bucket", "enqueue_jobs", "unique_claim_renew")
+             "wheel_bucket", "enqueue_jobs", "enqueue_job", "unique_claim_renew")
 #: The rings whose cursor views ``ring_state.sql`` renders.
 RINGS = ("queue", "lease", "claim")
 #: The head's views.

@@ -3,7 +3,8 @@
 benchmark jobs).
 
 Everything is validated in Python first. Then every path except COPY is **one statement**:
-the server function ``enqueue_jobs`` allocates the ids, takes the unique keys, picks and
+the server function ``enqueue_jobs`` (``enqueue_job`` for a single job: the same steps
+with scalar arguments and without the batch path's nested calls) allocates the ids, takes the unique keys, picks and
 reserves the lanes (the reservation lock is held until the enqueue commits), writes ready
 rows into the current queue slot and scheduled rows into the backlog, and queues the
 NOTIFY wake-ups (delivered on commit). On an ``Engine`` that statement is autocommitted, so
@@ -22,7 +23,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, Connection, Numeric, column, select
+from sqlalchemy import BigInteger, Boolean, Connection, Numeric, bindparam, cast, column, select
 from sqlalchemy.dialects.postgresql import ARRAY, BYTEA
 
 from qstore.errors import UniqueConflictError
@@ -45,23 +46,40 @@ from qstore.storage.targets import Runner
 __all__ = ["enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch", "enqueue_params_copy",
            "send_jobs", "write_jobs"]
 
-_ARRAYS: dict[str, Any] = {
-    "kinds": READY_COLUMNS["kind"], "queues": READY_COLUMNS["queue"], "logicals": READY_COLUMNS["queue"],
-    "args": READY_COLUMNS["args"], "priorities": READY_COLUMNS["priority"],
-    "max_attempts": READY_COLUMNS["max_attempts"], "run_ats": SNAPSHOT_COLUMNS["run_at"],
-    "unique_keys": READY_COLUMNS["unique_key"], "unique_states": READY_COLUMNS["unique_states"],
-    "payloads": READY_COLUMNS["payload"], "takes_key": Boolean(), "order_hashes": Numeric(),
-    "channels": READY_COLUMNS["queue"],
-}
+#: The arguments of ``enqueue_jobs`` (one array each, in its parameter order) and of
+#: ``enqueue_job`` (one value each): the array's bind name, the value's, the element type.
+_ARGUMENTS: tuple[tuple[str, str, Any], ...] = (
+    ("kinds", "kind", READY_COLUMNS["kind"]), ("queues", "queue", READY_COLUMNS["queue"]),
+    ("logicals", "logical", READY_COLUMNS["queue"]), ("args", "args", READY_COLUMNS["args"]),
+    ("priorities", "priority", READY_COLUMNS["priority"]),
+    ("max_attempts", "max_attempts", READY_COLUMNS["max_attempts"]),
+    ("run_ats", "run_at", SNAPSHOT_COLUMNS["run_at"]),
+    ("unique_keys", "unique_key", READY_COLUMNS["unique_key"]),
+    ("unique_states", "unique_states", READY_COLUMNS["unique_states"]),
+    ("payloads", "payload", READY_COLUMNS["payload"]), ("takes_key", "takes_key", Boolean()),
+    ("order_hashes", "order_hash", Numeric()), ("channels", "channel", READY_COLUMNS["queue"]),
+)
 
 
 @functools.lru_cache(maxsize=64)
 def _enqueue_stmt(sch: StorageSchema) -> HotStatement:
     """``SELECT * FROM <schema>.enqueue_jobs(<thirteen arrays>)``: one row, the new ids in
     batch order or the first conflicting key and its owner."""
-    fn = schema_func(sch, "enqueue_jobs", *(packed_array_param(n, t) for n, t in _ARRAYS.items()))
+    fn = schema_func(sch, "enqueue_jobs", *(packed_array_param(n, t) for n, _, t in _ARGUMENTS))
     return HotStatement(select(fn.table_valued(
         column("job_ids", ARRAY(BigInteger())), column("conflict_key", BYTEA()),
+        column("conflict_owner", BigInteger()))))
+
+
+@functools.lru_cache(maxsize=64)
+def _enqueue_one_stmt(sch: StorageSchema) -> HotStatement:
+    """``SELECT * FROM <schema>.enqueue_job(<thirteen scalars>)``: one row, the new id or the
+    conflicting key and its owner. The same arguments as :func:`_enqueue_stmt`, one value
+    each instead of a one-element array: nothing to pack per call, no array to index on the
+    server."""
+    fn = schema_func(sch, "enqueue_job", *(cast(bindparam(n, type_=t), t) for _, n, t in _ARGUMENTS))
+    return HotStatement(select(fn.table_valued(
+        column("job_id", BigInteger()), column("conflict_key", BYTEA()),
         column("conflict_owner", BigInteger()))))
 
 
@@ -75,8 +93,7 @@ def _refuse_duplicate_keys(rows: Sequence[PreparedJob]) -> None:
 
 
 def _parameters(sch: StorageSchema, rows: Sequence[PreparedJob]) -> dict[str, Any]:
-    if len(rows) == 1:
-        return _one_row(sch, rows[0])
+    """The arrays of :func:`_enqueue_stmt` for ``rows``."""
     return {
         "kinds": [r.kind for r in rows], "queues": [r.queue for r in rows],
         "logicals": [r.logical for r in rows], "args": [r.args for r in rows],
@@ -89,16 +106,17 @@ def _parameters(sch: StorageSchema, rows: Sequence[PreparedJob]) -> dict[str, An
     }
 
 
-def _one_row(sch: StorageSchema, r: PreparedJob) -> dict[str, Any]:
-    """:func:`_parameters` of a single row, without a comprehension per array."""
+def _one_job(sch: StorageSchema, r: PreparedJob) -> dict[str, Any]:
+    """The values of :func:`_enqueue_one_stmt` for one row (a scheduled row wakes nobody:
+    no channel)."""
     key = r.unique_key
     return {
-        "kinds": [r.kind], "queues": [r.queue], "logicals": [r.logical], "args": [r.args],
-        "priorities": [r.priority], "max_attempts": [r.max_attempts], "run_ats": [r.run_at],
-        "unique_keys": [key], "unique_states": [r.unique_states], "payloads": [r.payload],
-        "takes_key": [key is not None and holds_key(r.unique_states, r.state)],
-        "order_hashes": [None if r.ordering_key is None else ordering_hash(r.ordering_key)],
-        "channels": [] if r.run_at is not None else [sch.config.notify_channel(r.logical)],
+        "kind": r.kind, "queue": r.queue, "logical": r.logical, "args": r.args,
+        "priority": r.priority, "max_attempts": r.max_attempts, "run_at": r.run_at,
+        "unique_key": key, "unique_states": r.unique_states, "payload": r.payload,
+        "takes_key": key is not None and holds_key(r.unique_states, r.state),
+        "order_hash": None if r.ordering_key is None else ordering_hash(r.ordering_key),
+        "channel": None if r.run_at is not None else sch.config.notify_channel(r.logical),
     }
 
 
@@ -109,9 +127,13 @@ def send_jobs(run: Runner, ctx: StorageContext, rows: Sequence[PreparedJob]) -> 
     so a caller's transaction stays usable)."""
     if not rows:
         return []
-    _refuse_duplicate_keys(rows)
     sch = ctx.schema
-    ((ids, key, owner),) = run.rows(_enqueue_stmt(sch), _parameters(sch, rows))
+    if len(rows) == 1:
+        ((job_id, key, owner),) = run.rows(_enqueue_one_stmt(sch), _one_job(sch, rows[0]))
+        ids = None if job_id is None else [job_id]
+    else:
+        _refuse_duplicate_keys(rows)
+        ((ids, key, owner),) = run.rows(_enqueue_stmt(sch), _parameters(sch, rows))
     if ids is None:
         what = f"unique key {key.hex()}" if key is not None else "a unique key"
         by = f"job {owner}" if owner is not None else "another job"

@@ -121,7 +121,8 @@ def _one_job(sch: StorageSchema, r: PreparedJob) -> dict[str, Any]:
 
 
 def send_jobs(run: Runner, ctx: StorageContext, rows: Sequence[PreparedJob]) -> list[int]:
-    """Write validated ``rows`` with one ``enqueue_jobs`` statement through ``run``; returns the
+    """Write validated ``rows`` with one statement through ``run`` (``enqueue_job`` for one
+    row, ``enqueue_jobs`` for more); returns the
     new ids in batch order. A unique key owned by another job (or named twice in ``rows``)
     raises :class:`UniqueConflictError` and writes nothing (the statement itself succeeds,
     so a caller's transaction stays usable)."""

@@ -1,19 +1,22 @@
 """Round trips of the hot calls, counted on the wire (libpq's protocol trace of the one
 pooled connection an engine of pool size 1 has): an enqueue, an empty claim and a fast
 completion on an ``Engine`` are one round trip each, with no BEGIN or COMMIT; in a caller's
-transaction an enqueue is one statement there."""
+transaction an enqueue is one statement there. A promotion pass that finds nothing due is one
+round trip per state, a statement the server planned once for the connection."""
 
 from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from psycopg import pq
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, text
 
 from qstore import InsertOpts, InsertParams
+from qstore.types import JobState
 
 
 @pytest.fixture
@@ -96,3 +99,38 @@ def test_enqueue_in_a_callers_transaction_adds_one_statement_to_it(one_connectio
             storage.enqueue(conn, job())
         conn.commit()
     assert sent.round_trips == 1
+
+
+def _nothing_due_for_promotion(engine: Engine, storage) -> None:
+    """Waits of every kind a promotion must pass over: one not yet due in the wheel, one due
+    beyond the wheel's span (an overflow row), a paused queue's due one, and a due one
+    already promoted (its wheel entry stays until its slot is truncated, marked)."""
+    at = datetime.now(timezone.utc)
+    storage.enqueue_many(engine, [job(run_at=at + timedelta(minutes=5)), job(run_at=at + timedelta(hours=2)),
+                                  job(queue="held", run_at=at - timedelta(seconds=1)),
+                                  job(run_at=at - timedelta(seconds=1))])
+    storage.set_queue_options(engine, "held", paused=True)
+    assert storage.promote_due(engine, JobState.SCHEDULED, 10) == 1
+
+
+def test_a_promotion_pass_that_finds_nothing_due_is_one_round_trip_per_state(one_connection, storage):
+    _nothing_due_for_promotion(one_connection, storage)
+    for state in (JobState.SCHEDULED, JobState.RETRYABLE):
+        assert storage.promote_due(one_connection, state, 10) == 0
+    with wire(pooled_pgconn(one_connection)) as sent:
+        for state in (JobState.SCHEDULED, JobState.RETRYABLE):
+            assert storage.promote_due(one_connection, state, 10) == 0
+    # no BEGIN or COMMIT, and no Parse: the statement prepared by the first pass is reused
+    assert sent.round_trips == 2 and "Query" not in sent.sent and "Parse" not in sent.sent, sent.sent
+
+
+def test_the_promotion_probe_is_planned_once_per_connection(one_connection, storage):
+    _nothing_due_for_promotion(one_connection, storage)
+    for _ in range(3):
+        assert storage.promote_due(one_connection, JobState.RETRYABLE, 10) == 0
+    with one_connection.connect() as conn:
+        plans = conn.execute(text(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE :probe AND statement LIKE :schema"),
+            {"probe": "%deferred_wheel_marks%'retryable'%", "schema": f"%{storage.schema()}.%"}).all()
+    assert [tuple(p) for p in plans] == [(3, 0)]  # one generic plan, made once and reused

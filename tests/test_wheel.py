@@ -424,3 +424,43 @@ def test_promotion_reads_only_due_waits_through_the_due_index(engine, st, statem
         plan = "\n".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + str(compiled), params))
     conds = [line for line in plan.splitlines() if "Index Cond" in line and "state =" in line]
     assert conds and all("run_at <= statement_timestamp()" in line for line in conds), plan
+
+
+@pytest.mark.parametrize("state", ["scheduled", "retryable"])
+def test_the_due_probe_is_one_parameterless_statement_over_the_due_indexes(engine, st, state: str) -> None:
+    """A promotion pass first asks whether anything is due: a statement without parameters
+    (prepared, so the server plans it once per connection) that reads the wheel and the
+    overflow through their due indexes, bounded by the due time."""
+    from qstore.storage.planes.queue import deferred_statements
+
+    sql, binds = deferred_statements(st.tables).due_probes[state].compiled(engine.dialect)
+    assert binds == ()
+    with engine.connect() as conn:
+        plan = "\n".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + sql, ()))
+    conds = [line for line in plan.splitlines() if "Index Cond" in line and "state =" in line]
+    assert conds and all("run_at <= statement_timestamp()" in line and f"'{state}'" in line for line in conds), plan
+    assert "deferred_jobs_due_idx" in plan and "deferred_wheel_marks" in plan, plan
+
+
+@pytest.mark.parametrize("place", ["wheel", "overflow"])
+@pytest.mark.parametrize("state", [JobState.SCHEDULED, JobState.RETRYABLE])
+def test_the_due_probe_finds_a_due_wait_of_its_state_until_it_is_promoted(engine, st, state, place) -> None:
+    from qstore.storage.targets import Policy, run
+    from qstore.storage.upkeep.rescue import any_due
+
+    def due(s: JobState) -> bool:
+        return run(Policy.STATEMENT, engine, lambda r: any_due(r, st.tables, s))
+
+    other = JobState.RETRYABLE if state is JobState.SCHEDULED else JobState.SCHEDULED
+    job_id = defer(engine, st, now() + (FAR if place == "overflow" else NEAR))
+    assert where_waiting(engine, st, job_id) == place and not due(state) and not due(other)
+    table = "deferred_jobs" if place == "overflow" else "deferred_wheel"
+    with engine.begin() as c:  # the time passed (and the wait is of the state under test)
+        c.execute(text(f'UPDATE "{st.schema()}".{table} SET run_at = clock_timestamp(), state = :s '
+                       'WHERE job_id = :j'), {"s": state.value, "j": job_id})
+    assert due(state) and not due(other)
+    st.set_queue_options(engine, "q", paused=True)
+    assert not due(state)
+    st.set_queue_options(engine, "q", paused=False)
+    assert st.promote_due(engine, state, 10) == 1
+    assert not due(state) and where_waiting(engine, st, job_id) is None

@@ -15,7 +15,8 @@ otherwise; ``SNAPSHOT`` — a read-only REPEATABLE READ transaction of its own o
 otherwise; ``ATOMIC`` — the same as ``JOIN``, but a SAVEPOINT inside a caller's
 transaction, so an error leaves nothing half-written; ``STATEMENT`` — one autocommitted statement on an
 Engine; ``UNITS`` — a transaction per unit of work on an Engine (each stripe of a claim;
-the two parts of a completion; each slot of a counter rollup); ``OWN`` — its own
+the two parts of a completion; each slot of a counter rollup; a promotion's due probe
+and its take); ``OWN`` — its own
 transaction on an Engine, refused on a caller's ``Connection`` or ``Session`` before
 anything is sent (``CallerTransactionRefusedError``), because its effect would outlive a
 rollback (the ring rotations: a ring's cursor is a sequence); ``NO_TRANSACTION`` —
@@ -183,7 +184,7 @@ class Operations:
     rescue_stale_heartbeats = op(JOIN, rescue.rescue_stale_heartbeats, staleness=C.positive_duration)
     rescue_expired_deadlines = op(JOIN, rescue.rescue_expired_deadlines)
     rescue_expired_callbacks = op(JOIN, rescue.rescue_expired_callbacks)
-    promote_due = op(ATOMIC, rescue.promote_due, state=C.promotable_state, batch_size=C.promotion_batch)
+    promote_due = op(UNITS, rescue.promote_due, state=C.promotable_state, batch_size=C.promotion_batch)
     advance_overflow = op(ATOMIC, wheel.advance_overflow, batch_size=C.promotion_batch)
     prune_wheel = op(JOIN, wheel.prune_wheel, at=C.optional_datetime)
 

@@ -232,12 +232,20 @@ class HotStatement:
     dialect's named placeholders (``%(name)s``) into positional ones (``%s``) once, so the
     driver gets a tuple and has no names to match per call. Only named, non-expanding
     parameters are supported (what the hot statements use).
+
+    A ``prepared`` statement is one without parameters: its values are rendered into the
+    text, and the runner asks the driver to prepare it on its first run on a connection
+    (unless the connection's ``prepare_threshold`` is None: no server-side statements).
+    The server then plans it once per connection: a prepared statement without parameters
+    runs its one generic plan from the first execution on, where an unprepared one is
+    planned again at every run (a cost that grows with the partitions it reads).
     """
 
-    __slots__ = ("_compiled", "statement")
+    __slots__ = ("_compiled", "prepared", "statement")
 
-    def __init__(self, statement: Any) -> None:
+    def __init__(self, statement: Any, *, prepared: bool = False) -> None:
         self.statement = statement
+        self.prepared = prepared
         self._compiled: dict[int, tuple[str, tuple[tuple[str, Any, Any], ...]]] = {}
 
     def compiled(self, dialect: Dialect) -> tuple[str, tuple[tuple[str, Any, Any], ...]]:
@@ -250,6 +258,11 @@ class HotStatement:
         return got
 
     def _compile(self, dialect: Dialect) -> tuple[str, tuple[tuple[str, Any, Any], ...]]:
+        if self.prepared:
+            text = str(self.statement.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
+            if _NAMED.search(text):  # pragma: no cover - a mistake in a prepared statement
+                raise TypeError("a prepared hot statement takes no parameter")
+            return text, ()
         c = self.statement.compile(dialect=dialect)
         processors = c._bind_processors
         by_name: dict[str, tuple[str, Any, Any]] = {}

@@ -44,7 +44,8 @@ unit                          what it is
 ============================  ========================================================================
 ``Transactions.unit()``       a ``UNITS`` operation's unit of work: its own transaction with an
                               ``Engine``, the caller's transaction otherwise (``.statement()`` /
-                              ``.hot()``: one autocommitted statement with an ``Engine``)
+                              ``.hot()``: one autocommitted statement with an ``Engine``;
+                              ``.atomic()``: a SAVEPOINT in the caller's transaction, as ``ATOMIC``)
 :func:`guarded` step          a lock-guarded upkeep step (prune, counter rollup): a SAVEPOINT with
                               ``lock_timeout`` = 50 ms (:data:`LOCK_TIMEOUT`), restored before the
                               savepoint is released; a lock timeout or deadlock (SQLSTATE 55P03 /
@@ -308,7 +309,8 @@ class Runner:
             return list(self._conn.execute(hot.statement, values).all())
         sql, params = hot.parameters(self._dialect, values)
         try:
-            cur.execute(sql, params)
+            cur.execute(sql, params, prepare=True if hot.prepared and cur.connection.prepare_threshold is not None
+                        else None)
         except psycopg.OperationalError:
             if cur.connection.closed and self._conn is not None:
                 self._conn.invalidate()  # as SQLAlchemy does on a disconnect
@@ -435,6 +437,19 @@ class Transactions:
                 yield conn
         else:
             yield _callers_connection(self._target)
+
+    @contextmanager
+    def atomic(self) -> Iterator[Connection]:
+        """A unit that leaves nothing half-written: its own transaction (committed on
+        leaving) with an Engine, a SAVEPOINT of the caller's transaction otherwise (an error
+        rolls it back and leaves the caller's transaction usable), as ``ATOMIC`` gives."""
+        if isinstance(self._target, Engine):
+            with _own_transaction(self._target) as conn:
+                yield conn
+        else:
+            conn = _callers_connection(self._target)
+            with conn.begin_nested():
+                yield conn
 
     def hot(self) -> AbstractContextManager[Runner]:
         """A :class:`Runner` for one hot statement: autocommitted with an Engine, in the

@@ -42,6 +42,7 @@ from sqlalchemy import (
     insert,
     literal,
     literal_column,
+    or_,
     select,
     text,
     true,
@@ -62,7 +63,7 @@ from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage.bodies import Body
 from qstore.storage.columns import body_values
 from qstore.storage.jobs import PreparedJob
-from qstore.storage.statements import schema_func, unnest_rows, wheel_entry_live
+from qstore.storage.statements import HotStatement, schema_func, unnest_rows, wheel_entry_live
 from qstore.types import JobState
 
 __all__ = [
@@ -523,6 +524,7 @@ class DeferredStatements:
     take_overflow: ReturningDelete[Any]
     take_due_entries: Select[Any]
     take_due_overflow: ReturningDelete[Any]
+    due_probes: dict[str, HotStatement]
     advance: Select[Any]
     bucket_now: Select[Any]
 
@@ -589,6 +591,15 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
                     .with_for_update(skip_locked=True))
     take_due_overflow = df.delete().where(df.c.job_id.in_(due_overflow.scalar_subquery())).returning(*df.c)
 
+    # whether a take would find anything: the same conditions, no order, no lock, no write;
+    # one parameterless statement per state, prepared (planned once per connection)
+    def probe(state: str) -> HotStatement:
+        in_wheel = select(w.c.entry_id).where(w.c.state == state, w.c.run_at <= due_at, unmarked, ~paused(w.c.queue))
+        in_overflow = select(df.c.job_id).where(df.c.state == state, df.c.run_at <= due_at, ~paused(df.c.queue))
+        return HotStatement(select(or_(in_wheel.exists(), in_overflow.exists())), prepared=True)
+
+    due_probes = {st.value: probe(st.value) for st in (JobState.SCHEDULED, JobState.RETRYABLE)}
+
     # overflow rows within the span move into the wheel (bucket < current + span)
     span_end = func.to_timestamp(((_bucket_of(now) + (WHEEL_SLOTS - WHEEL_GUARD_SLOTS)) * WHEEL_BUCKET_SECONDS)
                                  .cast(BigInteger))
@@ -606,7 +617,8 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
     return DeferredStatements(
         defer=defer, take_entry=take_entry,
         take_overflow=df.delete().where(df.c.job_id == job, df.c.state.in_(states)).returning(*df.c),
-        take_due_entries=take_due_entries, take_due_overflow=take_due_overflow, advance=advance,
+        take_due_entries=take_due_entries, take_due_overflow=take_due_overflow, due_probes=due_probes,
+        advance=advance,
         bucket_now=select(_bucket_of(func.coalesce(at, now))),
     )
 

@@ -34,9 +34,10 @@ from qstore.storage.statements import (
     attempt_progress,
     receipt_closed,
 )
+from qstore.storage.targets import Runner, Transactions
 from qstore.types import JobRow, JobState
 
-__all__ = ["RESCUE_LIMIT", "promote_due", "rescue_expired_callbacks", "rescue_expired_deadlines",
+__all__ = ["RESCUE_LIMIT", "any_due", "promote_due", "rescue_expired_callbacks", "rescue_expired_deadlines",
            "rescue_stale_heartbeats"]
 
 RESCUE_LIMIT = 500
@@ -134,7 +135,16 @@ def rescue_expired_callbacks(ctx: StorageContext, conn: Connection) -> list[JobR
     return _rescue(ctx, conn, pairs, Closure.CALLBACK_TIMEOUT, "callback timed out", (JobState.WAITING_EXTERNAL,))
 
 
-def promote_due(ctx: StorageContext, conn: Connection, state: JobState | str, batch_size: int) -> int:
+def any_due(run: Runner, sch: StorageSchema, state: JobState) -> bool:
+    """Whether a promotion of ``state`` would find anything now: a live wheel entry or an
+    overflow row of an unpaused queue whose ``run_at`` has come (what ``take_due`` takes,
+    without its order, lock or writes). One statement without parameters, read through
+    the due indexes and prepared on its connection, so the server plans it (over every
+    wheel and marks child) once per connection rather than at every pass."""
+    return bool(run.rows(queue.deferred_statements(sch).due_probes[state.value], {})[0][0])
+
+
+def promote_due(ctx: StorageContext, tx: Transactions, state: JobState | str, batch_size: int) -> int:
     """Move up to ``batch_size`` due deferred rows of ``state`` (scheduled or retryable; any
     other state, or a ``batch_size`` of 0 or less, moves nothing) of unpaused queues into the
     ready ring, attempt and run_lease kept; NOTIFY on commit. Returns how many became
@@ -143,14 +153,23 @@ def promote_due(ctx: StorageContext, conn: Connection, state: JobState | str, ba
     A job whose unique key another job took meanwhile (its ``unique_states`` released the
     key while it waited) does not become available: it ends ``failed`` with an error entry
     naming the key's owner, and the rest of the batch is promoted (two due jobs of one
-    batch wanting the same key: the first in promotion order wins)."""
+    batch wanting the same key: the first in promotion order wins).
+
+    A pass that finds nothing due costs one statement (:func:`any_due`; autocommitted on an
+    Engine, so no BEGIN or COMMIT either); only when something is due does the promotion
+    itself run, in a transaction of its own on an Engine and in a SAVEPOINT of the
+    caller's transaction otherwise."""
     st = JobState(state)
     if st not in (JobState.SCHEDULED, JobState.RETRYABLE) or batch_size <= 0:
         return 0
-    taken = queue.take_due(conn, ctx.schema, st, batch_size)
-    if not taken:
-        return 0
-    rows = sorted(taken, key=lambda r: (r.run_at, r.priority, r.job_id))  # RETURNING keeps no order
-    out = destinations.apply(conn, ctx, [(Body.from_snapshot(r), Decision(Destination.READY), st) for r in rows],
-                             unique_conflicts=UniqueConflicts.FAIL_JOB)
+    with tx.hot() as run:
+        if not any_due(run, ctx.schema, st):
+            return 0
+    with tx.atomic() as conn:
+        taken = queue.take_due(conn, ctx.schema, st, batch_size)
+        if not taken:
+            return 0
+        rows = sorted(taken, key=lambda r: (r.run_at, r.priority, r.job_id))  # RETURNING keeps no order
+        out = destinations.apply(conn, ctx, [(Body.from_snapshot(r), Decision(Destination.READY), st)
+                                             for r in rows], unique_conflicts=UniqueConflicts.FAIL_JOB)
     return sum(1 for r in out if r.state == JobState.AVAILABLE)

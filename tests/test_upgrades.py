@@ -193,6 +193,25 @@ def test_previous_release_worker_keeps_working_after_the_upgrade(module_engine, 
     assert (counts.available, counts.running, counts.terminal) == (0, 0, 3)
 
 
+def _one_through_enqueue_jobs(engine: Engine, st: QueueStorage, job: Any) -> int:
+    """Enqueue one job through the batch function ``enqueue_jobs``, which every revision
+    these tests write at has. This release sends a single job to ``enqueue_job``
+    (revision 0015), so its ``enqueue`` of one job needs the head; at an older revision a
+    test writes as that revision's release did. A unique key another job owns raises
+    ``UniqueConflictError`` naming the owner, as ``enqueue`` does."""
+    from qstore import UniqueConflictError
+    from qstore.storage import enqueue as enqueuing
+    from qstore.storage.jobs import prepare_jobs
+
+    rows = prepare_jobs([job], st.queue_stripe_count(), field="job")
+    with engine.begin() as conn:
+        ((ids, _key, owner),) = conn.execute(enqueuing._enqueue_stmt(st.tables).statement,
+                                             enqueuing._parameters(st.tables, rows)).all()
+    if ids is None:
+        raise UniqueConflictError("job_unique_claims", f"owned by job {owner}")
+    return int(ids[0])
+
+
 def _ended_jobs(engine: Engine, st: QueueStorage) -> dict[str, int]:
     """A completed and a failed attempt and a cancelled running one (narrow done rows), and
     a cancelled scheduled job (a wide done row), ended by this release; their ids."""
@@ -206,7 +225,7 @@ def _ended_jobs(engine: Engine, st: QueueStorage) -> dict[str, int]:
     st.fail_terminal(engine, failed.job.id, failed.job.run_lease, "boom")
     st.cancel_job(engine, cancelled.job.id)
     later = datetime.now(timezone.utc) + timedelta(hours=2)
-    st.enqueue_params_batch(engine, [params(args={"n": 9}, queue=Q, run_at=later)])
+    _one_through_enqueue_jobs(engine, st, params(args={"n": 9}, queue=Q, run_at=later))
     with engine.connect() as conn:
         scheduled = conn.execute(text(f'SELECT job_id FROM "{st.schema()}".deferred_jobs')).scalar_one()
     st.cancel_job(engine, scheduled)
@@ -533,7 +552,7 @@ def _conflicts_with(st: QueueStorage, engine: Engine, key: str) -> int | None:
     from qstore import UniqueConflictError
 
     try:
-        st.enqueue_many(engine, [_unique(key)])
+        _one_through_enqueue_jobs(engine, st, _unique(key))
     except UniqueConflictError as err:
         return int(str(err).rsplit("job ", 1)[1])
     return None
@@ -547,12 +566,13 @@ def test_the_key_release_revision_keeps_live_keys_and_its_downgrade_deletes_rele
     st = QueueStorage(cfg)
     # at the revision before: a running, a completed (the default mask keeps its key), a
     # scheduled and an available unique job, and one whose key that revision released (deleted)
-    (running,) = st.enqueue_many(engine, [_unique("running")])
+    running = _one_through_enqueue_jobs(engine, st, _unique("running"))
     assert [c.job.id for c in st.claim_runtime_batch(engine, Q, 1)] == [running]
-    (done,) = st.enqueue_many(engine, [_unique("done")])
+    done = _one_through_enqueue_jobs(engine, st, _unique("done"))
     (c,) = st.claim_runtime_batch(engine, Q, 1)
     assert c.job.id == done and st.complete_runtime_batch(engine, [c]) == [(done, 1)]
-    (scheduled,) = st.enqueue_many(engine, [_unique("scheduled", run_at=datetime.now(timezone.utc) + timedelta(hours=1))])
+    scheduled = _one_through_enqueue_jobs(engine, st, _unique("scheduled", run_at=datetime.now(timezone.utc)
+                                                                     + timedelta(hours=1)))
     available, gone = st.enqueue_many(engine, [_unique("available"), _unique("gone")])
     with engine.begin() as conn:
         conn.execute(text(f'DELETE FROM "{cfg.schema}".job_unique_claims WHERE job_id = {gone}'))

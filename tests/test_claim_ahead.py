@@ -36,6 +36,25 @@ def test_claim_ahead_defaults_to_one_claim_and_to_nothing_without_prefetch() -> 
 # -- the estimate -------------------------------------------------------------------------------
 
 
+def _cli_settings(*options: str) -> WorkerSettings:
+    from qstore.cli import build_parser
+    from qstore.cli.worker import worker_settings
+
+    return worker_settings(build_parser().parse_args(["worker", "some.module:app", *options]))
+
+
+def test_the_worker_command_passes_claim_ahead_and_cycles_and_otherwise_keeps_the_defaults() -> None:
+    chosen = _cli_settings("--claim-ahead", "0", "--claims-in-flight", "1")
+    assert (chosen.claim_ahead, chosen.claims_in_flight) == (0, 1)
+    default = _cli_settings("--claim-batch", "20")
+    assert (default.claim_ahead, default.claims_in_flight) == (20, WorkerSettings().claims_in_flight)
+
+
+def test_the_worker_command_refuses_a_negative_claim_ahead_naming_it() -> None:
+    with pytest.raises(ValidationError, match="claim_ahead"):
+        _cli_settings("--claim-ahead", "-1")
+
+
 def test_places_ahead_are_twice_what_the_handlers_let_go_per_round_trip() -> None:
     places = Capacity(32, 1, ahead=32)
     places.reset(0, 0.0)

@@ -70,8 +70,21 @@ def _serve_metrics(host: str, port: int) -> Callable[[], None]:
         raise _failed(f"cannot serve metrics on {host}:{port}: {err.strerror or err}") from None
 
 
+def worker_settings(args: argparse.Namespace) -> Any:
+    """The ``WorkerSettings`` of the parsed ``qstore worker`` options (an option left out keeps
+    the settings' default); a bad value raises the settings' ``ValidationError``."""
+    from qstore.runtime.worker import WorkerSettings
+
+    chosen = {name: value for name, value in (("claims_in_flight", args.claims_in_flight),
+                                                ("claim_ahead", args.claim_ahead)) if value is not None}
+    return WorkerSettings(queues=args.queue or None, concurrency=args.concurrency,
+                          claim_batch=args.claim_batch, prefetch=args.prefetch, **chosen,
+                          poll_interval=args.poll_interval, heartbeat_interval=args.heartbeat_interval,
+                          shutdown_timeout=args.shutdown_timeout, maintain=not args.no_maintain)
+
+
 def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
-    from qstore.runtime.worker import Worker, WorkerSettings  # the runtime only when a worker runs
+    from qstore.runtime.worker import Worker  # the runtime only when a worker runs
 
     app = load_app(args.app)
     # the shared --schema option defaults to the default schema: a value other than that one
@@ -79,12 +92,7 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     if args.schema not in (DEFAULT_SCHEMA, app.storage.schema()):
         raise _failed(f"--schema {args.schema!r} differs from the schema of app {args.app!r} "
                       f"({app.storage.schema()!r}); leave --schema out")
-    cycles = {} if args.claims_in_flight is None else {"claims_in_flight": args.claims_in_flight}
-    settings = WorkerSettings(queues=args.queue or None, concurrency=args.concurrency,
-                              claim_batch=args.claim_batch, prefetch=args.prefetch, **cycles,
-                              poll_interval=args.poll_interval,
-                              heartbeat_interval=args.heartbeat_interval,
-                              shutdown_timeout=args.shutdown_timeout, maintain=not args.no_maintain)
+    settings = worker_settings(args)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -119,7 +127,10 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", type=int, default=None,
                    help="claimed jobs that may wait for a free handler (default: --concurrency)")
     p.add_argument("--claims-in-flight", type=int, default=None, metavar="N",
-                   help="claims of one queue in flight at once (default: WorkerSettings' default)")
+                   help="claims of one queue in flight at once (default: WorkerSettings' default, 2)")
+    p.add_argument("--claim-ahead", type=int, default=None, metavar="N",
+                   help="most jobs a claim may take beyond concurrency + prefetch while handlers are fast "
+                        "(default: --claim-batch, 0 with --prefetch 0; 0 turns it off)")
     p.add_argument("--poll-interval", type=float, default=1.0,
                    help="seconds an idle queue waits before claiming without a notification (default 1)")
     p.add_argument("--heartbeat-interval", type=float, default=30.0,

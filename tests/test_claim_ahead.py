@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
-from test_claim_cycles import CLAIMS, Held, async_app, enqueue, eventually, sync_app
+from test_claim_cycles import ClaimWatch, Held, async_app, enqueue, eventually, sync_app
 
 from qstore.errors import ValidationError
 from qstore.runtime.core import Capacity
@@ -87,44 +87,20 @@ def test_unfilled_reservations_do_not_count_as_handler_work_and_ahead_off_stays_
 # -- the workers --------------------------------------------------------------------------------
 
 
-class LandWatch:
-    """Stands in for a worker's storage face: every call goes to the real storage; a claim
-    waits ``delay`` seconds first, and when it comes back the most attempts the worker
-    then held (those it held before plus those the claim brought) is recorded."""
+class LandWatch(ClaimWatch):
+    """A :class:`ClaimWatch` that also records, when a claim comes back, the most attempts
+    the worker then held (those it held before plus those the claim brought)."""
 
     def __init__(self, worker: Any, delay: float) -> None:
-        self._storage = worker.storage
+        super().__init__(worker.storage, delay)
         self._worker = worker
-        self.delay = delay
-        self.most = 0
+        self.most_held = 0
 
     def _landed(self, result: Any) -> None:
         jobs = result.claimed if isinstance(result, CompletedAndClaimed) else result
         core = self._worker.core
         with core.lock:
-            self.most = max(self.most, len(core.attempts) + len(jobs))
-
-    def __getattr__(self, name: str) -> Any:
-        target = getattr(self._storage, name)
-        if name not in CLAIMS:
-            return target
-        if asyncio.iscoroutinefunction(target):
-            async def claim_async(*args: Any, **kwargs: Any) -> Any:
-                await asyncio.sleep(self.delay)
-                result = await target(*args, **kwargs)
-                self._landed(result)
-                return result
-
-            return claim_async
-
-        def claim(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(self.delay)
-            result = target(*args, **kwargs)
-            self._landed(result)
-            return result
-
-        return claim
-
+            self.most_held = max(self.most_held, len(core.attempts) + len(jobs))
 
 
 def ahead_settings(**given: Any) -> WorkerSettings:
@@ -150,8 +126,8 @@ def drained(settings: WorkerSettings, engine: Any, st: Any, *, jobs: int, pause:
         stats = w.stop(5)
     assert set(held.runs.values()) == {1} and len(held.runs) == jobs
     assert (stats.claimed, stats.completed, stats.in_flight) == (jobs, jobs, 0)
-    assert held.most_running <= settings.concurrency and held.most_held <= watch.most
-    return watch.most
+    assert held.most_running <= settings.concurrency and held.most_held <= watch.most_held
+    return watch.most_held
 
 
 def test_fast_handlers_have_the_next_claim_in_flight_while_they_run(engine, st) -> None:  # type: ignore[no-untyped-def]
@@ -188,7 +164,7 @@ def test_the_async_worker_claims_ahead_for_fast_handlers(db_url, engine, st) -> 
             deadline = time.monotonic() + 20
             while w.stats.completed < jobs and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            return await w.stop(5), watch.most
+            return await w.stop(5), watch.most_held
         finally:
             await aengine.dispose()
 

@@ -61,6 +61,9 @@ class ClaimWatch:
         with self.lock:
             self.in_flight -= 1
 
+    def _landed(self, result: Any) -> None:
+        """A claim came back with ``result`` (a hook for subclasses)."""
+
     @property
     def calls(self) -> int:
         with self.lock:
@@ -76,9 +79,11 @@ class ClaimWatch:
                 self._enter(task.get_name() if task is not None else "?")
                 try:
                     await asyncio.sleep(self.delay)
-                    return await target(*args, **kwargs)
+                    result = await target(*args, **kwargs)
                 finally:
                     self._leave()
+                self._landed(result)
+                return result
 
             return claim_async
 
@@ -86,9 +91,11 @@ class ClaimWatch:
             self._enter(threading.current_thread().name)
             try:
                 time.sleep(self.delay)
-                return target(*args, **kwargs)
+                result = target(*args, **kwargs)
             finally:
                 self._leave()
+            self._landed(result)
+            return result
 
         return claim
 

@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
-from test_claim_cycles import ClaimWatch, Held, async_app, enqueue, eventually, sync_app
+from test_claim_cycles import (
+    ClaimWatch,
+    Held,
+    async_app,
+    enqueue,
+    ran_until_completed,
+    sync_app,
+)
 
 from qstore.errors import ValidationError
 from qstore.runtime.core import Capacity
@@ -119,11 +126,7 @@ def drained(settings: WorkerSettings, engine: Any, st: Any, *, jobs: int, pause:
     watch = LandWatch(w, delay)
     w.storage = watch  # type: ignore[assignment]
     held.worker = w
-    w.start()
-    try:
-        eventually(lambda: w.stats.completed >= jobs, what=f"{jobs} completed")
-    finally:
-        stats = w.stop(5)
+    stats = ran_until_completed(w, jobs)
     assert set(held.runs.values()) == {1} and len(held.runs) == jobs
     assert (stats.claimed, stats.completed, stats.in_flight) == (jobs, jobs, 0)
     assert held.most_running <= settings.concurrency and held.most_held <= watch.most_held

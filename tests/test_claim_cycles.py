@@ -219,6 +219,17 @@ def test_bounded_claimers_make_one_cycle_whatever_claims_in_flight_says(engine, 
 # -- the thread worker ---------------------------------------------------------------------------
 
 
+def ran_until_completed(w: Any, jobs: int) -> Any:
+    """Start thread worker ``w``, wait until it completed ``jobs`` attempts, stop it (also
+    when the wait fails); its stop's stats."""
+    w.start()
+    try:
+        eventually(lambda: w.stats.completed >= jobs, what=f"{jobs} completed")
+    finally:
+        stats = w.stop(5)
+    return stats
+
+
 def test_a_default_worker_has_two_claims_of_a_busy_queue_in_flight(engine, st):  # type: ignore[no-untyped-def]
     assert WorkerSettings().claims_in_flight == 2
     jobs = 400
@@ -227,11 +238,7 @@ def test_a_default_worker_has_two_claims_of_a_busy_queue_in_flight(engine, st): 
     w, watch = started(sync_app(st, held), engine,
                        WorkerSettings(listen=False, poll_interval=0.05, maintain=False), delay=0.003)
     held.worker = w
-    w.start()
-    try:
-        eventually(lambda: w.stats.completed >= jobs, what=f"{jobs} completed")
-    finally:
-        stats = w.stop(5)
+    stats = ran_until_completed(w, jobs)
     assert watch.most == 2 and set(watch.by) == {"qstore-claim-default", "qstore-claim-default#1"}
     assert set(held.runs.values()) == {1} and len(held.runs) == jobs
     assert (stats.claimed, stats.completed, stats.stale_completions) == (jobs, jobs, 0)
@@ -253,11 +260,7 @@ def drained_once_each(engine: Engine, st: QueueStorage, n: int) -> None:
     ids = enqueue(engine, st, jobs)
     w, watch = started(sync_app(st, held), engine, cycles_settings(n), delay=0.003)
     held.worker = w
-    w.start()
-    try:
-        eventually(lambda: w.stats.completed >= jobs, what=f"{jobs} completed")
-    finally:
-        stats = w.stop(5)
+    stats = ran_until_completed(w, jobs)
     assert watch.most == n  # the cycles' claims were in flight together
     assert sorted(held.runs) == list(range(jobs)) and set(held.runs.values()) == {1}
     assert (stats.claimed, stats.completed, stats.stale_completions) == (jobs, jobs, 0)
@@ -274,11 +277,7 @@ def test_cycles_in_flight_never_hold_more_attempts_than_concurrency_plus_prefetc
     settings = cycles_settings(3, concurrency=3, prefetch=2, claim_batch=4, claim_ahead=0)
     w, watch = started(sync_app(st, held, pause=0.002), engine, settings, delay=0.003)
     held.worker = w
-    w.start()
-    try:
-        eventually(lambda: w.stats.completed >= jobs, what=f"{jobs} completed")
-    finally:
-        w.stop(5)
+    ran_until_completed(w, jobs)
     assert watch.most >= 2  # more than one cycle claimed at once
     assert 0 < held.most_held <= 3 + 2
     assert held.most_running <= 3

@@ -93,17 +93,12 @@ def _refuse_duplicate_keys(rows: Sequence[PreparedJob]) -> None:
 
 
 def _parameters(sch: StorageSchema, rows: Sequence[PreparedJob]) -> dict[str, Any]:
-    """The arrays of :func:`_enqueue_stmt` for ``rows``."""
-    return {
-        "kinds": [r.kind for r in rows], "queues": [r.queue for r in rows],
-        "logicals": [r.logical for r in rows], "args": [r.args for r in rows],
-        "priorities": [r.priority for r in rows], "max_attempts": [r.max_attempts for r in rows],
-        "run_ats": [r.run_at for r in rows], "unique_keys": [r.unique_key for r in rows],
-        "unique_states": [r.unique_states for r in rows], "payloads": [r.payload for r in rows],
-        "takes_key": [r.unique_key is not None and holds_key(r.unique_states, r.state) for r in rows],
-        "order_hashes": [None if r.ordering_key is None else ordering_hash(r.ordering_key) for r in rows],
-        "channels": sorted({sch.config.notify_channel(r.logical) for r in rows if r.run_at is None}),
-    }
+    """The arrays of :func:`_enqueue_stmt` for ``rows``: each row's :func:`_one_job` values,
+    column by column, and the channels to wake once each."""
+    values = [_one_job(sch, r) for r in rows]
+    out = {array: [v[name] for v in values] for array, name, _ in _ARGUMENTS if name != "channel"}
+    out["channels"] = sorted({v["channel"] for v in values if v["channel"] is not None})
+    return out
 
 
 def _one_job(sch: StorageSchema, r: PreparedJob) -> dict[str, Any]:

@@ -255,7 +255,8 @@ class BatchCore:
             log.debug("qstore worker: %d stale completions (attempts closed elsewhere first): %s",
                       len(stale), stale[:20])
         self._count(completed=len(items) - len(stale), stale=len(stale))
-        self._landed([c for c in items if c.pair in done])
+        if self.on_completed is not None:
+            self._landed([c for c in items if c.pair in done] if stale else items)
 
     def _landed(self, items: Sequence[Completion]) -> None:
         if self.on_completed is not None and items:
@@ -360,7 +361,8 @@ class CompletionBatcher(BatchCore):
         super().__init__(max_batch, interval, outages)
         self.storage = storage
         self.engine = engine
-        self._cond = threading.Condition()
+        self._mutex = threading.RLock()  # the condition's lock, entered directly on the hot paths
+        self._cond = threading.Condition(self._mutex)
         self._flushing = 0  # flush calls waiting
         self._thread: threading.Thread | None = None
 
@@ -379,7 +381,7 @@ class CompletionBatcher(BatchCore):
 
     def submit(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
         """Queue ``claimed`` for completion (with ``followups`` in its transaction)."""
-        with self._cond:
+        with self._mutex:
             if self._add(claimed, followups):
                 self._cond.notify_all()
 
@@ -387,7 +389,7 @@ class CompletionBatcher(BatchCore):
         """Take the waiting completions without follow-ups (at most ``max_batch``) for a
         dispatcher to send with its claim; it must pass each to :meth:`settle_lent` or
         :meth:`return_lent`."""
-        with self._cond:
+        with self._mutex:
             return self._lend()
 
     def settle_lent(self, lent: Sequence[Completion], done: Sequence[tuple[int, int]]) -> None:

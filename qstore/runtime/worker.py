@@ -98,22 +98,26 @@ log = logging.getLogger("qstore.worker")
 
 class _Pool:
     """A fixed set of daemon threads running submitted calls in order (daemon, so a handler
-    that never returns cannot keep the process from exiting after a stop)."""
+    that never returns cannot keep the process from exiting after a stop). A call is a
+    function and its one argument (no closure to build per call)."""
 
     def __init__(self, size: int, name: str) -> None:
-        self._q: queue_module.SimpleQueue[Callable[[], None] | None] = queue_module.SimpleQueue()
+        self._q: queue_module.SimpleQueue[tuple[Callable[[Any], None], Any] | None] = queue_module.SimpleQueue()
+        self.put = self._q.put  # submit((fn, arg)): runs fn(arg) on a pool thread
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                          for i in range(size)]
         for t in self._threads:
             t.start()
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        self._q.put(fn)
+    def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Run ``fn(arg)`` on a pool thread."""
+        self._q.put((fn, arg))
 
     def _run(self) -> None:
-        while (fn := self._q.get()) is not None:
+        get = self._q.get
+        while (call := get()) is not None:
             try:
-                fn()
+                call[0](call[1])
             except BaseException:  # a pool thread outlives whatever one call does
                 log.exception("qstore worker: unexpected error in a handler thread")
 
@@ -253,9 +257,11 @@ class Worker:
 
     def forget(self, a: Attempt) -> None:
         """Let ``a`` go once neither its handler nor a deadline's closure needs it: until
-        then it keeps its place, is heartbeated, and a stop gives it back."""
-        if self.core.release(a):
-            self._release(1, let_go=True)
+        then it keeps its place, is heartbeated, and a stop gives it back. The attempt and
+        its place go in one critical section (the core's lock guards both)."""
+        with self._lock:
+            if self.core.let_go(a) and self._places.release(1, not self._attempts, True):
+                self._capacity.notify_all()
 
     def complete(self, a: Attempt) -> None:
         self.batcher.submit(a.claimed, a.ctx.followups)
@@ -612,12 +618,14 @@ class Worker:
         """Hand claimed attempts to their handlers: sync ones to the thread pool, async
         ones to the event loop (all of one claim in one hop to the loop)."""
         on_loop = []
+        assert self._pool is not None
+        put, run = self._pool.put, self._run_sync
         for a in attempts:
-            if a.task is not None and a.task.is_async:
+            task = a.task
+            if task is not None and task.is_async:
                 on_loop.append(a)
             else:
-                assert self._pool is not None
-                self._pool.submit(functools.partial(self._run_sync, a))
+                put((run, a))
         if on_loop:
             assert self._loop is not None
             self._loop.spawn([self._run_async(a) for a in on_loop])
@@ -631,16 +639,22 @@ class Worker:
         return a.task.fn(a.ctx, args)
 
     def _run_sync(self, a: Attempt) -> None:
-        if a.ctx.is_cancelled:  # given back or cancelled before a handler took it
+        ctx = a.ctx
+        if ctx.is_cancelled:  # given back or cancelled before a handler took it
             self._forget(a)
             return
         a.started_at = time.monotonic()
         outcome: Any
-        if a.task is None:
+        task = a.task
+        telemetry = self.app.telemetry
+        if task is None:
             outcome = self.core.unknown(a)
-        elif not self._observing:
+        elif not (telemetry.enabled and telemetry.recording):  # (as _observing, inlined)
             try:
-                outcome = self.core.sync_result(a, self._call(a))
+                args = a.claimed.job.args  # (as _call, inlined)
+                outcome = task.fn(ctx, **args) if isinstance(args, dict) else task.fn(ctx, args)
+                if hasattr(outcome, "__await__"):
+                    outcome = self.core.sync_result(a, outcome)
             except JobOutcome as raised:
                 outcome = raised
             except BaseException as err:

@@ -780,19 +780,31 @@ class WorkerCore:
                 now: float) -> list[Attempt]:
         """Hold the attempts of one claim call (counted), each with its task (None: no task
         has its kind) and a context from ``context``."""
-        task = self.app.get
-        out = [Attempt(j, context(j), task(j.job.kind), now, now) for j in jobs]  # built outside the lock
+        out = self.attempts_of(jobs, context, now)
         with self.lock:
-            counts = self.counts
-            counts["claim_calls"] += 1
-            counts["claimed"] += len(jobs)
-            if not jobs:
-                counts["empty_claims"] += 1
-            held = self.attempts
-            for a in out:
-                job = a.claimed.job
-                held[(job.id, job.run_lease)] = a
+            self.hold(out)
         return out
+
+    def attempts_of(self, jobs: Sequence[ClaimedRuntimeJob], context: Callable[[ClaimedRuntimeJob], JobContext],
+                    now: float) -> list[Attempt]:
+        """The attempts of one claim call, each with its task (None: no task has its kind)
+        and a context from ``context``; not held yet (see :meth:`hold`)."""
+        task = self.app.get
+        return [Attempt(j, context(j), task(j.job.kind), now, now) for j in jobs]
+
+    def hold(self, attempts: Sequence[Attempt]) -> None:
+        """Hold the ``attempts`` of one claim call and count the call; the caller holds
+        :attr:`lock` (the thread worker settles the claim's places in the same critical
+        section)."""
+        counts = self.counts
+        counts["claim_calls"] += 1
+        counts["claimed"] += len(attempts)
+        if not attempts:
+            counts["empty_claims"] += 1
+        held = self.attempts
+        for a in attempts:
+            job = a.claimed.job
+            held[(job.id, job.run_lease)] = a
 
     def release(self, a: Attempt) -> bool:
         """One holder of ``a`` lets it go; True when it was the last (the attempt is no

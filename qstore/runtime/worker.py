@@ -528,10 +528,23 @@ class Worker:
                 if self._places.release(n, not self._attempts, let_go):
                     self._capacity.notify_all()
 
-    def _landed(self, rtt: float) -> None:
-        """A claim came back after ``rtt`` seconds (see :meth:`Capacity.landed`)."""
-        with self._capacity:
-            if self._places.landed(rtt, time.monotonic()):
+    def _settle_claim(self, queue: str, index: int, want: int, attempts: list[Attempt], rtt: float) -> None:
+        """A claim of cycle ``index`` of ``queue`` that reserved ``want`` places came back
+        after ``rtt`` seconds with ``attempts``, in one critical section: the round trip is
+        measured (:meth:`Capacity.landed`), the places it did not fill are given back, the
+        queue's cycles learn how it went (:meth:`ClaimCycles.signal`) and the attempts are
+        held (:meth:`WorkerCore.hold`), each keeping one of the reserved places until a
+        handler or a give-back lets it go (:meth:`forget`)."""
+        got = len(attempts)
+        with self._lock:
+            places = self._places
+            wake = places.landed(rtt, time.monotonic())
+            if got < want and places.release(want - got, not self._attempts):
+                wake = True
+            self._cycles[queue].signal(index, want, got, claiming=self._claiming.is_set(),
+                                       busy=self._busy[queue], wake=self._wakes[queue])
+            self.core.hold(attempts)
+            if wake:
                 self._capacity.notify_all()
 
     # -- claiming --------------------------------------------------------------------------------
@@ -562,6 +575,11 @@ class Worker:
         lead = index == 0
         s = self.settings
         what = f"claims on queue {queue!r}"
+        storage, engine = self.storage, self.engine
+
+        def context(j: ClaimedRuntimeJob) -> JobContext:
+            return JobContext(j, storage, engine)
+
         while self._claiming.is_set():
             if not lead:
                 busy.wait()  # set while the queue is busy, and by a stop
@@ -596,14 +614,12 @@ class Worker:
                     wake.wait(s.error_backoff)  # a stop sets it
                 continue  # (the other cycles wait for the lead's next full claim)
             self._outages.ok(what)
-            self._landed(time.monotonic() - sent)
+            rtt = time.monotonic() - sent
             # a full claim: the queue has more, and this dispatcher claims again as soon as
             # places free up; the completions of those places can wait for that claim
             self.batcher.expect_claims(who, len(jobs) >= want)
-            self._release(want - len(jobs))
-            self._returned(queue, index, want, len(jobs))
-            attempts = self.core.claimed(jobs, lambda j: JobContext(j, self.storage, self.engine),
-                                         time.monotonic())
+            attempts = self.core.attempts_of(jobs, context, time.monotonic())
+            self._settle_claim(queue, index, want, attempts, rtt)
             if attempts:
                 self._launch(attempts)
             if lead and len(jobs) < want:

@@ -50,7 +50,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
@@ -166,7 +166,7 @@ class BatchCore:
     @property
     def stats(self) -> BatcherStats:
         with self._stats_lock:
-            return BatcherStats(**{f.name: getattr(self._stats, f.name) for f in fields(BatcherStats)})
+            return BatcherStats(**vars(self._stats))
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -196,13 +196,18 @@ class BatchCore:
 
     def _lend(self) -> list[Completion]:
         """Take up to ``max_batch`` queued completions without follow-ups out of the queue."""
-        if not self._q.items:
+        items = self._q.items
+        if not items:
             return []
-        lent: list[Completion] = []
-        kept: list[Completion] = []
-        for c in self._q.items:
-            (kept if c.followups or len(lent) >= self.max_batch else lent).append(c)
-        self._q.items = kept
+        lent: list[Completion]
+        if len(items) <= self.max_batch and not any(c.followups for c in items):
+            lent, self._q.items = items, []  # (the usual case: all of them)
+        else:
+            lent = []
+            kept: list[Completion] = []
+            for c in items:
+                (kept if c.followups or len(lent) >= self.max_batch else lent).append(c)
+            self._q.items = kept
         self._lent += len(lent)
         with self._stats_lock:
             self._stats.largest_batch = max(self._stats.largest_batch, len(lent))

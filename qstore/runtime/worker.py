@@ -521,11 +521,12 @@ class Worker:
                 self._capacity.wait(0.5 if wait is None else wait)
             return 0
 
-    def _release(self, n: int, let_go: bool = False) -> None:
-        """Give ``n`` places back (``let_go``: of an attempt the worker let go)."""
+    def _release(self, n: int) -> None:
+        """Give back ``n`` places a claim reserved and did not use (an attempt's place goes
+        back in :meth:`forget`, a claim's unfilled ones in :meth:`_settle_claim`)."""
         if n:
             with self._capacity:
-                if self._places.release(n, not self._attempts, let_go):
+                if self._places.release(n, not self._attempts):
                     self._capacity.notify_all()
 
     def _settle_claim(self, queue: str, index: int, want: int, attempts: list[Attempt], rtt: float) -> None:
@@ -665,7 +666,7 @@ class Worker:
         telemetry = self.app.telemetry
         if task is None:
             outcome = self.core.unknown(a)
-        elif not (telemetry.enabled and telemetry.recording):  # (as _observing, inlined)
+        elif not (telemetry.enabled and telemetry.recording):  # the app's telemetry records no handler run
             try:
                 args = a.claimed.job.args  # (as _call, inlined)
                 outcome = task.fn(ctx, **args) if isinstance(args, dict) else task.fn(ctx, args)
@@ -714,12 +715,6 @@ class Worker:
             await loop.run_in_executor(self._outcomes, self._finish, a, outcome)
         except RuntimeError:  # the executor was shut down under us: finish here
             self._finish(a, outcome)
-
-    @property
-    def _observing(self) -> bool:
-        """Whether the app's telemetry records handler runs now."""
-        telemetry = self.app.telemetry
-        return telemetry.enabled and telemetry.recording
 
     def _forget(self, a: Attempt) -> None:
         self.forget(a)

@@ -125,6 +125,18 @@ def test_only_one_maintainer_leads_an_install(maintainers: Callable[..., Maintai
     assert b.run_pending() == []  # a follower runs nothing
 
 
+def test_a_leaders_first_pass_runs_each_task_once_then_waits_for_its_cadence(
+        maintainers: Callable[..., Maintainer]) -> None:
+    slow = {f"{task}_every": 60.0 for task in ("queue_ring", "lease_ring", "claim_ring", "promote", "wheel",
+                                                 "rescue", "rollup", "keys", "leader_retry")}
+    m = maintainers(schedule=MaintenanceSchedule(**slow))  # type: ignore[arg-type]
+    assert m.acquire_leadership()
+    first = m.run_pending()
+    assert sorted(r.task for r in first) == sorted(m.task_names)
+    assert m.run_pending() == []  # nothing is due again right after the first pass
+    assert m.seconds_until_due() > 30
+
+
 def test_leadership_passes_on_release(maintainers: Callable[..., Maintainer]) -> None:
     a, b = maintainers(), maintainers()
     assert a.acquire_leadership()

@@ -118,7 +118,7 @@ class _Threads:
             else:
                 future.set_exception(value)
 
-        def call() -> None:
+        def call(_: None) -> None:
             try:
                 ok, value = True, fn()
             except BaseException as err:  # handed to the loop: the outcome of the handler
@@ -126,7 +126,7 @@ class _Threads:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(settle, ok, value)
 
-        self._pool.submit(call)
+        self._pool.submit(call, None)
         return future
 
     def stop(self, timeout: float) -> None:

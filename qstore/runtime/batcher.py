@@ -50,7 +50,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
@@ -166,7 +166,7 @@ class BatchCore:
     @property
     def stats(self) -> BatcherStats:
         with self._stats_lock:
-            return BatcherStats(**{f.name: getattr(self._stats, f.name) for f in fields(BatcherStats)})
+            return BatcherStats(**vars(self._stats))
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -196,13 +196,18 @@ class BatchCore:
 
     def _lend(self) -> list[Completion]:
         """Take up to ``max_batch`` queued completions without follow-ups out of the queue."""
-        if not self._q.items:
+        items = self._q.items
+        if not items:
             return []
-        lent: list[Completion] = []
-        kept: list[Completion] = []
-        for c in self._q.items:
-            (kept if c.followups or len(lent) >= self.max_batch else lent).append(c)
-        self._q.items = kept
+        lent: list[Completion]
+        if len(items) <= self.max_batch and not any(c.followups for c in items):
+            lent, self._q.items = items, []  # (the usual case: all of them)
+        else:
+            lent = []
+            kept: list[Completion] = []
+            for c in items:
+                (kept if c.followups or len(lent) >= self.max_batch else lent).append(c)
+            self._q.items = kept
         self._lent += len(lent)
         with self._stats_lock:
             self._stats.largest_batch = max(self._stats.largest_batch, len(lent))
@@ -255,7 +260,8 @@ class BatchCore:
             log.debug("qstore worker: %d stale completions (attempts closed elsewhere first): %s",
                       len(stale), stale[:20])
         self._count(completed=len(items) - len(stale), stale=len(stale))
-        self._landed([c for c in items if c.pair in done])
+        if self.on_completed is not None:
+            self._landed([c for c in items if c.pair in done] if stale else items)
 
     def _landed(self, items: Sequence[Completion]) -> None:
         if self.on_completed is not None and items:
@@ -360,7 +366,8 @@ class CompletionBatcher(BatchCore):
         super().__init__(max_batch, interval, outages)
         self.storage = storage
         self.engine = engine
-        self._cond = threading.Condition()
+        self._mutex = threading.RLock()  # the condition's lock, entered directly on the hot paths
+        self._cond = threading.Condition(self._mutex)
         self._flushing = 0  # flush calls waiting
         self._thread: threading.Thread | None = None
 
@@ -379,7 +386,7 @@ class CompletionBatcher(BatchCore):
 
     def submit(self, claimed: ClaimedRuntimeJob, followups: Sequence[InsertParams] = ()) -> None:
         """Queue ``claimed`` for completion (with ``followups`` in its transaction)."""
-        with self._cond:
+        with self._mutex:
             if self._add(claimed, followups):
                 self._cond.notify_all()
 
@@ -387,7 +394,7 @@ class CompletionBatcher(BatchCore):
         """Take the waiting completions without follow-ups (at most ``max_batch``) for a
         dispatcher to send with its claim; it must pass each to :meth:`settle_lent` or
         :meth:`return_lent`."""
-        with self._cond:
+        with self._mutex:
             return self._lend()
 
     def settle_lent(self, lent: Sequence[Completion], done: Sequence[tuple[int, int]]) -> None:

@@ -780,24 +780,46 @@ class WorkerCore:
                 now: float) -> list[Attempt]:
         """Hold the attempts of one claim call (counted), each with its task (None: no task
         has its kind) and a context from ``context``."""
-        out = []
+        out = self.attempts_of(jobs, context, now)
         with self.lock:
-            self.counts["claim_calls"] += 1
-            self.counts["claimed"] += len(jobs)
-            if not jobs:
-                self.counts["empty_claims"] += 1
-            for j in jobs:
-                a = Attempt(j, context(j), self.app.get(j.job.kind), now, now)
-                self.attempts[a.pair] = a
-                out.append(a)
+            self.hold(out)
         return out
+
+    def attempts_of(self, jobs: Sequence[ClaimedRuntimeJob], context: Callable[[ClaimedRuntimeJob], JobContext],
+                    now: float) -> list[Attempt]:
+        """The attempts of one claim call, each with its task (None: no task has its kind)
+        and a context from ``context``; not held yet (see :meth:`hold`)."""
+        task = self.app.get
+        return [Attempt(j, context(j), task(j.job.kind), now, now) for j in jobs]
+
+    def hold(self, attempts: Sequence[Attempt]) -> None:
+        """Hold the ``attempts`` of one claim call and count the call; the caller holds
+        :attr:`lock` (the thread worker settles the claim's places in the same critical
+        section)."""
+        counts = self.counts
+        counts["claim_calls"] += 1
+        counts["claimed"] += len(attempts)
+        if not attempts:
+            counts["empty_claims"] += 1
+        held = self.attempts
+        for a in attempts:
+            job = a.claimed.job
+            held[(job.id, job.run_lease)] = a
 
     def release(self, a: Attempt) -> bool:
         """One holder of ``a`` lets it go; True when it was the last (the attempt is no
         longer held and its place is free)."""
         with self.lock:
-            a.holds -= 1
-            return a.holds <= 0 and self.attempts.pop(a.pair, None) is not None
+            return self.let_go(a)
+
+    def let_go(self, a: Attempt) -> bool:
+        """:meth:`release` for a caller that holds :attr:`lock` already (the thread worker
+        frees the attempt's place in the same critical section)."""
+        a.holds -= 1
+        if a.holds > 0:
+            return False
+        job = a.claimed.job
+        return self.attempts.pop((job.id, job.run_lease), None) is not None
 
     def waiting(self) -> list[Attempt]:
         """Attempts claimed whose handler has not started."""

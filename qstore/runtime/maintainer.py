@@ -432,8 +432,10 @@ class Maintainer:
                 if report.error is not None:
                     t.due = time.monotonic() + self._retry_after(t)
                 else:
-                    # fixed cadence; a task that overran its interval runs again one interval later
-                    t.due = max(t.due + t.every, time.monotonic())
+                    # fixed cadence from when the task was due (from this run for a task that
+                    # never ran: its due time is 0, not a point on its cadence); a task that
+                    # overran its interval runs again one interval later
+                    t.due = max((t.due or now) + t.every, time.monotonic())
         return out
 
     def seconds_until_due(self) -> float:

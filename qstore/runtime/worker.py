@@ -98,22 +98,26 @@ log = logging.getLogger("qstore.worker")
 
 class _Pool:
     """A fixed set of daemon threads running submitted calls in order (daemon, so a handler
-    that never returns cannot keep the process from exiting after a stop)."""
+    that never returns cannot keep the process from exiting after a stop). A call is a
+    function and its one argument (no closure to build per call)."""
 
     def __init__(self, size: int, name: str) -> None:
-        self._q: queue_module.SimpleQueue[Callable[[], None] | None] = queue_module.SimpleQueue()
+        self._q: queue_module.SimpleQueue[tuple[Callable[[Any], None], Any] | None] = queue_module.SimpleQueue()
+        self.put = self._q.put  # submit((fn, arg)): runs fn(arg) on a pool thread
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                          for i in range(size)]
         for t in self._threads:
             t.start()
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        self._q.put(fn)
+    def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Run ``fn(arg)`` on a pool thread."""
+        self._q.put((fn, arg))
 
     def _run(self) -> None:
-        while (fn := self._q.get()) is not None:
+        get = self._q.get
+        while (call := get()) is not None:
             try:
-                fn()
+                call[0](call[1])
             except BaseException:  # a pool thread outlives whatever one call does
                 log.exception("qstore worker: unexpected error in a handler thread")
 
@@ -253,9 +257,11 @@ class Worker:
 
     def forget(self, a: Attempt) -> None:
         """Let ``a`` go once neither its handler nor a deadline's closure needs it: until
-        then it keeps its place, is heartbeated, and a stop gives it back."""
-        if self.core.release(a):
-            self._release(1, let_go=True)
+        then it keeps its place, is heartbeated, and a stop gives it back. The attempt and
+        its place go in one critical section (the core's lock guards both)."""
+        with self._lock:
+            if self.core.let_go(a) and self._places.release(1, not self._attempts, True):
+                self._capacity.notify_all()
 
     def complete(self, a: Attempt) -> None:
         self.batcher.submit(a.claimed, a.ctx.followups)
@@ -515,17 +521,31 @@ class Worker:
                 self._capacity.wait(0.5 if wait is None else wait)
             return 0
 
-    def _release(self, n: int, let_go: bool = False) -> None:
-        """Give ``n`` places back (``let_go``: of an attempt the worker let go)."""
+    def _release(self, n: int) -> None:
+        """Give back ``n`` places a claim reserved and did not use (an attempt's place goes
+        back in :meth:`forget`, a claim's unfilled ones in :meth:`_settle_claim`)."""
         if n:
             with self._capacity:
-                if self._places.release(n, not self._attempts, let_go):
+                if self._places.release(n, not self._attempts):
                     self._capacity.notify_all()
 
-    def _landed(self, rtt: float) -> None:
-        """A claim came back after ``rtt`` seconds (see :meth:`Capacity.landed`)."""
-        with self._capacity:
-            if self._places.landed(rtt, time.monotonic()):
+    def _settle_claim(self, queue: str, index: int, want: int, attempts: list[Attempt], rtt: float) -> None:
+        """A claim of cycle ``index`` of ``queue`` that reserved ``want`` places came back
+        after ``rtt`` seconds with ``attempts``, in one critical section: the round trip is
+        measured (:meth:`Capacity.landed`), the places it did not fill are given back, the
+        queue's cycles learn how it went (:meth:`ClaimCycles.signal`) and the attempts are
+        held (:meth:`WorkerCore.hold`), each keeping one of the reserved places until a
+        handler or a give-back lets it go (:meth:`forget`)."""
+        got = len(attempts)
+        with self._lock:
+            places = self._places
+            wake = places.landed(rtt, time.monotonic())
+            if got < want and places.release(want - got, not self._attempts):
+                wake = True
+            self._cycles[queue].signal(index, want, got, claiming=self._claiming.is_set(),
+                                       busy=self._busy[queue], wake=self._wakes[queue])
+            self.core.hold(attempts)
+            if wake:
                 self._capacity.notify_all()
 
     # -- claiming --------------------------------------------------------------------------------
@@ -556,6 +576,11 @@ class Worker:
         lead = index == 0
         s = self.settings
         what = f"claims on queue {queue!r}"
+        storage, engine = self.storage, self.engine
+
+        def context(j: ClaimedRuntimeJob) -> JobContext:
+            return JobContext(j, storage, engine)
+
         while self._claiming.is_set():
             if not lead:
                 busy.wait()  # set while the queue is busy, and by a stop
@@ -590,14 +615,12 @@ class Worker:
                     wake.wait(s.error_backoff)  # a stop sets it
                 continue  # (the other cycles wait for the lead's next full claim)
             self._outages.ok(what)
-            self._landed(time.monotonic() - sent)
+            rtt = time.monotonic() - sent
             # a full claim: the queue has more, and this dispatcher claims again as soon as
             # places free up; the completions of those places can wait for that claim
             self.batcher.expect_claims(who, len(jobs) >= want)
-            self._release(want - len(jobs))
-            self._returned(queue, index, want, len(jobs))
-            attempts = self.core.claimed(jobs, lambda j: JobContext(j, self.storage, self.engine),
-                                         time.monotonic())
+            attempts = self.core.attempts_of(jobs, context, time.monotonic())
+            self._settle_claim(queue, index, want, attempts, rtt)
             if attempts:
                 self._launch(attempts)
             if lead and len(jobs) < want:
@@ -612,12 +635,14 @@ class Worker:
         """Hand claimed attempts to their handlers: sync ones to the thread pool, async
         ones to the event loop (all of one claim in one hop to the loop)."""
         on_loop = []
+        assert self._pool is not None
+        put, run = self._pool.put, self._run_sync
         for a in attempts:
-            if a.task is not None and a.task.is_async:
+            task = a.task
+            if task is not None and task.is_async:
                 on_loop.append(a)
             else:
-                assert self._pool is not None
-                self._pool.submit(functools.partial(self._run_sync, a))
+                put((run, a))
         if on_loop:
             assert self._loop is not None
             self._loop.spawn([self._run_async(a) for a in on_loop])
@@ -631,16 +656,22 @@ class Worker:
         return a.task.fn(a.ctx, args)
 
     def _run_sync(self, a: Attempt) -> None:
-        if a.ctx.is_cancelled:  # given back or cancelled before a handler took it
+        ctx = a.ctx
+        if ctx.is_cancelled:  # given back or cancelled before a handler took it
             self._forget(a)
             return
         a.started_at = time.monotonic()
         outcome: Any
-        if a.task is None:
+        task = a.task
+        telemetry = self.app.telemetry
+        if task is None:
             outcome = self.core.unknown(a)
-        elif not self._observing:
+        elif not (telemetry.enabled and telemetry.recording):  # the app's telemetry records no handler run
             try:
-                outcome = self.core.sync_result(a, self._call(a))
+                args = a.claimed.job.args  # (as _call, inlined)
+                outcome = task.fn(ctx, **args) if isinstance(args, dict) else task.fn(ctx, args)
+                if hasattr(outcome, "__await__"):
+                    outcome = self.core.sync_result(a, outcome)
             except JobOutcome as raised:
                 outcome = raised
             except BaseException as err:
@@ -684,12 +715,6 @@ class Worker:
             await loop.run_in_executor(self._outcomes, self._finish, a, outcome)
         except RuntimeError:  # the executor was shut down under us: finish here
             self._finish(a, outcome)
-
-    @property
-    def _observing(self) -> bool:
-        """Whether the app's telemetry records handler runs now."""
-        telemetry = self.app.telemetry
-        return telemetry.enabled and telemetry.recording
 
     def _forget(self, a: Attempt) -> None:
         self.forget(a)

@@ -35,6 +35,7 @@ from qstore.storage.jobs import (
     PreparedJob,
     holds_key,
     ordering_hash,
+    prepare_job,
     prepare_jobs,
 )
 from qstore.storage.lanes import assign_lanes
@@ -131,12 +132,16 @@ def send_jobs(run: Runner, ctx: StorageContext, rows: Sequence[PreparedJob]) -> 
         _refuse_duplicate_keys(rows)
         ((ids, key, owner),) = run.rows(_enqueue_stmt(sch), _parameters(sch, rows))
     if ids is None:
-        what = f"unique key {key.hex()}" if key is not None else "a unique key"
-        by = f"job {owner}" if owner is not None else "another job"
-        raise UniqueConflictError("job_unique_claims", f"{what} is owned by {by}")
+        raise _conflict(key, owner)
     for row, job_id in zip(rows, ids, strict=True):
         row.job_id = job_id
     return list(ids)
+
+
+def _conflict(key: bytes | None, owner: int | None) -> UniqueConflictError:
+    what = f"unique key {key.hex()}" if key is not None else "a unique key"
+    by = f"job {owner}" if owner is not None else "another job"
+    return UniqueConflictError("job_unique_claims", f"{what} is owned by {by}")
 
 
 def write_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob], *, use_copy: bool) -> int:
@@ -163,7 +168,12 @@ def write_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob
 def enqueue(ctx: StorageContext, run: Runner, job: InsertParams) -> int:
     """Write one job and return its id: one statement (on an ``Engine``, one autocommitted
     round trip). A unique conflict raises and writes nothing."""
-    return send_jobs(run, ctx, prepare_jobs([job], ctx.config.queue_stripe_count, field="job"))[0]
+    sch = ctx.schema
+    row = prepare_job(job, sch.config.queue_stripe_count)
+    ((job_id, key, owner),) = run.rows(_enqueue_one_stmt(sch), _one_job(sch, row))
+    if job_id is None:
+        raise _conflict(key, owner)
+    return job_id
 
 
 def enqueue_many(ctx: StorageContext, run: Runner, jobs: Sequence[InsertParams]) -> list[int]:

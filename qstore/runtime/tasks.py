@@ -401,6 +401,26 @@ def _binder(fn: Callable[..., Any], field: str) -> inspect.Signature:
     return sig.replace(parameters=rest)
 
 
+class _Keywords:
+    """The parameters of a task's signature as :meth:`Deferral.args_of` reads a call made of
+    keywords alone: ``names`` in signature order (None when the function takes
+    ``**kwargs``), the ``known`` ones and the ``required`` ones (without a default). A call
+    whose keywords are known names and include every required one binds each keyword to
+    its own name, as ``Signature.bind`` would; any other call goes through ``bind``, which
+    words the errors."""
+
+    __slots__ = ("known", "names", "required", "signature")
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        params = list(signature.parameters.values())
+        self.signature = signature
+        self.names: tuple[str, ...] | None = tuple(p.name for p in params)
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            self.names = None
+        self.known = frozenset(p.name for p in params)
+        self.required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty)
+
+
 @dataclass(frozen=True)
 class Deferral:
     """A task with fixed insert options (what :meth:`Task.configure` returns): defers jobs
@@ -413,6 +433,12 @@ class Deferral:
     def args_of(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The job args (a JSON object) for a call ``fn(ctx, *args, **kwargs)``; a missing
         or unknown argument is a ``ValidationError`` naming it."""
+        task = self.task
+        shape = task._keywords
+        if not args and shape.names is not None and shape.signature is task.signature:
+            given = kwargs.keys()
+            if given <= shape.known and shape.required <= given:
+                return {name: kwargs[name] for name in shape.names if name in kwargs}
         try:
             bound = self.task.signature.bind(*args, **kwargs)
         except TypeError as err:
@@ -442,6 +468,11 @@ class Deferral:
             jobs.append(self.params(**item))
         return jobs
 
+    def _recording(self) -> bool:
+        """Whether the app's telemetry records deferrals now (see :meth:`_traced`)."""
+        telemetry = self.task.app.telemetry
+        return telemetry.enabled and telemetry.recording
+
     @contextmanager
     def _traced(self, jobs: list[InsertParams]) -> Iterator[list[InsertParams]]:
         """``jobs`` as they are enqueued under the app's telemetry: inside its producer span,
@@ -450,7 +481,14 @@ class Deferral:
         if not telemetry.enabled or not jobs or not telemetry.recording:
             yield jobs
             return
-        with telemetry.deferring(self.opts.queue, self.task.kind, self.opts.metadata, len(jobs)) as carried:
+        with self._spanned(jobs) as traced:
+            yield traced
+
+    @contextmanager
+    def _spanned(self, jobs: list[InsertParams]) -> Iterator[list[InsertParams]]:
+        """:meth:`_traced` once the telemetry is known to record: the producer span."""
+        with self.task.app.telemetry.deferring(self.opts.queue, self.task.kind, self.opts.metadata,
+                                               len(jobs)) as carried:
             if carried is self.opts.metadata:
                 yield jobs
             else:
@@ -459,7 +497,10 @@ class Deferral:
 
     def defer(self, target: Target, /, *args: Any, **kwargs: Any) -> int:
         """Enqueue one job (``QueueStorage.enqueue``) and return its id."""
-        with self._traced([self.params(*args, **kwargs)]) as jobs:
+        job = self.params(*args, **kwargs)
+        if not self._recording():  # as _traced would yield it, without its generator
+            return self.task.app.storage.enqueue(target, job)
+        with self._spanned([job]) as jobs:
             return self.task.app.storage.enqueue(target, jobs[0])
 
     def defer_many(self, target: Target, items: Sequence[Mapping[str, Any]], /) -> list[int]:
@@ -489,6 +530,7 @@ class Task(Generic[P, R]):
         self.fn = fn
         self.kind = kind
         self.signature = _binder(fn, "task")
+        self._keywords = _Keywords(self.signature)
         self.is_async = inspect.iscoroutinefunction(fn)
         self.deadline = deadline
         self.deferral = Deferral(self, opts)

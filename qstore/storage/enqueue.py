@@ -61,6 +61,9 @@ _ARGUMENTS: tuple[tuple[str, str, Any], ...] = (
     ("order_hashes", "order_hash", Numeric()), ("channels", "channel", READY_COLUMNS["queue"]),
 )
 
+#: The bind keys of ``enqueue_job``, in its parameter order.
+_VALUE_KEYS = tuple(name for _, name, _ in _ARGUMENTS)
+
 
 @functools.lru_cache(maxsize=64)
 def _enqueue_stmt(sch: StorageSchema) -> HotStatement:
@@ -94,26 +97,30 @@ def _refuse_duplicate_keys(rows: Sequence[PreparedJob]) -> None:
 
 
 def _parameters(sch: StorageSchema, rows: Sequence[PreparedJob]) -> dict[str, Any]:
-    """The arrays of :func:`_enqueue_stmt` for ``rows``: each row's :func:`_one_job` values,
+    """The arrays of :func:`_enqueue_stmt` for ``rows``: each row's :func:`_one_values`,
     column by column, and the channels to wake once each."""
-    values = [_one_job(sch, r) for r in rows]
-    out = {array: [v[name] for v in values] for array, name, _ in _ARGUMENTS if name != "channel"}
-    out["channels"] = sorted({v["channel"] for v in values if v["channel"] is not None})
+    values = [_one_values(sch, r) for r in rows]
+    out = {array: [v[i] for v in values] for i, (array, name, _) in enumerate(_ARGUMENTS) if name != "channel"}
+    channel = _VALUE_KEYS.index("channel")
+    out["channels"] = sorted({v[channel] for v in values if v[channel] is not None})
     return out
 
 
 def _one_job(sch: StorageSchema, r: PreparedJob) -> dict[str, Any]:
-    """The values of :func:`_enqueue_one_stmt` for one row (a scheduled row wakes nobody:
-    no channel)."""
+    """The values of :func:`_enqueue_one_stmt` for one row, by name (see :func:`_one_values`)."""
+    return dict(zip(_VALUE_KEYS, _one_values(sch, r), strict=True))
+
+
+def _one_values(sch: StorageSchema, r: PreparedJob) -> tuple[Any, ...]:
+    """The values of :func:`_enqueue_one_stmt` for one row, in the order of
+    :data:`_VALUE_KEYS` (a scheduled row wakes nobody: no channel)."""
     key = r.unique_key
-    return {
-        "kind": r.kind, "queue": r.queue, "logical": r.logical, "args": r.args,
-        "priority": r.priority, "max_attempts": r.max_attempts, "run_at": r.run_at,
-        "unique_key": key, "unique_states": r.unique_states, "payload": r.payload,
-        "takes_key": key is not None and holds_key(r.unique_states, r.state),
-        "order_hash": None if r.ordering_key is None else ordering_hash(r.ordering_key),
-        "channel": None if r.run_at is not None else sch.config.notify_channel(r.logical),
-    }
+    return (
+        r.kind, r.queue, r.logical, r.args, r.priority, r.max_attempts, r.run_at, key, r.unique_states,
+        r.payload, key is not None and holds_key(r.unique_states, r.state),
+        None if r.ordering_key is None else ordering_hash(r.ordering_key),
+        None if r.run_at is not None else sch.config.notify_channel(r.logical),
+    )
 
 
 def send_jobs(run: Runner, ctx: StorageContext, rows: Sequence[PreparedJob]) -> list[int]:
@@ -126,7 +133,7 @@ def send_jobs(run: Runner, ctx: StorageContext, rows: Sequence[PreparedJob]) -> 
         return []
     sch = ctx.schema
     if len(rows) == 1:
-        ((job_id, key, owner),) = run.rows(_enqueue_one_stmt(sch), _one_job(sch, rows[0]))
+        ((job_id, key, owner),) = run.rows_in_order(_enqueue_one_stmt(sch), _VALUE_KEYS, _one_values(sch, rows[0]))
         ids = None if job_id is None else [job_id]
     else:
         _refuse_duplicate_keys(rows)
@@ -169,8 +176,8 @@ def enqueue(ctx: StorageContext, run: Runner, job: InsertParams) -> int:
     """Write one job and return its id: one statement (on an ``Engine``, one autocommitted
     round trip). A unique conflict raises and writes nothing."""
     sch = ctx.schema
-    row = prepare_job(job, sch.config.queue_stripe_count)
-    ((job_id, key, owner),) = run.rows(_enqueue_one_stmt(sch), _one_job(sch, row))
+    values = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count))
+    ((job_id, key, owner),) = run.rows_in_order(_enqueue_one_stmt(sch), _VALUE_KEYS, values)
     if job_id is None:
         raise _conflict(key, owner)
     return job_id

@@ -309,6 +309,19 @@ class Runner:
             assert self._conn is not None
             return list(self._conn.execute(hot.statement, values).all())
         sql, params = hot.parameters(self._dialect, values)
+        return self._send(cur, hot, sql, params)
+
+    def rows_in_order(self, hot: HotStatement, keys: tuple[str, ...], values: Sequence[Any]) -> list[Any]:
+        """:meth:`rows` with ``values`` given in the order of ``keys`` (see
+        :meth:`HotStatement.in_order`)."""
+        cur = self._cursor
+        if cur is None:
+            assert self._conn is not None
+            return list(self._conn.execute(hot.statement, dict(zip(keys, values, strict=True))).all())
+        sql, params = hot.in_order(self._dialect, keys, values)
+        return self._send(cur, hot, sql, params)
+
+    def _send(self, cur: psycopg.Cursor[Any], hot: HotStatement, sql: str, params: Sequence[Any]) -> list[Any]:
         try:
             cur.execute(sql, params, prepare=True if hot.prepared and cur.connection.prepare_threshold is not None
                         else None)

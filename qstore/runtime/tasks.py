@@ -44,7 +44,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
@@ -54,6 +54,7 @@ from qstore.errors import CallbackWaitEndedError, ValidationError
 from qstore.runtime.periodic import Periodic, schedule_of, tick_of, validate_catch_up
 from qstore.runtime.telemetry import Telemetry, default_telemetry
 from qstore.storage import QueueStorage
+from qstore.storage.enqueue import DeferredJob, KeptValues
 from qstore.storage.jobs import (
     validate_aware_datetime,
     validate_kind,
@@ -429,6 +430,9 @@ class Deferral:
     task: Task[Any, Any]
     opts: InsertOpts
     delay: float | None = None
+    #: what the storage keeps of this deferral's jobs to write the next one with less work
+    #: (see :class:`~qstore.storage.enqueue.DeferredJob`)
+    _kept: KeptValues = field(default_factory=KeptValues, init=False, repr=False, compare=False)
 
     def args_of(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The job args (a JSON object) for a call ``fn(ctx, *args, **kwargs)``; a missing
@@ -495,9 +499,16 @@ class Deferral:
                 extra = {k: v for k, v in carried.items() if k not in self.opts.metadata}
                 yield [replace(j, opts=replace(j.opts, metadata={**j.opts.metadata, **extra})) for j in jobs]
 
+    def _job(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> InsertParams:
+        """:meth:`params`, as the :class:`~qstore.storage.enqueue.DeferredJob` of this
+        deferral when it has no delay (a delay gives every job options of its own)."""
+        if self.delay is None:
+            return DeferredJob(self.task.kind, self.args_of(*args, **kwargs), self.opts, self._kept)
+        return self.params(*args, **kwargs)
+
     def defer(self, target: Target, /, *args: Any, **kwargs: Any) -> int:
         """Enqueue one job (``QueueStorage.enqueue``) and return its id."""
-        job = self.params(*args, **kwargs)
+        job = self._job(args, kwargs)
         if not self._recording():  # as _traced would yield it, without its generator
             return self.task.app.storage.enqueue(target, job)
         with self._spanned([job]) as jobs:
@@ -511,7 +522,7 @@ class Deferral:
 
     async def defer_async(self, target: AsyncTarget, /, *args: Any, **kwargs: Any) -> int:
         """``defer`` on an ``AsyncEngine``, ``AsyncConnection`` or ``AsyncSession``."""
-        with self._traced([self.params(*args, **kwargs)]) as jobs:
+        with self._traced([self._job(args, kwargs)]) as jobs:
             return await self.task.app.async_storage.enqueue(target, jobs[0])
 
     async def defer_many_async(self, target: AsyncTarget, items: Sequence[Mapping[str, Any]], /) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import BigInteger, Boolean, Connection, Numeric, bindparam, cast, column, select
@@ -37,6 +38,7 @@ from qstore.storage.jobs import (
     ordering_hash,
     prepare_job,
     prepare_jobs,
+    validate_json,
 )
 from qstore.storage.lanes import assign_lanes
 from qstore.storage.planes import control, queue
@@ -44,8 +46,8 @@ from qstore.storage.planes.queue import READY_COLUMNS, SNAPSHOT_COLUMNS
 from qstore.storage.statements import HotStatement, packed_array_param, schema_func
 from qstore.storage.targets import Runner
 
-__all__ = ["enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch", "enqueue_params_copy",
-           "send_jobs", "write_jobs"]
+__all__ = ["DeferredJob", "KeptValues", "enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch",
+           "enqueue_params_copy", "send_jobs", "write_jobs"]
 
 #: The arguments of ``enqueue_jobs`` (one array each, in its parameter order) and of
 #: ``enqueue_job`` (one value each): the array's bind name, the value's, the element type.
@@ -63,6 +65,7 @@ _ARGUMENTS: tuple[tuple[str, str, Any], ...] = (
 
 #: The bind keys of ``enqueue_job``, in its parameter order.
 _VALUE_KEYS = tuple(name for _, name, _ in _ARGUMENTS)
+_ARGS = _VALUE_KEYS.index("args")
 
 
 @functools.lru_cache(maxsize=64)
@@ -172,11 +175,65 @@ def write_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob
     return len(rows)
 
 
+class KeptValues:
+    """Where :func:`enqueue` keeps the ``enqueue_job`` values of the last job a task's
+    deferral sent (one per :class:`~qstore.runtime.tasks.Deferral`; see
+    :class:`DeferredJob`)."""
+
+    __slots__ = ("kept",)
+
+    def __init__(self) -> None:
+        #: (install, kind, options, values) of a job written with these options
+        self.kept: tuple[StorageContext, str, InsertOpts, tuple[Any, ...]] | None = None
+
+
+@dataclass(frozen=True)
+class DeferredJob(InsertParams):
+    """An :class:`InsertParams` a task's deferral enqueues, many of which share one kind and
+    one :class:`InsertOpts` object. Written like any other (the same checks, the same
+    statement), except that :func:`enqueue` takes the values that depend on the kind and
+    the options alone from the previous job of the same kind and options on the same
+    install, kept in :attr:`kept`, and checks only the args.
+
+    The values are reused only while they cannot have changed: options without a unique
+    key (which depends on the args), with no metadata (a mapping that could be changed in
+    place; checked at every job), tags in a tuple and an ordering key in ``bytes``. Every
+    other value of the options cannot change and was checked when the previous job was
+    written, so a job refused now is refused for its args, naming the field the full
+    checks of :func:`~qstore.storage.jobs.prepare_job` name."""
+
+    kept: KeptValues | None = field(default=None, compare=False, repr=False)
+
+
+def _reusable(opts: InsertOpts) -> bool:
+    """Whether jobs with ``opts`` have the same values but their args (see
+    :class:`DeferredJob`); ``opts`` passed :func:`prepare_job`."""
+    key = opts.ordering_key
+    return (type(opts) is InsertOpts and opts.unique is None and type(opts.metadata) is dict
+            and not opts.metadata and type(opts.tags) is tuple and (key is None or type(key) is bytes))
+
+
+def _deferred_values(ctx: StorageContext, job: DeferredJob, slot: KeptValues) -> Sequence[Any]:
+    kept, opts = slot.kept, job.opts
+    if kept is not None and kept[0] is ctx and kept[1] is job.kind and kept[2] is opts and not opts.metadata:
+        values = list(kept[3])
+        values[_ARGS] = validate_json(job.args, "job.args")  # as prepare_job names it
+        return values
+    sch = ctx.schema
+    fresh = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count))
+    if _reusable(opts):
+        slot.kept = (ctx, job.kind, opts, fresh)
+    return fresh
+
+
 def enqueue(ctx: StorageContext, run: Runner, job: InsertParams) -> int:
     """Write one job and return its id: one statement (on an ``Engine``, one autocommitted
     round trip). A unique conflict raises and writes nothing."""
     sch = ctx.schema
-    values = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count))
+    if type(job) is DeferredJob and job.kept is not None:
+        values = _deferred_values(ctx, job, job.kept)
+    else:
+        values = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count))
     ((job_id, key, owner),) = run.rows_in_order(_enqueue_one_stmt(sch), _VALUE_KEYS, values)
     if job_id is None:
         raise _conflict(key, owner)

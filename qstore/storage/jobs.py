@@ -51,6 +51,7 @@ MAX_JSON_DEPTH = 256
 MAX_JSON_INT_DIGITS = 4000
 _JSON_INT_LIMIT = 10**MAX_JSON_INT_DIGITS
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_BAD_CHARS = re.compile("[\x00\ud800-\udfff]")  # what _check_chars refuses
 
 
 def unique_states_mask(states: int) -> str:
@@ -193,14 +194,25 @@ def _check_json(value: Any, path: str, depth: int = 0) -> None:
         if depth >= MAX_JSON_DEPTH:
             raise ValidationError(path, type(value).__name__,
                                   f"JSON nests deeper than {MAX_JSON_DEPTH} levels (or contains itself)")
+        # a member that is plainly valid (None, a bool, an int in range, a clean string) is
+        # passed without a call or its path; anything else gets the full check below
         if isinstance(value, dict):
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise ValidationError(path, k, "object keys must be strings")
-                _check_chars(k, path, "object keys ")
+                if _BAD_CHARS.search(k) is not None:
+                    _check_chars(k, path, "object keys ")
+                t = type(v)
+                if (v is None or t is bool or (t is int and -_JSON_INT_LIMIT < v < _JSON_INT_LIMIT)
+                        or (t is str and _BAD_CHARS.search(v) is None)):
+                    continue
                 _check_json(v, f"{path}.{k}", depth + 1)
         else:
             for i, v in enumerate(value):
+                t = type(v)
+                if (v is None or t is bool or (t is int and -_JSON_INT_LIMIT < v < _JSON_INT_LIMIT)
+                        or (t is str and _BAD_CHARS.search(v) is None)):
+                    continue
                 _check_json(v, f"{path}[{i}]", depth + 1)
     elif isinstance(value, float):
         if not math.isfinite(value):

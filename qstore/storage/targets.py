@@ -332,7 +332,7 @@ class Runner:
         return cur.fetchall()
 
 
-def _hot_checkout(engine: Engine) -> tuple[Any, Runner] | None:
+def _hot_checkout(engine: Engine) -> tuple[Any, Any, Runner] | None:
     """A pooled driver connection of ``engine`` in autocommit mode and a :class:`Runner` on
     its reused cursor; None when someone listens to cursor events or the driver is not
     psycopg's sync one (then the statement goes through a ``Connection``). Hand the
@@ -351,7 +351,7 @@ def _hot_checkout(engine: Engine) -> tuple[Any, Runner] | None:
     except BaseException as err:
         _release(raw, driver, err)
         raise
-    return raw, Runner(engine.dialect, cursor)
+    return raw, driver, Runner(engine.dialect, cursor)
 
 
 def _release(raw: Any, driver: Any, err: BaseException | None = None) -> None:
@@ -376,13 +376,13 @@ def statement_on_engine(engine: Engine, body: Callable[..., R], lead: Any,
     if got is None:
         with _own_statement(engine) as conn:
             return body(lead, Runner.on(conn), *args, **kwargs)
-    raw, runner = got
+    raw, driver, runner = got
     try:
         result = body(lead, runner, *args, **kwargs)
     except BaseException as err:
         _release(raw, raw.driver_connection, err)
         raise
-    _release(raw, raw.driver_connection)
+    _release(raw, driver)  # a runner without a Connection never invalidates: the same driver
     return result
 
 
@@ -403,7 +403,7 @@ class _HotOnEngine:
     def __enter__(self) -> Runner:
         got = _hot_checkout(self._engine)
         if got is not None:
-            self._raw, runner = got
+            self._raw, _, runner = got
             return runner
         # someone listens to cursor events, or the driver is not psycopg's sync one
         self._fallback = _own_statement(self._engine)

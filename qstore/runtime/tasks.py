@@ -472,11 +472,6 @@ class Deferral:
             jobs.append(self.params(**item))
         return jobs
 
-    def _recording(self) -> bool:
-        """Whether the app's telemetry records deferrals now (see :meth:`_traced`)."""
-        telemetry = self.task.app.telemetry
-        return telemetry.enabled and telemetry.recording
-
     @contextmanager
     def _traced(self, jobs: list[InsertParams]) -> Iterator[list[InsertParams]]:
         """``jobs`` as they are enqueued under the app's telemetry: inside its producer span,
@@ -509,10 +504,12 @@ class Deferral:
     def defer(self, target: Target, /, *args: Any, **kwargs: Any) -> int:
         """Enqueue one job (``QueueStorage.enqueue``) and return its id."""
         job = self._job(args, kwargs)
-        if not self._recording():  # as _traced would yield it, without its generator
-            return self.task.app.storage.enqueue(target, job)
+        app = self.task.app
+        telemetry = app.telemetry
+        if not telemetry.enabled or not telemetry.recording:  # as _traced yields it, without its generator
+            return app.storage.enqueue(target, job)
         with self._spanned([job]) as jobs:
-            return self.task.app.storage.enqueue(target, jobs[0])
+            return app.storage.enqueue(target, jobs[0])
 
     def defer_many(self, target: Target, items: Sequence[Mapping[str, Any]], /) -> list[int]:
         """Enqueue one job per mapping of keyword arguments, in one statement

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, text
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
@@ -310,3 +311,24 @@ def test_dead_tuple_census_finds_no_dead_tuple_of_a_delayed_qstore_job_and_each_
 
     assert left("plain") == {}
     assert left("delayed") == {}
+
+
+def test_defer_client_bench_times_every_case_of_each_tree_and_drops_its_schemas(fresh_db_url, tmp_path):
+    out = tmp_path / "defer.json"
+    tree = str(ROOT)
+    proc = run_script("bench_defer_client.py", "--url", fresh_db_url, "--tree", f"a={tree}", "--tree", f"b={tree}",
+                      "--rounds", "2", "--calls", "20", "--warm", "5", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["figures"]) == {"a", "b"} and len(report["rounds"]["a"]) == 2
+    for cases in report["figures"].values():
+        assert set(cases) == {"defer", "enqueue", "raw", "classic"}
+        assert all(c["cpu_us"] > 0 and c["calls_per_s"] > 0 for c in cases.values())
+    engine = create_engine(fresh_db_url)
+    try:
+        with engine.connect() as conn:
+            left = conn.execute(text("SELECT nspname FROM pg_namespace WHERE nspname IN "
+                                     "('qstore_defer_client_bench', 'bench_defer_client_classic')")).all()
+    finally:
+        engine.dispose()
+    assert left == []

@@ -70,3 +70,21 @@ def test_with_cursor_events_listened_to_hot_calls_hit_the_compiled_cache(own_eng
         cycle(own_engine, storage)
     assert compiled_entries(own_engine) == cached
     assert any("complete_receipts" in s and "claim_ready" in s for s in seen)  # the listener saw the cycle
+
+
+def test_values_in_parameter_order_go_to_the_driver_as_the_named_ones_do(own_engine, storage):
+    from qstore.storage import enqueue as enqueuing
+    from qstore.storage.jobs import prepare_job
+
+    hot, keys = enqueuing._enqueue_one_stmt(storage.tables), enqueuing._VALUE_KEYS
+    prepared = prepare_job(InsertParams("k", {"n": 1}, InsertOpts(queue="q", tags=("t",), ordering_key=b"o")), 1)
+    values = enqueuing._one_values(storage.tables, prepared)
+    named_sql, named = hot.parameters(own_engine.dialect, dict(zip(keys, values, strict=True)))
+    ordered_sql, ordered = hot.in_order(own_engine.dialect, keys, values)
+
+    def plain(value: Any) -> Any:  # psycopg's Json wrappers compare by identity
+        return (type(value), value.obj) if hasattr(value, "obj") else value
+
+    assert ordered_sql == named_sql and list(map(plain, ordered)) == list(map(plain, named))
+    with pytest.raises(TypeError, match="parameters"):
+        hot.in_order(own_engine.dialect, tuple(reversed(keys)), values)

@@ -8,9 +8,12 @@ from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import Engine, create_engine
+from jobtools import BACKLOG
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
+from test_enqueue import DEFERRED_COLS, READY_COLS
+from test_enqueue import rows as enqueue_rows
 from test_round_trips import pooled_pgconn, wire
 
 from qstore import UniqueOpts
@@ -255,3 +258,156 @@ def test_a_unique_task_defers_one_job_per_key(engine, st, app):  # type: ignore[
         report.defer(engine, day="2026-01-01")
     report.defer(engine, day="2026-01-02")
     assert st.queue_counts(engine, "default").available == 2
+
+
+# -- what a deferral reuses from one job to the next ---------------------------------------------
+# A deferral without a delay sends its jobs as DeferredJobs: the storage keeps the values its
+# kind and options give and checks only the args of the next job (qstore.storage.enqueue).
+
+
+def deferrals_of_every_shape(app):  # type: ignore[no-untyped-def]
+    """Deferrals whose kept values are reused (plain, every reusable option set) and some whose
+    are not (metadata, a unique key), each with two calls' keyword arguments."""
+
+    @app.task(kind="plain", queue="q")
+    def plain(ctx: JobContext, n: int, s: str = "x") -> None: ...
+
+    @app.task(kind="keyed", queue="q", unique=UniqueOpts())
+    def keyed(ctx: JobContext, n: int) -> None: ...
+
+    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    return [
+        (plain.deferral, [{"n": 1}, {"s": "ünï", "n": 2}]),
+        (plain.configure(queue="other", priority=4, max_attempts=3, tags=["t1", "t2"], ordering_key=b"k"),
+         [{"n": 3}, {"n": 4, "s": "y"}]),
+        (plain.configure(run_at=later, tags=("w",)), [{"n": 5}, {"n": 6}]),
+        (plain.configure(metadata={"m": 1}), [{"n": 7}, {"n": 8}]),
+        (keyed.deferral, [{"n": 9}, {"n": 10}]),
+    ]
+
+
+@pytest.mark.parametrize("stripes", [1, 3])
+def test_deferred_jobs_are_the_rows_storage_enqueue_writes_for_their_params(engine, make_storage, stripes):  # type: ignore[no-untyped-def]
+    # each deferral defers twice (the second job reuses the first one's kept values); the
+    # other install gets the same jobs as plain InsertParams through the full checks
+    by_defer, by_enqueue = make_storage(queue_stripe_count=stripes), make_storage(queue_stripe_count=stripes)
+    for deferral, calls in deferrals_of_every_shape(App(by_defer)):
+        for kwargs in calls:
+            deferral.defer(engine, **kwargs)
+            by_enqueue.enqueue(engine, deferral.params(**kwargs))
+
+    for table, cols in (("ready_entries", READY_COLS), (BACKLOG, DEFERRED_COLS)):
+        written = [enqueue_rows(engine, st, table, cols) for st in (by_defer, by_enqueue)]
+        assert written[0] == written[1] and written[0]
+    with engine.connect() as c:
+        keys = [c.execute(text(f'SELECT unique_key, job_id FROM "{st.schema()}".job_unique_claims ORDER BY 2')).all()
+                for st in (by_defer, by_enqueue)]
+    assert len(keys[0]) == 2 and keys[0] == keys[1]
+
+
+def test_a_deferral_keeps_no_values_for_options_it_cannot_trust_to_stay_the_same(app, send):  # type: ignore[no-untyped-def]
+    from qstore.storage.enqueue import _reusable
+
+    reused = [send.deferral, send.configure(tags=["t"], ordering_key=b"k", run_at=datetime.now(timezone.utc))]
+    assert all(_reusable(d.opts) for d in reused)
+    not_reused = [send.configure(metadata={"m": 1}), send.configure(unique=UniqueOpts()),
+                  send.configure(ordering_key=bytearray(b"k"))]  # type: ignore[arg-type]
+    assert not any(_reusable(d.opts) for d in not_reused)
+
+
+def test_metadata_changed_in_place_after_a_defer_is_checked_and_written(engine, st, send):  # type: ignore[no-untyped-def]
+    deferral = send.configure()
+    deferral.defer(engine, to="a")  # its values are kept now
+    deferral.opts.metadata["tenant"] = 7
+    assert st.load_job(engine, deferral.defer(engine, to="b")).metadata == {"tenant": 7}
+    deferral.opts.metadata["bad"] = float("nan")
+    with pytest.raises(ValidationError) as info:
+        deferral.defer(engine, to="c")
+    assert info.value.field == "job.metadata.bad"
+    assert st.queue_counts(engine, "mail").available == 2
+
+
+@pytest.mark.parametrize(("options", "field"), [({"max_attempts": 0}, "job.max_attempts"),
+                                                 ({"tags": ["ok", "a\x00"]}, "job.tags[1]"),
+                                                 ({"ordering_key": "text"}, "job.ordering_key"),
+                                                 ({"unique": UniqueOpts(states=256)}, "job.unique.states")])
+def test_a_bad_option_is_refused_at_every_defer_naming_the_option(engine, st, send, options, field):  # type: ignore[no-untyped-def]
+    deferral = send.configure(**options)
+    for _ in range(2):
+        with pytest.raises(ValidationError) as info:
+            deferral.defer(engine, to="a")
+        assert info.value.field == field
+    assert st.queue_counts(engine, "mail").available == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), {"x": "a\x00"}, ["ok", 10**5000], {1: "key"}, {"k\ud800": 1}],
+                         ids=["nan", "nul", "huge", "int-key", "surrogate-key"])
+def test_bad_args_after_a_defer_are_refused_as_storage_enqueue_refuses_them(engine, st, send, bad):  # type: ignore[no-untyped-def]
+    send.defer(engine, to="a")  # its values are kept now
+    errors = []
+    for call in (lambda: send.defer(engine, to=bad), lambda: st.enqueue(engine, send.params(to=bad))):
+        with pytest.raises(ValidationError) as info:
+            call()
+        errors.append((info.value.field, info.value.reason))
+    assert errors[0] == errors[1] and errors[0][0].startswith("job.args.to")
+    assert st.queue_counts(engine, "mail").available == 1
+
+
+SIGNATURES = {
+    "plain": (lambda ctx, a, b=2: None, [{"a": 1}, {"b": 3, "a": 1}, {}, {"a": 1, "c": 3}, {"b": 1}]),
+    "keyword-only": (lambda ctx, a, *, k, j=0: None, [{"k": 1, "a": 2}, {"a": 2}, {"j": 1, "k": 2, "a": 3}]),
+    "var-keyword": (lambda ctx, a, **rest: None, [{"a": 1, "z": 2}, {"z": 1, "a": 2}, {"z": 3}]),
+}
+
+
+@pytest.mark.parametrize("name", list(SIGNATURES))
+def test_keyword_arguments_bind_as_signature_bind_binds_them(app, name):  # type: ignore[no-untyped-def]
+    import inspect
+
+    fn, calls = SIGNATURES[name]
+    task = app.task(kind=name)(fn)
+    for kwargs in calls:
+        try:
+            bound = inspect.signature(fn).bind(None, **kwargs).arguments
+            expected: object = {k: v for k, v in bound.items() if k != "ctx"}
+            if name == "var-keyword":
+                expected = {k: v for k, v in bound.items() if k not in ("ctx", "rest")} | bound.get("rest", {})
+        except TypeError as err:
+            expected = ValidationError(f"{name}.args", kwargs, str(err))
+        try:
+            got: object = task.deferral.args_of(**kwargs)
+        except ValidationError as err:
+            got = err
+        if isinstance(expected, ValidationError):
+            assert isinstance(got, ValidationError) and (got.field, got.reason) == (expected.field, expected.reason)
+        else:
+            assert got == expected and list(got) == list(expected), kwargs  # type: ignore[call-overload]
+
+
+def test_defer_on_an_engine_with_a_cursor_listener_goes_through_it(engine, st, send):  # type: ignore[no-untyped-def]
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, *rest) -> None:  # type: ignore[no-untyped-def]
+        seen.append(statement)
+
+    send.defer(engine, to="a")  # its values are kept now
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        ids = [send.defer(engine, to="b"), send.defer(engine, to="c")]
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert sum(".enqueue_job(" in s for s in seen) == 2
+    assert [st.load_job(engine, i).args for i in ids] == [{"to": "b"}, {"to": "c"}]
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["commit", "rollback"])
+def test_a_defer_with_kept_values_in_a_session_commits_or_rolls_back_with_it(engine, st, send, commit):  # type: ignore[no-untyped-def]
+    send.defer(engine, to="a")  # its values are kept now
+    with Session(engine) as session:
+        send.defer(session, to="b")
+        session.commit() if commit else session.rollback()
+    with engine.connect() as conn:
+        conn.begin()
+        send.defer(conn, to="c")
+        conn.commit() if commit else conn.rollback()
+    assert st.queue_counts(engine, "mail").available == (3 if commit else 1)

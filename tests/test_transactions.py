@@ -172,6 +172,28 @@ def test_statement_policy_hands_the_pooled_connection_back_out_of_autocommit(eng
         raw.close()
 
 
+def test_a_statement_operation_that_fails_hands_the_pooled_connection_back_out_of_autocommit(storage, db_url):
+    from sqlalchemy import create_engine
+
+    from qstore import InsertOpts, InsertParams, UniqueConflictError, UniqueOpts
+
+    one = create_engine(db_url, pool_size=1, max_overflow=0)
+    keyed = InsertParams("k", {"n": 1}, InsertOpts(queue="q", unique=UniqueOpts()))
+    try:
+        storage.enqueue(one, keyed)
+        with pytest.raises(UniqueConflictError):  # refused after its statement ran
+            storage.enqueue(one, keyed)
+        with pytest.raises(ValidationError):  # refused before its statement
+            storage.enqueue(one, InsertParams("k", {"n": float("nan")}, InsertOpts(queue="q")))
+        raw = one.raw_connection()
+        try:
+            assert raw.driver_connection.autocommit is False
+        finally:
+            raw.close()
+    finally:
+        one.dispose()
+
+
 def test_statement_policy_on_a_connection_runs_in_the_callers_transaction(storage, engine):
     with engine.connect() as conn:
         run(Policy.STATEMENT, conn, lambda runner: runner.rows(_hot_insert(storage.schema(), "a"), {"q": "a"}))

@@ -44,7 +44,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
@@ -54,6 +54,7 @@ from qstore.errors import CallbackWaitEndedError, ValidationError
 from qstore.runtime.periodic import Periodic, schedule_of, tick_of, validate_catch_up
 from qstore.runtime.telemetry import Telemetry, default_telemetry
 from qstore.storage import QueueStorage
+from qstore.storage.enqueue import DeferredJob, KeptValues
 from qstore.storage.jobs import (
     validate_aware_datetime,
     validate_kind,
@@ -401,6 +402,26 @@ def _binder(fn: Callable[..., Any], field: str) -> inspect.Signature:
     return sig.replace(parameters=rest)
 
 
+class _Keywords:
+    """The parameters of a task's signature as :meth:`Deferral.args_of` reads a call made of
+    keywords alone: ``names`` in signature order (None when the function takes
+    ``**kwargs``), the ``known`` ones and the ``required`` ones (without a default). A call
+    whose keywords are known names and include every required one binds each keyword to
+    its own name, as ``Signature.bind`` would; any other call goes through ``bind``, which
+    words the errors."""
+
+    __slots__ = ("known", "names", "required", "signature")
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        params = list(signature.parameters.values())
+        self.signature = signature
+        self.names: tuple[str, ...] | None = tuple(p.name for p in params)
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            self.names = None
+        self.known = frozenset(p.name for p in params)
+        self.required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty)
+
+
 @dataclass(frozen=True)
 class Deferral:
     """A task with fixed insert options (what :meth:`Task.configure` returns): defers jobs
@@ -409,10 +430,19 @@ class Deferral:
     task: Task[Any, Any]
     opts: InsertOpts
     delay: float | None = None
+    #: what the storage keeps of this deferral's jobs to write the next one with less work
+    #: (see :class:`~qstore.storage.enqueue.DeferredJob`)
+    _kept: KeptValues = field(default_factory=KeptValues, init=False, repr=False, compare=False)
 
     def args_of(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The job args (a JSON object) for a call ``fn(ctx, *args, **kwargs)``; a missing
         or unknown argument is a ``ValidationError`` naming it."""
+        task = self.task
+        shape = task._keywords
+        if not args and shape.names is not None and shape.signature is task.signature:
+            given = kwargs.keys()
+            if given <= shape.known and shape.required <= given:
+                return {name: kwargs[name] for name in shape.names if name in kwargs}
         try:
             bound = self.task.signature.bind(*args, **kwargs)
         except TypeError as err:
@@ -450,17 +480,36 @@ class Deferral:
         if not telemetry.enabled or not jobs or not telemetry.recording:
             yield jobs
             return
-        with telemetry.deferring(self.opts.queue, self.task.kind, self.opts.metadata, len(jobs)) as carried:
+        with self._spanned(jobs) as traced:
+            yield traced
+
+    @contextmanager
+    def _spanned(self, jobs: list[InsertParams]) -> Iterator[list[InsertParams]]:
+        """:meth:`_traced` once the telemetry is known to record: the producer span."""
+        with self.task.app.telemetry.deferring(self.opts.queue, self.task.kind, self.opts.metadata,
+                                               len(jobs)) as carried:
             if carried is self.opts.metadata:
                 yield jobs
             else:
                 extra = {k: v for k, v in carried.items() if k not in self.opts.metadata}
                 yield [replace(j, opts=replace(j.opts, metadata={**j.opts.metadata, **extra})) for j in jobs]
 
+    def _job(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> InsertParams:
+        """:meth:`params`, as the :class:`~qstore.storage.enqueue.DeferredJob` of this
+        deferral when it has no delay (a delay gives every job options of its own)."""
+        if self.delay is None:
+            return DeferredJob(self.task.kind, self.args_of(*args, **kwargs), self.opts, self._kept)
+        return self.params(*args, **kwargs)
+
     def defer(self, target: Target, /, *args: Any, **kwargs: Any) -> int:
         """Enqueue one job (``QueueStorage.enqueue``) and return its id."""
-        with self._traced([self.params(*args, **kwargs)]) as jobs:
-            return self.task.app.storage.enqueue(target, jobs[0])
+        job = self._job(args, kwargs)
+        app = self.task.app
+        telemetry = app.telemetry
+        if not telemetry.enabled or not telemetry.recording:  # as _traced yields it, without its generator
+            return app.storage.enqueue(target, job)
+        with self._spanned([job]) as jobs:
+            return app.storage.enqueue(target, jobs[0])
 
     def defer_many(self, target: Target, items: Sequence[Mapping[str, Any]], /) -> list[int]:
         """Enqueue one job per mapping of keyword arguments, in one statement
@@ -470,7 +519,7 @@ class Deferral:
 
     async def defer_async(self, target: AsyncTarget, /, *args: Any, **kwargs: Any) -> int:
         """``defer`` on an ``AsyncEngine``, ``AsyncConnection`` or ``AsyncSession``."""
-        with self._traced([self.params(*args, **kwargs)]) as jobs:
+        with self._traced([self._job(args, kwargs)]) as jobs:
             return await self.task.app.async_storage.enqueue(target, jobs[0])
 
     async def defer_many_async(self, target: AsyncTarget, items: Sequence[Mapping[str, Any]], /) -> list[int]:
@@ -489,6 +538,7 @@ class Task(Generic[P, R]):
         self.fn = fn
         self.kind = kind
         self.signature = _binder(fn, "task")
+        self._keywords = _Keywords(self.signature)
         self.is_async = inspect.iscoroutinefunction(fn)
         self.deadline = deadline
         self.deferral = Deferral(self, opts)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import BigInteger, Boolean, Connection, Numeric, bindparam, cast, column, select
@@ -35,7 +36,9 @@ from qstore.storage.jobs import (
     PreparedJob,
     holds_key,
     ordering_hash,
+    prepare_job,
     prepare_jobs,
+    validate_json,
 )
 from qstore.storage.lanes import assign_lanes
 from qstore.storage.planes import control, queue
@@ -43,8 +46,8 @@ from qstore.storage.planes.queue import READY_COLUMNS, SNAPSHOT_COLUMNS
 from qstore.storage.statements import HotStatement, packed_array_param, schema_func
 from qstore.storage.targets import Runner
 
-__all__ = ["enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch", "enqueue_params_copy",
-           "send_jobs", "write_jobs"]
+__all__ = ["DeferredJob", "KeptValues", "enqueue", "enqueue_batch", "enqueue_many", "enqueue_params_batch",
+           "enqueue_params_copy", "send_jobs", "write_jobs"]
 
 #: The arguments of ``enqueue_jobs`` (one array each, in its parameter order) and of
 #: ``enqueue_job`` (one value each): the array's bind name, the value's, the element type.
@@ -59,6 +62,10 @@ _ARGUMENTS: tuple[tuple[str, str, Any], ...] = (
     ("payloads", "payload", READY_COLUMNS["payload"]), ("takes_key", "takes_key", Boolean()),
     ("order_hashes", "order_hash", Numeric()), ("channels", "channel", READY_COLUMNS["queue"]),
 )
+
+#: The bind keys of ``enqueue_job``, in its parameter order.
+_VALUE_KEYS = tuple(name for _, name, _ in _ARGUMENTS)
+_ARGS = _VALUE_KEYS.index("args")
 
 
 @functools.lru_cache(maxsize=64)
@@ -93,26 +100,30 @@ def _refuse_duplicate_keys(rows: Sequence[PreparedJob]) -> None:
 
 
 def _parameters(sch: StorageSchema, rows: Sequence[PreparedJob]) -> dict[str, Any]:
-    """The arrays of :func:`_enqueue_stmt` for ``rows``: each row's :func:`_one_job` values,
+    """The arrays of :func:`_enqueue_stmt` for ``rows``: each row's :func:`_one_values`,
     column by column, and the channels to wake once each."""
-    values = [_one_job(sch, r) for r in rows]
-    out = {array: [v[name] for v in values] for array, name, _ in _ARGUMENTS if name != "channel"}
-    out["channels"] = sorted({v["channel"] for v in values if v["channel"] is not None})
+    values = [_one_values(sch, r) for r in rows]
+    out = {array: [v[i] for v in values] for i, (array, name, _) in enumerate(_ARGUMENTS) if name != "channel"}
+    channel = _VALUE_KEYS.index("channel")
+    out["channels"] = sorted({v[channel] for v in values if v[channel] is not None})
     return out
 
 
 def _one_job(sch: StorageSchema, r: PreparedJob) -> dict[str, Any]:
-    """The values of :func:`_enqueue_one_stmt` for one row (a scheduled row wakes nobody:
-    no channel)."""
+    """The values of :func:`_enqueue_one_stmt` for one row, by name (see :func:`_one_values`)."""
+    return dict(zip(_VALUE_KEYS, _one_values(sch, r), strict=True))
+
+
+def _one_values(sch: StorageSchema, r: PreparedJob) -> tuple[Any, ...]:
+    """The values of :func:`_enqueue_one_stmt` for one row, in the order of
+    :data:`_VALUE_KEYS` (a scheduled row wakes nobody: no channel)."""
     key = r.unique_key
-    return {
-        "kind": r.kind, "queue": r.queue, "logical": r.logical, "args": r.args,
-        "priority": r.priority, "max_attempts": r.max_attempts, "run_at": r.run_at,
-        "unique_key": key, "unique_states": r.unique_states, "payload": r.payload,
-        "takes_key": key is not None and holds_key(r.unique_states, r.state),
-        "order_hash": None if r.ordering_key is None else ordering_hash(r.ordering_key),
-        "channel": None if r.run_at is not None else sch.config.notify_channel(r.logical),
-    }
+    return (
+        r.kind, r.queue, r.logical, r.args, r.priority, r.max_attempts, r.run_at, key, r.unique_states,
+        r.payload, key is not None and holds_key(r.unique_states, r.state),
+        None if r.ordering_key is None else ordering_hash(r.ordering_key),
+        None if r.run_at is not None else sch.config.notify_channel(r.logical),
+    )
 
 
 def send_jobs(run: Runner, ctx: StorageContext, rows: Sequence[PreparedJob]) -> list[int]:
@@ -125,18 +136,22 @@ def send_jobs(run: Runner, ctx: StorageContext, rows: Sequence[PreparedJob]) -> 
         return []
     sch = ctx.schema
     if len(rows) == 1:
-        ((job_id, key, owner),) = run.rows(_enqueue_one_stmt(sch), _one_job(sch, rows[0]))
+        ((job_id, key, owner),) = run.rows_in_order(_enqueue_one_stmt(sch), _VALUE_KEYS, _one_values(sch, rows[0]))
         ids = None if job_id is None else [job_id]
     else:
         _refuse_duplicate_keys(rows)
         ((ids, key, owner),) = run.rows(_enqueue_stmt(sch), _parameters(sch, rows))
     if ids is None:
-        what = f"unique key {key.hex()}" if key is not None else "a unique key"
-        by = f"job {owner}" if owner is not None else "another job"
-        raise UniqueConflictError("job_unique_claims", f"{what} is owned by {by}")
+        raise _conflict(key, owner)
     for row, job_id in zip(rows, ids, strict=True):
         row.job_id = job_id
     return list(ids)
+
+
+def _conflict(key: bytes | None, owner: int | None) -> UniqueConflictError:
+    what = f"unique key {key.hex()}" if key is not None else "a unique key"
+    by = f"job {owner}" if owner is not None else "another job"
+    return UniqueConflictError("job_unique_claims", f"{what} is owned by {by}")
 
 
 def write_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob], *, use_copy: bool) -> int:
@@ -160,10 +175,69 @@ def write_jobs(conn: Connection, ctx: StorageContext, rows: Sequence[PreparedJob
     return len(rows)
 
 
+class KeptValues:
+    """Where :func:`enqueue` keeps the ``enqueue_job`` values of the last job a task's
+    deferral sent (one per :class:`~qstore.runtime.tasks.Deferral`; see
+    :class:`DeferredJob`)."""
+
+    __slots__ = ("kept",)
+
+    def __init__(self) -> None:
+        #: (install, kind, options, values) of a job written with these options
+        self.kept: tuple[StorageContext, str, InsertOpts, tuple[Any, ...]] | None = None
+
+
+@dataclass(frozen=True)
+class DeferredJob(InsertParams):
+    """An :class:`InsertParams` a task's deferral enqueues, many of which share one kind and
+    one :class:`InsertOpts` object. Written like any other (the same checks, the same
+    statement), except that :func:`enqueue` takes the values that depend on the kind and
+    the options alone from the previous job of the same kind and options on the same
+    install, kept in :attr:`kept`, and checks only the args.
+
+    The values are reused only while they cannot have changed: options without a unique
+    key (which depends on the args), with no metadata (a mapping that could be changed in
+    place; checked at every job), tags in a tuple and an ordering key in ``bytes``. Every
+    other value of the options cannot change and was checked when the previous job was
+    written, so a job refused now is refused for its args, naming the field the full
+    checks of :func:`~qstore.storage.jobs.prepare_job` name."""
+
+    kept: KeptValues | None = field(default=None, compare=False, repr=False)
+
+
+def _reusable(opts: InsertOpts) -> bool:
+    """Whether jobs with ``opts`` have the same values but their args (see
+    :class:`DeferredJob`); ``opts`` passed :func:`prepare_job`."""
+    key = opts.ordering_key
+    return (type(opts) is InsertOpts and opts.unique is None and type(opts.metadata) is dict
+            and not opts.metadata and type(opts.tags) is tuple and (key is None or type(key) is bytes))
+
+
+def _deferred_values(ctx: StorageContext, job: DeferredJob, slot: KeptValues) -> Sequence[Any]:
+    kept, opts = slot.kept, job.opts
+    if kept is not None and kept[0] is ctx and kept[1] is job.kind and kept[2] is opts and not opts.metadata:
+        values = list(kept[3])
+        values[_ARGS] = validate_json(job.args, "job.args")  # as prepare_job names it
+        return values
+    sch = ctx.schema
+    fresh = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count))
+    if _reusable(opts):
+        slot.kept = (ctx, job.kind, opts, fresh)
+    return fresh
+
+
 def enqueue(ctx: StorageContext, run: Runner, job: InsertParams) -> int:
     """Write one job and return its id: one statement (on an ``Engine``, one autocommitted
     round trip). A unique conflict raises and writes nothing."""
-    return send_jobs(run, ctx, prepare_jobs([job], ctx.config.queue_stripe_count, field="job"))[0]
+    sch = ctx.schema
+    if type(job) is DeferredJob and job.kept is not None:
+        values = _deferred_values(ctx, job, job.kept)
+    else:
+        values = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count))
+    ((job_id, key, owner),) = run.rows_in_order(_enqueue_one_stmt(sch), _VALUE_KEYS, values)
+    if job_id is None:
+        raise _conflict(key, owner)
+    return job_id
 
 
 def enqueue_many(ctx: StorageContext, run: Runner, jobs: Sequence[InsertParams]) -> list[int]:

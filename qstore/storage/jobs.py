@@ -24,6 +24,7 @@ __all__ = [
     "PreparedJob",
     "logical_queue",
     "ordering_hash",
+    "prepare_job",
     "prepare_jobs",
     "shard_for_ordering_key",
     "stripe_of",
@@ -50,6 +51,7 @@ MAX_JSON_DEPTH = 256
 MAX_JSON_INT_DIGITS = 4000
 _JSON_INT_LIMIT = 10**MAX_JSON_INT_DIGITS
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_BAD_CHARS = re.compile("[\x00\ud800-\udfff]")  # what _check_chars refuses
 
 
 def unique_states_mask(states: int) -> str:
@@ -192,14 +194,25 @@ def _check_json(value: Any, path: str, depth: int = 0) -> None:
         if depth >= MAX_JSON_DEPTH:
             raise ValidationError(path, type(value).__name__,
                                   f"JSON nests deeper than {MAX_JSON_DEPTH} levels (or contains itself)")
+        # a member that is plainly valid (None, a bool, an int in range, a clean string) is
+        # passed without a call or its path; anything else gets the full check below
         if isinstance(value, dict):
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise ValidationError(path, k, "object keys must be strings")
-                _check_chars(k, path, "object keys ")
+                if _BAD_CHARS.search(k) is not None:
+                    _check_chars(k, path, "object keys ")
+                t = type(v)
+                if (v is None or t is bool or (t is int and -_JSON_INT_LIMIT < v < _JSON_INT_LIMIT)
+                        or (t is str and _BAD_CHARS.search(v) is None)):
+                    continue
                 _check_json(v, f"{path}.{k}", depth + 1)
         else:
             for i, v in enumerate(value):
+                t = type(v)
+                if (v is None or t is bool or (t is int and -_JSON_INT_LIMIT < v < _JSON_INT_LIMIT)
+                        or (t is str and _BAD_CHARS.search(v) is None)):
+                    continue
                 _check_json(v, f"{path}[{i}]", depth + 1)
     elif isinstance(value, float):
         if not math.isfinite(value):
@@ -300,39 +313,49 @@ def prepare_jobs(jobs: Sequence[InsertParams], stripes: int, field: str = "jobs"
     """Validate every row before anything is written; raise ``ValidationError`` naming the
     first bad value (``<field>[<index>].<name>``; with ``field="job"`` a single job's values
     are named ``job.<name>``)."""
-    out: list[PreparedJob] = []
-    for i, job in enumerate(jobs):
-        at = field if field == "job" else f"{field}[{i}]"
-        if not isinstance(job, InsertParams):
-            raise ValidationError(at, job, "expected InsertParams")
-        opts = job.opts
-        if not isinstance(opts, InsertOpts):
-            raise ValidationError(f"{at}.opts", opts, "expected InsertOpts")
-        validate_kind(job.kind, f"{at}.kind")
-        validate_queue(opts.queue, f"{at}.queue")
-        validate_priority(opts.priority, f"{at}.priority")
-        ma = opts.max_attempts
-        if isinstance(ma, bool) or not isinstance(ma, int) or not 1 <= ma <= 32767:
-            raise ValidationError(f"{at}.max_attempts", ma, "must be an integer between 1 and 32767")
-        run_at = None if opts.run_at is None else validate_aware_datetime(opts.run_at, f"{at}.run_at")
-        _check_json(job.args, f"{at}.args")
-        if not isinstance(opts.metadata, Mapping):
-            raise ValidationError(f"{at}.metadata", opts.metadata, "must be a JSON object")
-        _check_json(dict(opts.metadata), f"{at}.metadata")
-        tags = _check_tags(opts.tags, f"{at}.tags")
-        if opts.ordering_key is not None and not isinstance(opts.ordering_key, bytes | bytearray):
-            raise ValidationError(f"{at}.ordering_key", opts.ordering_key, "must be bytes")
-        key = states = None
-        if opts.unique is not None:
-            unique = _check_unique(opts.unique, f"{at}.unique")
-            key = unique_key_for(job.kind, opts.queue, job.args, unique)
-            states = unique_states_mask(unique.states)
-        physical = stripe_of(opts.queue, stripes, i, key)
-        out.append(PreparedJob(
-            kind=job.kind, args=job.args, queue=physical, logical=logical_queue(physical),
-            priority=opts.priority, max_attempts=ma, run_at=run_at,
-            payload=build_payload(opts.metadata, tags), unique_key=key,
-            unique_states=states,
-            ordering_key=bytes(opts.ordering_key) if opts.ordering_key is not None else None,
-        ))
-    return out
+    if field == "job":
+        return [prepare_job(job, stripes, field, i) for i, job in enumerate(jobs)]
+    return [prepare_job(job, stripes, f"{field}[{i}]", i) for i, job in enumerate(jobs)]
+
+
+def prepare_job(job: InsertParams, stripes: int, at: str = "job", index: int = 0) -> PreparedJob:
+    """One row of :func:`prepare_jobs`: ``job`` (the ``index``-th of its batch) validated,
+    values named ``<at>.<name>``. Checks run in a fixed order (kind, queue, priority,
+    max_attempts, run_at, args, metadata, tags, ordering_key, unique), so a job with several
+    bad values is refused naming the first of them."""
+    if not isinstance(job, InsertParams):
+        raise ValidationError(at, job, "expected InsertParams")
+    opts = job.opts
+    if not isinstance(opts, InsertOpts):
+        raise ValidationError(f"{at}.opts", opts, "expected InsertOpts")
+    kind, queue, args = job.kind, opts.queue, job.args
+    validate_kind(kind, f"{at}.kind")
+    validate_queue(queue, f"{at}.queue")
+    validate_priority(opts.priority, f"{at}.priority")
+    ma = opts.max_attempts
+    if isinstance(ma, bool) or not isinstance(ma, int) or not 1 <= ma <= 32767:
+        raise ValidationError(f"{at}.max_attempts", ma, "must be an integer between 1 and 32767")
+    run_at = None if opts.run_at is None else validate_aware_datetime(opts.run_at, f"{at}.run_at")
+    _check_json(args, f"{at}.args")
+    metadata, tags = opts.metadata, opts.tags
+    if type(metadata) is dict and not metadata and type(tags) is tuple and not tags:
+        payload = None  # the defaults: nothing to check, no payload
+    else:
+        if not isinstance(metadata, Mapping):
+            raise ValidationError(f"{at}.metadata", metadata, "must be a JSON object")
+        _check_json(dict(metadata), f"{at}.metadata")
+        payload = build_payload(metadata, _check_tags(tags, f"{at}.tags"))
+    ordering_key = opts.ordering_key
+    if ordering_key is not None and not isinstance(ordering_key, bytes | bytearray):
+        raise ValidationError(f"{at}.ordering_key", ordering_key, "must be bytes")
+    key = states = None
+    if opts.unique is not None:
+        unique = _check_unique(opts.unique, f"{at}.unique")
+        key = unique_key_for(kind, queue, args, unique)
+        states = unique_states_mask(unique.states)
+    physical = queue if stripes <= 1 else stripe_of(queue, stripes, index, key)
+    return PreparedJob(
+        kind, args, physical, physical if STRIPE_SEP not in physical else logical_queue(physical),
+        opts.priority, ma, run_at, payload, key, states,
+        bytes(ordering_key) if ordering_key is not None else None,
+    )

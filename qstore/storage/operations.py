@@ -21,6 +21,7 @@ import inspect
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
+from sqlalchemy import Engine
 from sqlalchemy.util.concurrency import greenlet_spawn
 
 from qstore.errors import DatabaseError, translated
@@ -31,6 +32,7 @@ from qstore.storage.targets import (
     Target,
     refuse_callers_transaction,
     run,
+    statement_on_engine,
     sync_target,
 )
 
@@ -103,10 +105,16 @@ class Operation(Generic[P, R]):
         """The synchronous call of this operation for one install."""
         policy, body, check, name = self.policy, self.body, self.check, self.name
         schema = ctx.config.schema
+        checked = bool(self._checks)
+        # a STATEMENT operation on an Engine skips run()'s dispatch (see statement_on_engine)
+        hot = policy is Policy.STATEMENT
 
         def call(target: Target, *args: Any, **kwargs: Any) -> R:
-            args, kwargs = check(args, kwargs)
+            if checked:
+                args, kwargs = check(args, kwargs)
             try:
+                if hot and isinstance(target, Engine):
+                    return statement_on_engine(target, body, ctx, args, kwargs)
                 return run(policy, target, lambda conn: body(ctx, conn, *args, **kwargs), name)
             except Exception as err:
                 mapped = translated(err, schema)

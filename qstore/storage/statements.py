@@ -241,12 +241,13 @@ class HotStatement:
     planned again at every run (a cost that grows with the partitions it reads).
     """
 
-    __slots__ = ("_compiled", "prepared", "statement")
+    __slots__ = ("_compiled", "_ordered", "prepared", "statement")
 
     def __init__(self, statement: Any, *, prepared: bool = False) -> None:
         self.statement = statement
         self.prepared = prepared
         self._compiled: dict[int, tuple[str, tuple[tuple[str, Any, Any], ...]]] = {}
+        self._ordered: dict[int, tuple[tuple[str, ...], str, tuple[tuple[int, Any], ...]]] = {}
 
     def compiled(self, dialect: Dialect) -> tuple[str, tuple[tuple[str, Any, Any], ...]]:
         """``(sql, binds)`` for ``dialect``: ``sql`` with positional placeholders, ``binds``
@@ -291,6 +292,24 @@ class HotStatement:
             value = values.get(key, default)
             out.append(value if processor is None else processor(value))
         return sql, tuple(out)
+
+    def in_order(self, dialect: Dialect, keys: tuple[str, ...], values: Sequence[Any]) -> tuple[str, list[Any]]:
+        """:meth:`parameters` for ``values`` given one per bind key, in the order of ``keys``:
+        the statement's keys in placeholder order, each once (checked at the first call per
+        dialect; ``keys`` must be the same tuple object at every call). Only the values
+        whose type has a bind processor are processed: no dictionary, no lookup per value."""
+        got = self._ordered.get(id(dialect))
+        if got is None or got[0] is not keys:
+            sql, binds = self.compiled(dialect)
+            if tuple(key for key, _, _ in binds) != keys:  # pragma: no cover - a mistake in a caller
+                raise TypeError(f"the statement's parameters are {[k for k, _, _ in binds]}, not {list(keys)}")
+            got = self._ordered[id(dialect)] = (
+                keys, sql, tuple((i, processor) for i, (_, processor, _) in enumerate(binds) if processor is not None))
+        _, sql, processed = got
+        params = list(values)
+        for i, processor in processed:
+            params[i] = processor(params[i])
+        return sql, params
 
 
 def wheel_entry_live(wheel: FromClause, marks: FromClause) -> Any:

@@ -129,6 +129,7 @@ __all__ = [
     "reads_committed_state",
     "refuse_callers_transaction",
     "run",
+    "statement_on_engine",
     "sync_target",
 ]
 
@@ -308,6 +309,19 @@ class Runner:
             assert self._conn is not None
             return list(self._conn.execute(hot.statement, values).all())
         sql, params = hot.parameters(self._dialect, values)
+        return self._send(cur, hot, sql, params)
+
+    def rows_in_order(self, hot: HotStatement, keys: tuple[str, ...], values: Sequence[Any]) -> list[Any]:
+        """:meth:`rows` with ``values`` given in the order of ``keys`` (see
+        :meth:`HotStatement.in_order`)."""
+        cur = self._cursor
+        if cur is None:
+            assert self._conn is not None
+            return list(self._conn.execute(hot.statement, dict(zip(keys, values, strict=True))).all())
+        sql, params = hot.in_order(self._dialect, keys, values)
+        return self._send(cur, hot, sql, params)
+
+    def _send(self, cur: psycopg.Cursor[Any], hot: HotStatement, sql: str, params: Sequence[Any]) -> list[Any]:
         try:
             cur.execute(sql, params, prepare=True if hot.prepared and cur.connection.prepare_threshold is not None
                         else None)
@@ -318,12 +332,66 @@ class Runner:
         return cur.fetchall()
 
 
-class _HotOnEngine:
-    """A runner for one autocommitted statement on a pooled connection of ``engine``.
+def _hot_checkout(engine: Engine) -> tuple[Any, Any, Runner] | None:
+    """A pooled driver connection of ``engine`` in autocommit mode and a :class:`Runner` on
+    its reused cursor; None when someone listens to cursor events or the driver is not
+    psycopg's sync one (then the statement goes through a ``Connection``). Hand the
+    connection back with :func:`_release`."""
+    dispatch = engine.dispatch
+    if dispatch.before_cursor_execute or dispatch.after_cursor_execute:
+        return None
+    raw = engine.raw_connection()
+    driver = raw.driver_connection
+    if not isinstance(driver, psycopg.Connection):
+        raw.close()
+        return None
+    try:
+        driver.autocommit = True
+        cursor = _cursor(raw.info, driver)
+    except BaseException as err:
+        _release(raw, driver, err)
+        raise
+    return raw, driver, Runner(engine.dialect, cursor)
 
-    A class rather than a generator context manager: this runs once per enqueue, claim and
-    fast completion on an ``Engine``, and a generator's set-up and tear-down cost more
-    client time than the few lines they wrap."""
+
+def _release(raw: Any, driver: Any, err: BaseException | None = None) -> None:
+    """Hand back a connection of :func:`_hot_checkout`: out of autocommit mode, or
+    invalidated after a disconnect (as SQLAlchemy does)."""
+    try:
+        if isinstance(err, psycopg.OperationalError) and (driver is None or driver.closed):
+            raw.invalidate()
+        elif driver is not None and not driver.closed:
+            driver.autocommit = False
+    finally:
+        raw.close()
+
+
+def statement_on_engine(engine: Engine, body: Callable[..., R], lead: Any,
+                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+    """``body(lead, runner, *args, **kwargs)`` as one autocommitted statement on ``engine``:
+    the ``STATEMENT`` policy on an ``Engine``, exactly as :func:`run` applies it (a pooled
+    connection, checked out for the call alone), in the fewest Python frames, since every
+    enqueue, claim and fast completion on an ``Engine`` comes through here."""
+    got = _hot_checkout(engine)
+    if got is None:
+        with _own_statement(engine) as conn:
+            return body(lead, Runner.on(conn), *args, **kwargs)
+    raw, driver, runner = got
+    try:
+        result = body(lead, runner, *args, **kwargs)
+    except BaseException as err:
+        _release(raw, raw.driver_connection, err)
+        raise
+    _release(raw, driver)  # a runner without a Connection never invalidates: the same driver
+    return result
+
+
+class _HotOnEngine:
+    """A runner for one autocommitted statement on a pooled connection of ``engine``, as a
+    context manager (see :func:`statement_on_engine`).
+
+    A class rather than a generator context manager: a generator's set-up and tear-down
+    cost more client time than the few lines they wrap."""
 
     __slots__ = ("_engine", "_fallback", "_raw")
 
@@ -333,22 +401,12 @@ class _HotOnEngine:
         self._fallback: Any = None
 
     def __enter__(self) -> Runner:
-        engine = self._engine
-        if not _listened(engine.dispatch):
-            raw = engine.raw_connection()
-            driver = raw.driver_connection
-            if isinstance(driver, psycopg.Connection):
-                try:
-                    driver.autocommit = True
-                    cursor = _cursor(raw.info, driver)
-                except BaseException as err:
-                    self._release(raw, driver, err)
-                    raise
-                self._raw = raw
-                return Runner(engine.dialect, cursor)
-            raw.close()
+        got = _hot_checkout(self._engine)
+        if got is not None:
+            self._raw, _, runner = got
+            return runner
         # someone listens to cursor events, or the driver is not psycopg's sync one
-        self._fallback = _own_statement(engine)
+        self._fallback = _own_statement(self._engine)
         return Runner.on(self._fallback.__enter__())
 
     def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
@@ -356,17 +414,7 @@ class _HotOnEngine:
             self._fallback.__exit__(kind, err, tb)
             return
         raw = self._raw
-        self._release(raw, raw.driver_connection, err)
-
-    @staticmethod
-    def _release(raw: Any, driver: Any, err: BaseException | None = None) -> None:
-        try:
-            if isinstance(err, psycopg.OperationalError) and (driver is None or driver.closed):
-                raw.invalidate()  # as SQLAlchemy does on a disconnect
-            elif driver is not None and not driver.closed:
-                driver.autocommit = False
-        finally:
-            raw.close()
+        _release(raw, raw.driver_connection, err)
 
 
 #: ``lock_timeout`` of a guarded step (every ``ACCESS EXCLUSIVE`` request of prune and
@@ -480,8 +528,7 @@ def run(policy: Policy, target: Target, body: Callable[[Any], R], operation: str
         return body(Transactions(target))
     if policy is Policy.STATEMENT:
         if isinstance(target, Engine):
-            with _HotOnEngine(target) as runner:
-                return body(runner)
+            return statement_on_engine(target, _call_with_runner, body, (), {})
         return body(Runner.on(_callers_connection(target)))
     if isinstance(target, Engine):
         if policy is Policy.NO_TRANSACTION:
@@ -497,6 +544,10 @@ def run(policy: Policy, target: Target, body: Callable[[Any], R], operation: str
         with conn.begin_nested():
             return body(conn)
     return body(conn)
+
+
+def _call_with_runner(body: Callable[[Runner], R], runner: Runner) -> R:
+    return body(runner)
 
 
 def reads_committed_state(conn: Connection) -> bool:

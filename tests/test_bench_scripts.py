@@ -332,3 +332,17 @@ def test_defer_client_bench_times_every_case_of_each_tree_and_drops_its_schemas(
     finally:
         engine.dispose()
     assert left == []
+
+
+def test_claim_server_bench_claims_one_job_per_loop_in_every_system_and_drops_its_schemas(fresh_db_url):
+    proc = run_script("bench_claim_server.py", "--url", fresh_db_url, "--rounds", "1", "--jobs", "20")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if "the classic claim" in line]
+    assert [r.split("  ")[0] for r in rows] == ["classic (psycopg)", "qstore (default lanes)", "qstore (1 lane)"]
+    engine = create_engine(fresh_db_url)
+    try:
+        with engine.connect() as conn:
+            left = conn.execute(text("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'bench_claim_%'")).all()
+    finally:
+        engine.dispose()
+    assert left == []

@@ -66,6 +66,7 @@ _ARGUMENTS: tuple[tuple[str, str, Any], ...] = (
 #: The bind keys of ``enqueue_job``, in its parameter order.
 _VALUE_KEYS = tuple(name for _, name, _ in _ARGUMENTS)
 _ARGS = _VALUE_KEYS.index("args")
+_CHANNEL = _VALUE_KEYS.index("channel")
 
 
 @functools.lru_cache(maxsize=64)
@@ -104,14 +105,8 @@ def _parameters(sch: StorageSchema, rows: Sequence[PreparedJob]) -> dict[str, An
     column by column, and the channels to wake once each."""
     values = [_one_values(sch, r) for r in rows]
     out = {array: [v[i] for v in values] for i, (array, name, _) in enumerate(_ARGUMENTS) if name != "channel"}
-    channel = _VALUE_KEYS.index("channel")
-    out["channels"] = sorted({v[channel] for v in values if v[channel] is not None})
+    out["channels"] = sorted({v[_CHANNEL] for v in values if v[_CHANNEL] is not None})
     return out
-
-
-def _one_job(sch: StorageSchema, r: PreparedJob) -> dict[str, Any]:
-    """The values of :func:`_enqueue_one_stmt` for one row, by name (see :func:`_one_values`)."""
-    return dict(zip(_VALUE_KEYS, _one_values(sch, r), strict=True))
 
 
 def _one_values(sch: StorageSchema, r: PreparedJob) -> tuple[Any, ...]:

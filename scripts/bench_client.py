@@ -270,9 +270,9 @@ def main() -> None:
     from qstore.storage import enqueue as enqueuing
     from qstore.storage.jobs import prepare_jobs
 
-    hot = enqueuing._enqueue_one_stmt(storage.tables)
-    enqueue_sql, enqueue_params = hot.parameters(
-        engine.dialect, enqueuing._one_job(storage.tables, prepare_jobs([job], 1, field="job")[0]))
+    enqueue_sql, enqueue_params = enqueuing._enqueue_one_stmt(storage.tables).in_order(
+        engine.dialect, enqueuing._VALUE_KEYS,
+        enqueuing._one_values(storage.tables, prepare_jobs([job], 1, field="job")[0]))
 
     def raw_enqueue_jobs() -> object:
         return raw.execute(enqueue_sql, enqueue_params, prepare=True).fetchall()

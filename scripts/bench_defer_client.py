@@ -72,9 +72,10 @@ def serve(url: str, schema: str, classic_schema: str, warm: int) -> None:
     def bench(ctx: JobContext, n: int) -> None: ...
 
     job = InsertParams("bench", {"n": 1}, InsertOpts(queue="bench"))
-    hot = enqueuing._enqueue_one_stmt(storage.tables)
-    sql, params = hot.parameters(engine.dialect,
-                                 enqueuing._one_job(storage.tables, prepare_jobs([job], 1, field="job")[0]))
+    # the statement and values exactly as ``enqueue`` sends them
+    sql, params = enqueuing._enqueue_one_stmt(storage.tables).in_order(
+        engine.dialect, enqueuing._VALUE_KEYS,
+        enqueuing._one_values(storage.tables, prepare_jobs([job], 1, field="job")[0]))
     dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     raw = psycopg.connect(dsn, autocommit=True)
     cur = raw.cursor()

@@ -602,6 +602,35 @@ def test_striping_spreads_jobs_over_every_stripe(engine, make_storage):
     assert all(n > 0 for n in per_stripe.values())
 
 
+@pytest.mark.parametrize("how", ["enqueue", "enqueue_many", "enqueue_params_copy"])
+def test_one_job_enqueues_go_round_robin_over_the_stripes(engine, make_storage, how):
+    storage = make_storage(queue_stripe_count=3)
+    for i in range(6):
+        if how == "enqueue":
+            storage.enqueue(engine, job(args={"i": i}))
+        else:
+            getattr(storage, how)(engine, [job(args={"i": i})])
+
+    per_stripe = Counter(q for (q,) in rows(engine, storage, "ready_entries", ("queue",)))
+    assert per_stripe == {"q#0": 2, "q#1": 2, "q#2": 2}
+
+
+def test_each_batch_starts_its_round_robin_one_stripe_further(engine, make_storage):
+    storage = make_storage(queue_stripe_count=3)
+    for b in range(3):
+        storage.enqueue_many(engine, [job(args={"b": b, "i": i}) for i in range(2)])
+
+    placed = {(a["b"], a["i"]): q for q, a in rows(engine, storage, "ready_entries", ("queue", "args"))}
+    assert placed == {(0, 0): "q#0", (0, 1): "q#1", (1, 0): "q#1", (1, 1): "q#2", (2, 0): "q#2", (2, 1): "q#0"}
+
+
+def test_a_job_sent_to_a_named_stripe_stays_on_it(engine, make_storage):
+    storage = make_storage(queue_stripe_count=3)
+    for _ in range(3):
+        storage.enqueue(engine, job(queue="q#2"))
+    assert Counter(q for (q,) in rows(engine, storage, "ready_entries", ("queue",))) == {"q#2": 3}
+
+
 def test_claiming_the_logical_queue_drains_all_stripes_exactly_once(engine, make_storage):
     storage = make_storage(queue_stripe_count=3)
     storage.enqueue_params_batch(engine, [job(args={"i": i}) for i in range(30)])

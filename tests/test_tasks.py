@@ -4,6 +4,7 @@ statement in a caller's transaction that commits or rolls back with it, on both 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 
@@ -303,6 +304,21 @@ def test_deferred_jobs_are_the_rows_storage_enqueue_writes_for_their_params(engi
         keys = [c.execute(text(f'SELECT unique_key, job_id FROM "{st.schema()}".job_unique_claims ORDER BY 2')).all()
                 for st in (by_defer, by_enqueue)]
     assert len(keys[0]) == 2 and keys[0] == keys[1]
+
+
+@pytest.mark.parametrize("queue", ["mail", "mail#1"])
+def test_deferred_jobs_go_round_robin_over_the_stripes(engine, make_storage, queue):  # type: ignore[no-untyped-def]
+    # a deferral reuses its values from the second job on: the stripe is still picked per job
+    st = make_storage(queue_stripe_count=3)
+    app = App(st)
+
+    @app.task(kind="send", queue=queue)
+    def send(ctx: JobContext, to: str) -> None: ...
+
+    for i in range(6):
+        send.defer(engine, to=str(i))
+    per_stripe = Counter(q for (q,) in enqueue_rows(engine, st, "ready_entries", ("queue",)))
+    assert per_stripe == ({"mail#0": 2, "mail#1": 2, "mail#2": 2} if queue == "mail" else {"mail#1": 6})
 
 
 def test_a_deferral_keeps_no_values_for_options_it_cannot_trust_to_stay_the_same(app, send):  # type: ignore[no-untyped-def]

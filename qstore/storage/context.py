@@ -64,6 +64,8 @@ class StorageContext:
     schema: StorageSchema
     lanes: LaneRouter = field(default_factory=LaneRouter)
     stripe_probe: Iterator[int] = field(default_factory=itertools.count)
+    #: where the next enqueue call starts its round-robin over a striped queue's stripes
+    stripe_rotor: Iterator[int] = field(default_factory=itertools.count)
 
     @property
     def config(self) -> QueueStorageConfig:

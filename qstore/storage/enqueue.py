@@ -38,6 +38,7 @@ from qstore.storage.jobs import (
     ordering_hash,
     prepare_job,
     prepare_jobs,
+    stripe_of,
     validate_json,
 )
 from qstore.storage.lanes import assign_lanes
@@ -67,6 +68,7 @@ _ARGUMENTS: tuple[tuple[str, str, Any], ...] = (
 _VALUE_KEYS = tuple(name for _, name, _ in _ARGUMENTS)
 _ARGS = _VALUE_KEYS.index("args")
 _CHANNEL = _VALUE_KEYS.index("channel")
+_QUEUE = _VALUE_KEYS.index("queue")
 
 
 @functools.lru_cache(maxsize=64)
@@ -119,6 +121,12 @@ def _one_values(sch: StorageSchema, r: PreparedJob) -> tuple[Any, ...]:
         None if r.ordering_key is None else ordering_hash(r.ordering_key),
         None if r.run_at is not None else sch.config.notify_channel(r.logical),
     )
+
+
+def _prepared(ctx: StorageContext, jobs: Sequence[InsertParams]) -> list[PreparedJob]:
+    """``jobs`` validated (:func:`~qstore.storage.jobs.prepare_jobs`), each call's key-less
+    rows starting the round-robin over a striped queue's stripes one stripe further."""
+    return prepare_jobs(jobs, ctx.config.queue_stripe_count, start=next(ctx.stripe_rotor))
 
 
 def send_jobs(run: Runner, ctx: StorageContext, rows: Sequence[PreparedJob]) -> list[int]:
@@ -188,7 +196,8 @@ class DeferredJob(InsertParams):
     one :class:`InsertOpts` object. Written like any other (the same checks, the same
     statement), except that :func:`enqueue` takes the values that depend on the kind and
     the options alone from the previous job of the same kind and options on the same
-    install, kept in :attr:`kept`, and checks only the args.
+    install, kept in :attr:`kept`, and checks only the args (a striped queue's stripe is
+    still picked per job).
 
     The values are reused only while they cannot have changed: options without a unique
     key (which depends on the args), with no metadata (a mapping that could be changed in
@@ -213,9 +222,12 @@ def _deferred_values(ctx: StorageContext, job: DeferredJob, slot: KeptValues) ->
     if kept is not None and kept[0] is ctx and kept[1] is job.kind and kept[2] is opts and not opts.metadata:
         values = list(kept[3])
         values[_ARGS] = validate_json(job.args, "job.args")  # as prepare_job names it
+        stripes = ctx.config.queue_stripe_count
+        if stripes > 1:  # key-less: the next stripe of the round-robin
+            values[_QUEUE] = stripe_of(opts.queue, stripes, next(ctx.stripe_rotor), None)
         return values
     sch = ctx.schema
-    fresh = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count))
+    fresh = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count, "job", next(ctx.stripe_rotor)))
     if _reusable(opts):
         slot.kept = (ctx, job.kind, opts, fresh)
     return fresh
@@ -228,7 +240,7 @@ def enqueue(ctx: StorageContext, run: Runner, job: InsertParams) -> int:
     if type(job) is DeferredJob and job.kept is not None:
         values = _deferred_values(ctx, job, job.kept)
     else:
-        values = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count))
+        values = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count, "job", next(ctx.stripe_rotor)))
     ((job_id, key, owner),) = run.rows_in_order(_enqueue_one_stmt(sch), _VALUE_KEYS, values)
     if job_id is None:
         raise _conflict(key, owner)
@@ -238,18 +250,18 @@ def enqueue(ctx: StorageContext, run: Runner, job: InsertParams) -> int:
 def enqueue_many(ctx: StorageContext, run: Runner, jobs: Sequence[InsertParams]) -> list[int]:
     """Write ``jobs`` in one statement and return their ids, in batch order. Every job is
     validated before anything is written; a unique conflict writes nothing."""
-    return send_jobs(run, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count))
+    return send_jobs(run, ctx, _prepared(ctx, jobs))
 
 
 def enqueue_params_batch(ctx: StorageContext, run: Runner, jobs: Sequence[InsertParams]) -> int:
     """``enqueue_many`` returning the number of rows written."""
-    return len(send_jobs(run, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count)))
+    return len(send_jobs(run, ctx, _prepared(ctx, jobs)))
 
 
 def enqueue_params_copy(ctx: StorageContext, conn: Connection, jobs: Sequence[InsertParams]) -> int:
     """Same semantics as ``enqueue_params_batch``, streaming the ready rows with COPY (in one
     transaction of its own, or a savepoint of the caller's). Returns rows written."""
-    return write_jobs(conn, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count), use_copy=True)
+    return write_jobs(conn, ctx, _prepared(ctx, jobs), use_copy=True)
 
 
 def enqueue_batch(ctx: StorageContext, conn: Connection, queue: str, priority: int, count: int) -> int:
@@ -257,4 +269,4 @@ def enqueue_batch(ctx: StorageContext, conn: Connection, queue: str, priority: i
     round-robin over the stripes (COPY). Returns rows written."""
     opts = InsertOpts(queue=queue, priority=priority)
     jobs: list[Any] = [InsertParams("bench_job", {"seq": i}, opts) for i in range(count)]
-    return write_jobs(conn, ctx, prepare_jobs(jobs, ctx.config.queue_stripe_count), use_copy=True)
+    return write_jobs(conn, ctx, _prepared(ctx, jobs), use_copy=True)

@@ -309,18 +309,19 @@ def _check_tags(tags: object, field_name: str) -> list[str]:
     return list(tags)
 
 
-def prepare_jobs(jobs: Sequence[InsertParams], stripes: int, field: str = "jobs") -> list[PreparedJob]:
+def prepare_jobs(jobs: Sequence[InsertParams], stripes: int, field: str = "jobs", start: int = 0) -> list[PreparedJob]:
     """Validate every row before anything is written; raise ``ValidationError`` naming the
     first bad value (``<field>[<index>].<name>``; with ``field="job"`` a single job's values
-    are named ``job.<name>``)."""
+    are named ``job.<name>``). On a striped install the key-less rows go round-robin over
+    the stripes from stripe ``start``."""
     if field == "job":
-        return [prepare_job(job, stripes, field, i) for i, job in enumerate(jobs)]
-    return [prepare_job(job, stripes, f"{field}[{i}]", i) for i, job in enumerate(jobs)]
+        return [prepare_job(job, stripes, field, start + i) for i, job in enumerate(jobs)]
+    return [prepare_job(job, stripes, f"{field}[{i}]", start + i) for i, job in enumerate(jobs)]
 
 
 def prepare_job(job: InsertParams, stripes: int, at: str = "job", index: int = 0) -> PreparedJob:
-    """One row of :func:`prepare_jobs`: ``job`` (the ``index``-th of its batch) validated,
-    values named ``<at>.<name>``. Checks run in a fixed order (kind, queue, priority,
+    """One row of :func:`prepare_jobs`: ``job`` validated, values named ``<at>.<name>``; a
+    key-less row of a striped queue goes to stripe ``index % stripes``. Checks run in a fixed order (kind, queue, priority,
     max_attempts, run_at, args, metadata, tags, ordering_key, unique), so a job with several
     bad values is refused naming the first of them."""
     if not isinstance(job, InsertParams):

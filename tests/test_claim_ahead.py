@@ -146,8 +146,10 @@ def test_without_claim_ahead_a_worker_holds_at_most_its_places(engine, st) -> No
 
 
 def test_slow_handlers_claim_nothing_ahead(engine, st) -> None:  # type: ignore[no-untyped-def]
-    # 4 handlers of 150 ms let go of under 30 attempts/s: not one per round trip
-    most = drained(ahead_settings(), engine, st, jobs=24, pause=0.15, delay=0.0)
+    # 4 handlers of 400 ms let go of 10 attempts/s: claiming one ahead (twice the rate times
+    # the round trip) would take a claim round trip of 50 ms, which even a loaded host's
+    # claims stay well under
+    most = drained(ahead_settings(), engine, st, jobs=16, pause=0.4, delay=0.0)
     assert 0 < most <= 4 + 4
 
 

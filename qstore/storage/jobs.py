@@ -321,9 +321,10 @@ def prepare_jobs(jobs: Sequence[InsertParams], stripes: int, field: str = "jobs"
 
 def prepare_job(job: InsertParams, stripes: int, at: str = "job", index: int = 0) -> PreparedJob:
     """One row of :func:`prepare_jobs`: ``job`` validated, values named ``<at>.<name>``; a
-    key-less row of a striped queue goes to stripe ``index % stripes``. Checks run in a fixed order (kind, queue, priority,
-    max_attempts, run_at, args, metadata, tags, ordering_key, unique), so a job with several
-    bad values is refused naming the first of them."""
+    key-less row of a striped queue goes to stripe ``index % stripes``. Checks run in a
+    fixed order (kind, queue, priority, max_attempts, run_at, args, metadata, tags,
+    ordering_key, unique), so a job with several bad values is refused naming the first of
+    them."""
     if not isinstance(job, InsertParams):
         raise ValidationError(at, job, "expected InsertParams")
     opts = job.opts

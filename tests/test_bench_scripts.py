@@ -313,6 +313,16 @@ def test_dead_tuple_census_finds_no_dead_tuple_of_a_delayed_qstore_job_and_each_
     assert left("delayed") == {}
 
 
+def schemas_named(url: str, where: str) -> list[str]:
+    """The schemas of the database at ``url`` whose ``nspname`` matches ``where`` (SQL)."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(text(f"SELECT nspname FROM pg_namespace WHERE {where}")).scalars())
+    finally:
+        engine.dispose()
+
+
 def test_defer_client_bench_times_every_case_of_each_tree_and_drops_its_schemas(fresh_db_url, tmp_path):
     out = tmp_path / "defer.json"
     tree = str(ROOT)
@@ -324,14 +334,7 @@ def test_defer_client_bench_times_every_case_of_each_tree_and_drops_its_schemas(
     for cases in report["figures"].values():
         assert set(cases) == {"defer", "enqueue", "raw", "classic"}
         assert all(c["cpu_us"] > 0 and c["calls_per_s"] > 0 for c in cases.values())
-    engine = create_engine(fresh_db_url)
-    try:
-        with engine.connect() as conn:
-            left = conn.execute(text("SELECT nspname FROM pg_namespace WHERE nspname IN "
-                                     "('qstore_defer_client_bench', 'bench_defer_client_classic')")).all()
-    finally:
-        engine.dispose()
-    assert left == []
+    assert schemas_named(fresh_db_url, "nspname IN ('qstore_defer_client_bench', 'bench_defer_client_classic')") == []
 
 
 def test_claim_server_bench_claims_one_job_per_loop_in_every_system_and_drops_its_schemas(fresh_db_url):
@@ -339,10 +342,4 @@ def test_claim_server_bench_claims_one_job_per_loop_in_every_system_and_drops_it
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if "the classic claim" in line]
     assert [r.split("  ")[0] for r in rows] == ["classic (psycopg)", "qstore (default lanes)", "qstore (1 lane)"]
-    engine = create_engine(fresh_db_url)
-    try:
-        with engine.connect() as conn:
-            left = conn.execute(text("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'bench_claim_%'")).all()
-    finally:
-        engine.dispose()
-    assert left == []
+    assert schemas_named(fresh_db_url, "nspname LIKE 'bench_claim_%'") == []

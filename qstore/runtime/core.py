@@ -803,8 +803,7 @@ class WorkerCore:
             counts["empty_claims"] += 1
         held = self.attempts
         for a in attempts:
-            job = a.claimed.job
-            held[(job.id, job.run_lease)] = a
+            held[a.pair] = a
 
     def release(self, a: Attempt) -> bool:
         """One holder of ``a`` lets it go; True when it was the last (the attempt is no
@@ -818,8 +817,7 @@ class WorkerCore:
         a.holds -= 1
         if a.holds > 0:
             return False
-        job = a.claimed.job
-        return self.attempts.pop((job.id, job.run_lease), None) is not None
+        return self.attempts.pop(a.pair, None) is not None
 
     def waiting(self) -> list[Attempt]:
         """Attempts claimed whose handler has not started."""

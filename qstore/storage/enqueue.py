@@ -226,22 +226,28 @@ def _deferred_values(ctx: StorageContext, job: DeferredJob, slot: KeptValues) ->
         if stripes > 1:  # key-less: the next stripe of the round-robin
             values[_QUEUE] = stripe_of(opts.queue, stripes, next(ctx.stripe_rotor), None)
         return values
-    sch = ctx.schema
-    fresh = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count, "job", next(ctx.stripe_rotor)))
+    fresh = _fresh_values(ctx, job)
     if _reusable(opts):
         slot.kept = (ctx, job.kind, opts, fresh)
     return fresh
 
 
+def _fresh_values(ctx: StorageContext, job: InsertParams) -> tuple[Any, ...]:
+    """The ``enqueue_job`` values of ``job`` after every check of
+    :func:`~qstore.storage.jobs.prepare_job` (a key-less job of a striped queue on the next
+    stripe of the round-robin)."""
+    sch = ctx.schema
+    return _one_values(sch, prepare_job(job, sch.config.queue_stripe_count, "job", next(ctx.stripe_rotor)))
+
+
 def enqueue(ctx: StorageContext, run: Runner, job: InsertParams) -> int:
     """Write one job and return its id: one statement (on an ``Engine``, one autocommitted
     round trip). A unique conflict raises and writes nothing."""
-    sch = ctx.schema
     if type(job) is DeferredJob and job.kept is not None:
         values = _deferred_values(ctx, job, job.kept)
     else:
-        values = _one_values(sch, prepare_job(job, sch.config.queue_stripe_count, "job", next(ctx.stripe_rotor)))
-    ((job_id, key, owner),) = run.rows_in_order(_enqueue_one_stmt(sch), _VALUE_KEYS, values)
+        values = _fresh_values(ctx, job)
+    ((job_id, key, owner),) = run.rows_in_order(_enqueue_one_stmt(ctx.schema), _VALUE_KEYS, values)
     if job_id is None:
         raise _conflict(key, owner)
     return job_id

@@ -337,8 +337,7 @@ def _hot_checkout(engine: Engine) -> tuple[Any, Any, Runner] | None:
     its reused cursor; None when someone listens to cursor events or the driver is not
     psycopg's sync one (then the statement goes through a ``Connection``). Hand the
     connection back with :func:`_release`."""
-    dispatch = engine.dispatch
-    if dispatch.before_cursor_execute or dispatch.after_cursor_execute:
+    if _listened(engine.dispatch):
         return None
     raw = engine.raw_connection()
     driver = raw.driver_connection

@@ -94,7 +94,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, create_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -251,6 +251,8 @@ def new_worker(app: App, engine: Engine, args: argparse.Namespace, *, is_async: 
     """The default worker of the run: a :class:`Worker`, or a :class:`LoopWorker`; with
     ``cycles``, that many claims in flight per queue (``claims_in_flight``)."""
     extra: dict[str, Any] = {} if cycles is None else {"claims_in_flight": cycles}
+    if args.shared_pool:
+        extra["own_pool"] = False
     if args.prefetch is not None:
         extra["prefetch"] = args.prefetch
     if args.claim_ahead is not None:
@@ -1115,6 +1117,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--qstore-schema", default="bench_worker_qstore")
     p.add_argument("--classic-schema", default="bench_worker_classic")
     p.add_argument("--classic-pg-schema", default="bench_worker_classic_pg")
+    p.add_argument("--app-pool", choices=("sized", "default"), default="sized",
+                   help="the run's engine (the producers' and the one the worker is given): a pool "
+                        "sized for the run's threads, or SQLAlchemy's default pool (5 kept, 10 more), "
+                        "as an application's first engine has")
+    p.add_argument("--shared-pool", action="store_true",
+                   help="drain and pickup: the workers use the run's engine's pool (own_pool=False) "
+                        "instead of a pool of their own made from it")
     p.add_argument("--json", type=Path)
     p.add_argument("--schedule", type=schedule_setting, action="append", default=[], metavar="FIELD=VALUE",
                    help="a MaintenanceSchedule field of the worker's maintainer (repeatable), e.g. "
@@ -1133,14 +1142,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ensure_database(args.url)
-    engine = make_engine(args.url, args.concurrency + args.producers + 4)
+    engine = (make_engine(args.url, args.concurrency + args.producers + 4) if args.app_pool == "sized"
+              else create_engine(args.url))
     exact = ensure_pgstattuple(engine)
     info = server_info(engine)
     pg = info["postgres"]
     classics = [CLASSICS[c] for c in args.classics]
     print(f"bench_worker: {args.jobs:,} jobs, concurrency {args.concurrency}, classics "
           f"{', '.join(classics)}, PostgreSQL {pg['server_version']}, autovacuum {pg['autovacuum']}, "
-          f"{info['cpus']} CPUs")
+          f"{info['cpus']} CPUs, {args.app_pool} engine pool"
+          f"{', shared by the workers' if args.shared_pool else ''}")
     payload: dict[str, Any] = {
         "command": " ".join(["python", "scripts/bench_worker.py", *(argv or sys.argv[1:])]),
         "machine": info, "config": {k: str(v) for k, v in vars(args).items() if k != "url"},

@@ -72,7 +72,9 @@ def _serve_metrics(host: str, port: int) -> Callable[[], None]:
 
 def worker_settings(args: argparse.Namespace) -> Any:
     """The ``WorkerSettings`` of the parsed ``qstore worker`` options (an option left out keeps
-    the settings' default); a bad value raises the settings' ``ValidationError``."""
+    the settings' default); a bad value raises the settings' ``ValidationError``. The
+    command makes an engine for the worker alone, so the worker uses that engine's pool
+    (``own_pool=False``) rather than a copy of it."""
     from qstore.runtime.worker import WorkerSettings
 
     chosen = {name: value for name, value in (("claims_in_flight", args.claims_in_flight),
@@ -80,7 +82,8 @@ def worker_settings(args: argparse.Namespace) -> Any:
     return WorkerSettings(queues=args.queue or None, concurrency=args.concurrency,
                           claim_batch=args.claim_batch, prefetch=args.prefetch, **chosen,
                           poll_interval=args.poll_interval, heartbeat_interval=args.heartbeat_interval,
-                          shutdown_timeout=args.shutdown_timeout, maintain=not args.no_maintain)
+                          shutdown_timeout=args.shutdown_timeout, maintain=not args.no_maintain,
+                          own_pool=False)
 
 
 def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:

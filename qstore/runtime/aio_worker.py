@@ -81,6 +81,7 @@ from qstore.runtime.core import (
 )
 from qstore.runtime.maintainer import Maintainer
 from qstore.runtime.periodic import Planner
+from qstore.runtime.pools import own_pool_async_engine
 from qstore.runtime.tasks import App, JobContext, JobOutcome
 from qstore.runtime.telemetry import fast_counts
 from qstore.runtime.worker import _Pool
@@ -146,7 +147,9 @@ class AsyncWorker:
             raise ValidationError("sync_engine", sync_engine, "expected a synchronous Engine or None")
         self.app = app
         self.storage = app.async_storage
-        self.engine = engine
+        #: the engine the worker's claims and completions go through: ``engine`` on a pool
+        #: of its own (``own_pool``, see :mod:`qstore.runtime.pools`), else ``engine`` itself
+        self.engine = own_pool_async_engine(engine) if self.settings.own_pool else engine
         self.instance_id = uuid.uuid4()
         self._given_sync_engine = sync_engine
         self.sync_engine: Engine | None = sync_engine
@@ -166,7 +169,7 @@ class AsyncWorker:
                                 self.settings.claim_ahead or 0)
         self._cycles = {q: ClaimCycles(self.core.cycles) for q in self.queues}
         self._busy = {q: asyncio.Event() for q in self.queues}  # set while the queue is busy (and at a stop)
-        self.batcher = AsyncCompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
+        self.batcher = AsyncCompletionBatcher(self.storage, self.engine, max_batch=self.settings.completion_batch,
                                               interval=self.settings.completion_interval, outages=self._outages)
         if app.telemetry.enabled:
             self.batcher.on_completed = self.core.observe_completed
@@ -454,6 +457,8 @@ class AsyncWorker:
         if self._given_sync_engine is None and self.sync_engine is not None:
             self.sync_engine.dispose()
             self.sync_engine = None
+        if self.settings.own_pool:
+            await self.engine.dispose()  # its own pool's idle connections; a restart opens new ones
 
     # -- capacity --------------------------------------------------------------------------------
     async def _reserve(self, most: int) -> int:

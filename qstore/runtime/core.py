@@ -175,6 +175,13 @@ class WorkerSettings:
     attempts back. ``completion_batch`` / ``completion_interval``: the batcher's flush size
     and delay. ``maintain``: run a :class:`Maintainer` (with ``schedule``).
     ``error_backoff``: wait after a failed claim.
+    ``own_pool``: the worker checks its connections out of a pool of its own, made from
+    the engine's (``engine.pool.recreate()``: the same pool class and sizes, connect
+    arguments and pool events; the engine's event listeners see the worker's statements),
+    so that its many short checkouts neither make the application's pool open and close
+    connections nor wait for the application's; the pool is emptied at stop (see
+    :mod:`qstore.runtime.pools`). ``False``: the worker uses the engine's own pool, which
+    then needs room for the worker's connections beside the application's.
     """
 
     queues: Sequence[str] | None = None
@@ -197,6 +204,7 @@ class WorkerSettings:
     maintain: bool = True
     schedule: MaintenanceSchedule | None = None
     error_backoff: float = 1.0
+    own_pool: bool = True
 
     def __post_init__(self) -> None:
         if self.queues is not None:
@@ -225,6 +233,8 @@ class WorkerSettings:
         _number(self.aging_interval, "aging_interval", optional=True)
         if self.schedule is not None and not isinstance(self.schedule, MaintenanceSchedule):
             raise ValidationError("schedule", self.schedule, "expected MaintenanceSchedule or None")
+        if not isinstance(self.own_pool, bool):
+            raise ValidationError("own_pool", self.own_pool, "expected True or False")
         staleness = (self.schedule or MaintenanceSchedule()).heartbeat_staleness
         if self.heartbeat_interval * 2 > staleness:
             raise ValidationError("heartbeat_interval", self.heartbeat_interval,

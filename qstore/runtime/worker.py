@@ -85,6 +85,7 @@ from qstore.runtime.core import (
 )
 from qstore.runtime.maintainer import Maintainer
 from qstore.runtime.periodic import Planner
+from qstore.runtime.pools import own_pool_engine
 from qstore.runtime.tasks import App, JobContext, JobOutcome
 from qstore.runtime.telemetry import fast_counts
 from qstore.storage.listen import Listener
@@ -186,7 +187,9 @@ class Worker:
             raise ValidationError("engine", engine, "the worker needs a synchronous Engine")
         self.app = app
         self.storage = app.storage
-        self.engine = engine
+        #: the engine the worker's connections come from: ``engine`` on a pool of its own
+        #: (``own_pool``, see :mod:`qstore.runtime.pools`), else ``engine`` itself
+        self.engine = own_pool_engine(engine) if self.settings.own_pool else engine
         self.instance_id = uuid.uuid4()
 
         self._lock = threading.Lock()
@@ -212,17 +215,17 @@ class Worker:
                                 self.settings.claim_ahead or 0)
         self._cycles = {q: ClaimCycles(self.core.cycles) for q in self.queues}
         self._busy = {q: threading.Event() for q in self.queues}  # set while the queue is busy (and at a stop)
-        self.batcher = CompletionBatcher(self.storage, engine, max_batch=self.settings.completion_batch,
+        self.batcher = CompletionBatcher(self.storage, self.engine, max_batch=self.settings.completion_batch,
                                          interval=self.settings.completion_interval, outages=self._outages)
         if app.telemetry.enabled:
             self.batcher.on_completed = self.core.observe_completed
         self._unwatch: Callable[[], None] | None = None
         self.maintainer: Maintainer | None = (
-            Maintainer(self.storage, engine, self.settings.schedule, outages=self._outages)
+            Maintainer(self.storage, self.engine, self.settings.schedule, outages=self._outages)
             if self.settings.maintain else None)
         # the app's periodic tasks: their ticks are enqueued by one worker at a time
         self.planner: Planner | None = (
-            Planner(self.storage, engine, list(app.periodic_tasks.values()), outages=self._outages)
+            Planner(self.storage, self.engine, list(app.periodic_tasks.values()), outages=self._outages)
             if app.periodic_tasks else None)
         self._pool: _Pool | None = None
         self._loop: _EventLoop | None = None
@@ -503,6 +506,8 @@ class Worker:
             self._pool = None
         if self.batcher._thread is not None:
             self.batcher.stop(timeout=1.0)
+        if self.settings.own_pool:
+            self.engine.pool.dispose()  # its idle connections; a restart opens new ones
 
     # -- capacity --------------------------------------------------------------------------------
     def _capacity_notify(self) -> None:

@@ -1,0 +1,242 @@
+"""A worker's connections come from a pool of its own (``WorkerSettings.own_pool``): made
+from the application's engine, with its connect arguments, pool events and engine events,
+emptied at stop; with ``own_pool=False`` the worker uses the application's pool. Both
+workers (threads and asyncio), and the ``qstore worker`` command, which makes an engine
+for the worker alone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from qstore import InsertOpts, InsertParams
+from qstore.cli.worker import worker_settings
+from qstore.errors import ValidationError
+from qstore.runtime.pools import own_pool_engine
+from qstore.tasks import App, JobContext
+from qstore.worker import AsyncWorker, Worker, WorkerSettings
+
+JOBS = 20
+
+
+def settings(**given: Any) -> WorkerSettings:
+    given.setdefault("maintain", False)
+    given.setdefault("concurrency", 4)
+    given.setdefault("poll_interval", 0.2)
+    return WorkerSettings(**given)
+
+
+def counted_app(st: Any) -> tuple[App, list[int]]:
+    """An app whose one task notes each job's ``n``."""
+    app = App(st)
+    done: list[int] = []
+
+    @app.task(kind="note", queue="pool")
+    def note(ctx: JobContext, n: int) -> None:
+        done.append(n)
+
+    return app, done
+
+
+def enqueue_jobs(st: Any, engine: Engine) -> None:
+    st.enqueue_many(engine, [InsertParams("note", {"n": i}, InsertOpts(queue="pool")) for i in range(JOBS)])
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def app_engine(db_url: str) -> Iterator[Engine]:
+    """The application's engine: SQLAlchemy's default pool, and an ``application_name``
+    of its own in the connect arguments (so its backends can be told from the others)."""
+    e = create_engine(db_url, connect_args={"application_name": f"qstore-app-{uuid.uuid4().hex[:8]}"})
+    yield e
+    e.dispose()
+
+
+def checkouts_of(pool: Any) -> list[int]:
+    """Count the checkouts of ``pool`` from now on (a listener of that pool alone: a pool
+    made from it later does not copy it)."""
+    seen = [0]
+    event.listen(pool, "checkout", lambda *a: seen.__setitem__(0, seen[0] + 1))
+    return seen
+
+
+def backends_named(engine: Engine, name: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :n"),
+                                {"n": name}).scalar_one())
+
+
+# -- the thread worker ---------------------------------------------------------------------------
+def test_a_worker_takes_no_connection_from_the_applications_pool(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app, done = counted_app(st)
+    enqueue_jobs(st, app_engine)
+    w = Worker(app, app_engine, settings())
+    app_checkouts = checkouts_of(app_engine.pool)
+    w.start()
+    try:
+        wait_for(lambda: len(done) == JOBS and w.stats.completed == JOBS)
+    finally:
+        w.stop(5)
+    assert w.engine.pool is not app_engine.pool
+    assert app_checkouts[0] == 0
+
+
+def test_the_workers_pool_connects_with_the_applications_connect_arguments(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    with w_started(app, app_engine) as w:
+        with w.engine.connect() as conn:
+            got = conn.execute(text("SELECT current_setting('application_name')")).scalar_one()
+        with app_engine.connect() as conn:
+            own = conn.execute(text("SELECT current_setting('application_name')")).scalar_one()
+    assert got == own and got.startswith("qstore-app-")
+
+
+def test_the_applications_pool_and_engine_listeners_see_the_workers_connections_and_statements(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    enqueue_jobs(st, app_engine)
+    connects: list[object] = []
+    statements: list[str] = []
+    event.listen(app_engine, "connect", lambda dbapi, rec: connects.append(dbapi))
+    event.listen(app_engine, "before_cursor_execute", lambda c, cur, sql, *a: statements.append(sql))
+    with w_started(app, app_engine) as w:
+        wait_for(lambda: w.stats.completed == JOBS)
+    assert connects, "the pool events of the application's engine run for the worker's connections"
+    assert any("claim_ready" in s or "complete_and_claim" in s or "claim_runtime" in s for s in statements), statements[:5]
+
+
+def test_a_stopped_worker_leaves_no_connection_of_its_pool_open(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    enqueue_jobs(st, app_engine)
+    name = _application_name(app_engine)
+    with w_started(app, app_engine) as w:
+        wait_for(lambda: w.stats.completed == JOBS)
+        assert w.engine.pool.checkedin() + w.engine.pool.checkedout() > 0
+    assert w.engine.pool.checkedin() == 0
+    app_engine.dispose()  # (the application's own idle connections, from the enqueue)
+    observer = create_engine(app_engine.url)
+    try:
+        wait_for(lambda: backends_named(observer, name) == 0, timeout=5.0)
+    finally:
+        observer.dispose()
+
+
+def test_a_restarted_worker_opens_its_pool_again(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app, done = counted_app(st)
+    w = Worker(app, app_engine, settings())
+    for round_ in range(2):
+        enqueue_jobs(st, app_engine)
+        w.start()
+        try:
+            wait_for(lambda r=round_: w.stats.completed == JOBS * (r + 1))
+        finally:
+            w.stop(5)
+    assert sorted(done) == sorted(list(range(JOBS)) * 2)
+
+
+def test_own_pool_false_runs_the_worker_on_the_applications_pool(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    enqueue_jobs(st, app_engine)
+    app_checkouts = checkouts_of(app_engine.pool)
+    with w_started(app, app_engine, own_pool=False) as w:
+        wait_for(lambda: w.stats.completed == JOBS)
+        assert w.engine is app_engine
+    assert app_checkouts[0] > 0
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_own_pool_must_be_true_or_false(bad: object) -> None:
+    with pytest.raises(ValidationError, match="own_pool"):
+        WorkerSettings(own_pool=bad)  # type: ignore[arg-type]
+
+
+def test_the_worker_command_runs_its_worker_on_the_engine_it_makes_for_it() -> None:
+    args = argparse.Namespace(queue=None, concurrency=4, claim_batch=8, prefetch=None, claims_in_flight=None,
+                              claim_ahead=None, poll_interval=1.0, heartbeat_interval=30.0,
+                              shutdown_timeout=5.0, no_maintain=False)
+    assert worker_settings(args).own_pool is False
+
+
+def test_an_engine_on_a_pool_of_its_own_is_disposed_without_touching_the_applications(app_engine) -> None:
+    with app_engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+    own = own_pool_engine(app_engine)
+    with own.connect() as conn:
+        conn.execute(text("SELECT 1"))
+    own.dispose()
+    assert own.pool is not app_engine.pool
+    assert app_engine.pool.checkedin() == 1
+
+
+# -- the asyncio worker --------------------------------------------------------------------------
+def test_an_async_worker_takes_no_connection_from_the_applications_async_pool(st, engine, db_url) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    enqueue_jobs(st, engine)
+
+    async def body() -> tuple[int, bool]:
+        aengine = create_async_engine(db_url)
+        try:
+            w = AsyncWorker(app, aengine, settings(), sync_engine=engine)
+            seen = checkouts_of(aengine.sync_engine.pool)  # (after the worker made its pool)
+            async with w:
+                while w.stats.completed < JOBS:
+                    await asyncio.sleep(0.01)
+                separate = w.engine.sync_engine.pool is not aengine.sync_engine.pool
+            return seen[0], separate and w.engine.sync_engine.pool.checkedin() == 0
+        finally:
+            await aengine.dispose()
+
+    checkouts, separate_and_emptied = asyncio.run(asyncio.wait_for(body(), 20))
+    assert checkouts == 0
+    assert separate_and_emptied
+
+
+def test_an_async_worker_with_own_pool_false_uses_the_applications_async_pool(st, engine, db_url) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    enqueue_jobs(st, engine)
+
+    async def body() -> int:
+        aengine = create_async_engine(db_url)
+        try:
+            w = AsyncWorker(app, aengine, settings(own_pool=False), sync_engine=engine)
+            seen = checkouts_of(aengine.sync_engine.pool)
+            async with w:
+                while w.stats.completed < JOBS:
+                    await asyncio.sleep(0.01)
+                assert w.engine is aengine
+            return seen[0]
+        finally:
+            await aengine.dispose()
+
+    assert asyncio.run(asyncio.wait_for(body(), 20)) > 0
+
+
+# -- helpers -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def w_started(app: App, engine: Engine, **given: Any) -> Iterator[Worker]:
+    """A worker of ``app`` on ``engine`` with ``settings(**given)``, started for the block."""
+    worker = Worker(app, engine, settings(**given))
+    worker.start()
+    try:
+        yield worker
+    finally:
+        worker.stop(5)
+
+
+def _application_name(engine: Engine) -> str:
+    with engine.connect() as conn:
+        return str(conn.execute(text("SELECT current_setting('application_name')")).scalar_one())

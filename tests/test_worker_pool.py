@@ -6,7 +6,6 @@ for the worker alone."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import time
@@ -19,6 +18,7 @@ from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from qstore import InsertOpts, InsertParams
+from qstore.cli import build_parser
 from qstore.cli.worker import worker_settings
 from qstore.errors import ValidationError
 from qstore.runtime.pools import own_pool_engine
@@ -165,9 +165,7 @@ def test_own_pool_must_be_true_or_false(bad: object) -> None:
 
 
 def test_the_worker_command_runs_its_worker_on_the_engine_it_makes_for_it() -> None:
-    args = argparse.Namespace(queue=None, concurrency=4, claim_batch=8, prefetch=None, claims_in_flight=None,
-                              claim_ahead=None, poll_interval=1.0, heartbeat_interval=30.0,
-                              shutdown_timeout=5.0, no_maintain=False)
+    args = build_parser().parse_args(["worker", "some.module:app"])
     assert worker_settings(args).own_pool is False
 
 

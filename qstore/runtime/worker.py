@@ -89,11 +89,17 @@ from qstore.runtime.pools import own_pool_engine
 from qstore.runtime.tasks import App, JobContext, JobOutcome
 from qstore.runtime.telemetry import fast_counts
 from qstore.storage.listen import Listener
+from qstore.storage.targets import keeping_engine, release_kept
 from qstore.types import ClaimedRuntimeJob
 
 __all__ = ["Worker", "WorkerSettings", "WorkerStats"]
 
 log = logging.getLogger("qstore.worker")
+
+#: How long (seconds) a claim cycle waiting for a notification keeps its connection: a
+#: queue that gets jobs at least this often claims on one connection, without a pool
+#: checkout and check-in per claim; a quieter one hands it back to the pool while it waits.
+KEEP_IDLE = 0.1
 
 
 
@@ -514,16 +520,28 @@ class Worker:
         with self._capacity:
             self._capacity.notify_all()
 
-    def _reserve(self, most: int) -> int:
+    def _reserve(self, most: int, long_wait: Callable[[], None] | None = None) -> int:
         """Take up to ``most`` free places; 0 when claiming has stopped (see
-        :meth:`Capacity.take` for how long it waits)."""
+        :meth:`Capacity.take` for how long it waits). ``long_wait`` is called once if no
+        place has come free for :data:`KEEP_IDLE` seconds."""
         with self._capacity:
             free_since: float | None = None
+            waiting_since: float | None = None
             while self._claiming.is_set():
-                n, wait, free_since = self._places.take(most, free_since, time.monotonic())
+                now = time.monotonic()
+                n, wait, free_since = self._places.take(most, free_since, now)
                 if n:
                     return n
-                self._capacity.wait(0.5 if wait is None else wait)
+                wait = 0.5 if wait is None else wait
+                if long_wait is not None:
+                    if waiting_since is None:
+                        waiting_since = now
+                    elif now - waiting_since >= KEEP_IDLE:
+                        long_wait()
+                        long_wait = None
+                    if long_wait is not None:
+                        wait = min(wait, KEEP_IDLE)
+                self._capacity.wait(wait)
             return 0
 
     def _release(self, n: int) -> None:
@@ -554,13 +572,14 @@ class Worker:
                 self._capacity.notify_all()
 
     # -- claiming --------------------------------------------------------------------------------
-    def _claim(self, queue: str, n: int) -> list[ClaimedRuntimeJob]:
-        """Claim up to ``n`` attempts of ``queue``, taking the completions waiting in the
-        batcher along (one ``complete_and_claim`` round trip) when there are any."""
+    def _claim(self, queue: str, n: int, engine: Engine) -> list[ClaimedRuntimeJob]:
+        """Claim up to ``n`` attempts of ``queue`` on ``engine`` (the cycle's
+        :func:`keeping_engine`), taking the completions waiting in the batcher along (one
+        ``complete_and_claim`` round trip) when there are any."""
         lent = self.batcher.lend() if self.core.claims_complete else []
         call = self.core.claim_call(queue, n, self.instance_id, [c.claimed for c in lent])
         try:
-            result = getattr(self.storage, call.op)(self.engine, *call.args)
+            result = getattr(self.storage, call.op)(engine, *call.args)
         except BaseException as err:
             return self.core.claim_raised(self.batcher, lent, err)
         return self.core.claim_returned(self.batcher, lent, result)
@@ -575,23 +594,39 @@ class Worker:
 
     def _dispatch_loop(self, queue: str, index: int = 0) -> None:
         """Claim cycle ``index`` of ``queue`` (0: the lead; see :class:`ClaimCycles`)."""
+        storage, engine = self.storage, self.engine
+        # This cycle's claims run on a connection it keeps while it claims often, and hands
+        # back before any longer wait (see KEEP_IDLE).
+        claims_on = keeping_engine(engine)
+        give_back = functools.partial(release_kept, claims_on)
+
+        def context(j: ClaimedRuntimeJob) -> JobContext:
+            return JobContext(j, storage, engine)  # (handlers run elsewhere: never claims_on)
+
+        try:
+            self._claim_cycle(queue, index, claims_on, give_back, context)
+        finally:
+            give_back()
+            self.batcher.expect_claims(ClaimCycles.name(queue, index), False)
+
+    def _claim_cycle(self, queue: str, index: int, claims_on: Engine, give_back: Callable[[], None],
+                     context: Callable[[ClaimedRuntimeJob], JobContext]) -> None:
+        """The loop of :meth:`_dispatch_loop`: claims of cycle ``index`` of ``queue`` on
+        ``claims_on`` until claiming stops; ``give_back`` hands the kept connection back."""
         wake, busy = self._wakes[queue], self._busy[queue]
         cycles = self._cycles[queue]
         who = ClaimCycles.name(queue, index)
         lead = index == 0
         s = self.settings
         what = f"claims on queue {queue!r}"
-        storage, engine = self.storage, self.engine
-
-        def context(j: ClaimedRuntimeJob) -> JobContext:
-            return JobContext(j, storage, engine)
-
         while self._claiming.is_set():
             if not lead:
+                if not busy.is_set():
+                    give_back()
                 busy.wait()  # set while the queue is busy, and by a stop
                 if not self._claiming.is_set():
                     break
-            want = self._reserve(s.claim_batch)
+            want = self._reserve(s.claim_batch, give_back)
             if want == 0:
                 break
             if not lead:
@@ -604,7 +639,7 @@ class Worker:
                 wake.clear()
             sent = time.monotonic()
             try:
-                jobs = self._claim(queue, want)
+                jobs = self._claim(queue, want, claims_on)
             except Exception as err:
                 self.batcher.expect_claims(who, False)
                 self._release(want)
@@ -617,6 +652,7 @@ class Worker:
                     break
                 self._outages.failed(what, err, s.error_backoff)
                 if lead:
+                    give_back()
                     wake.wait(s.error_backoff)  # a stop sets it
                 continue  # (the other cycles wait for the lead's next full claim)
             self._outages.ok(what)
@@ -633,8 +669,12 @@ class Worker:
                 # come back empty (a round trip and a claim's server time for nothing); wait
                 # for a notification instead, which a claim in flight does not lose. After a
                 # partial claim the rest may sit in lanes another claimer held: look again soon.
-                wake.wait(s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK))
-        self.batcher.expect_claims(who, False)
+                timeout = s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK)
+                if timeout <= KEEP_IDLE:
+                    wake.wait(timeout)
+                elif not wake.wait(KEEP_IDLE):  # quiet for a while: the connection goes back
+                    give_back()
+                    wake.wait(timeout - KEEP_IDLE)
 
     def _launch(self, attempts: list[Attempt]) -> None:
         """Hand claimed attempts to their handlers: sync ones to the thread pool, async

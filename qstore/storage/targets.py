@@ -74,7 +74,8 @@ Hot statements (claim, fast completion, enqueue) go through a :class:`Runner`: o
 synchronous psycopg connection it sends a :class:`~qstore.storage.statements.HotStatement` on the
 driver cursor directly, skipping SQLAlchemy's per-execute work; with an ``Engine`` it also
 skips the ``Connection`` and its isolation-level round about (a pooled driver connection in
-autocommit mode for the one statement). Where someone listens to SQLAlchemy's cursor events
+autocommit mode for the one statement, or for as long as a thread keeps it: see
+:func:`keeping_engine`). Where someone listens to SQLAlchemy's cursor events
 (tracing, statement logging) or the driver is async, the same statement goes through
 ``Connection.execute`` instead, so those listeners see every statement.
 
@@ -94,6 +95,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeAlias, TypeVar
@@ -102,6 +104,7 @@ import psycopg
 from psycopg.types.json import set_json_loads
 from sqlalchemy import Connection, Engine, Table, func, select, text
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.orm import Session
 
 from qstore.errors import CallerTransactionRefusedError, ValidationError
@@ -114,10 +117,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLOCKED",
+    "KEEP_LIMIT",
     "LOCK_TIMEOUT",
     "OWNED",
     "AsyncTarget",
     "Blocked",
+    "KeptConnection",
     "Policy",
     "Runner",
     "Target",
@@ -126,8 +131,10 @@ __all__ = [
     "hold",
     "holding",
     "is_lock_failure",
+    "keeping_engine",
     "reads_committed_state",
     "refuse_callers_transaction",
+    "release_kept",
     "run",
     "statement_on_engine",
     "sync_target",
@@ -369,8 +376,20 @@ def statement_on_engine(engine: Engine, body: Callable[..., R], lead: Any,
                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
     """``body(lead, runner, *args, **kwargs)`` as one autocommitted statement on ``engine``:
     the ``STATEMENT`` policy on an ``Engine``, exactly as :func:`run` applies it (a pooled
-    connection, checked out for the call alone), in the fewest Python frames, since every
-    enqueue, claim and fast completion on an ``Engine`` comes through here."""
+    connection, checked out for the call alone, or the kept one of a :func:`keeping_engine`),
+    in the fewest Python frames, since every enqueue, claim and fast completion on an
+    ``Engine`` comes through here."""
+    kept: KeptConnection | None = engine.__dict__.get(_KEPT)
+    if kept is not None:
+        got = kept.take()
+        if got is not None:
+            try:
+                return body(lead, got[2], *args, **kwargs)
+            except BaseException as err:
+                kept.settle(err)
+                raise
+        with _own_statement(engine) as conn:
+            return body(lead, Runner.on(conn), *args, **kwargs)
     got = _hot_checkout(engine)
     if got is None:
         with _own_statement(engine) as conn:
@@ -392,19 +411,22 @@ class _HotOnEngine:
     A class rather than a generator context manager: a generator's set-up and tear-down
     cost more client time than the few lines they wrap."""
 
-    __slots__ = ("_engine", "_fallback", "_raw")
+    __slots__ = ("_engine", "_fallback", "_kept", "_raw")
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._raw: Any = None
         self._fallback: Any = None
+        self._kept: KeptConnection | None = engine.__dict__.get(_KEPT)
 
     def __enter__(self) -> Runner:
-        got = _hot_checkout(self._engine)
+        kept = self._kept
+        got = _hot_checkout(self._engine) if kept is None else kept.take()
         if got is not None:
             self._raw, _, runner = got
             return runner
         # someone listens to cursor events, or the driver is not psycopg's sync one
+        self._kept = None
         self._fallback = _own_statement(self._engine)
         return Runner.on(self._fallback.__enter__())
 
@@ -412,8 +434,93 @@ class _HotOnEngine:
         if self._fallback is not None:
             self._fallback.__exit__(kind, err, tb)
             return
+        if self._kept is not None:
+            self._kept.settle(err)
+            return
         raw = self._raw
         _release(raw, raw.driver_connection, err)
+
+
+_KEPT = "qstore_kept_connection"  # key of a keeping engine's KeptConnection in its __dict__
+
+#: How long (seconds) a kept connection serves before it goes back to the pool and the next
+#: statement checks out a fresh one (so the pool's recycling and pre-ping still apply to it).
+KEEP_LIMIT = 30.0
+
+
+class KeptConnection:
+    """The connection of a :func:`keeping_engine`: one pooled driver connection in autocommit
+    mode, checked out at its first hot statement and kept for the next ones, so a thread
+    that sends hot statements one after the other pays the pool's checkout and check-in
+    and the switches in and out of autocommit once, not per statement.
+
+    Each statement still commits on its own (autocommit), as on any ``Engine``. The
+    connection goes back to the pool on :meth:`release`, after an error (a disconnect
+    invalidates it, as SQLAlchemy does), when someone starts listening to cursor events
+    (the statements then go through a ``Connection``), and once it has served
+    :data:`KEEP_LIMIT` seconds. Not thread-safe: one thread uses it."""
+
+    __slots__ = ("_engine", "_got", "_since")
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._got: tuple[Any, Any, Runner] | None = None
+        self._since = 0.0
+
+    @property
+    def held(self) -> bool:
+        """True while a connection is checked out for the next statement."""
+        return self._got is not None
+
+    def take(self) -> tuple[Any, Any, Runner] | None:
+        """The kept ``(pool connection, driver connection, runner)``, checked out now if none
+        is kept; None when statements must go through a ``Connection`` (cursor listeners,
+        a driver other than psycopg's sync one)."""
+        got = self._got
+        if got is not None:
+            if not _listened(self._engine.dispatch) and time.monotonic() - self._since < KEEP_LIMIT:
+                return got
+            self.release()
+        got = _hot_checkout(self._engine)
+        if got is not None:
+            self._got, self._since = got, time.monotonic()
+        return got
+
+    def settle(self, err: BaseException | None) -> None:
+        """After a statement on the kept connection: keep it when the statement succeeded;
+        after an error hand it back (invalidated after a disconnect), so the next statement
+        starts on a connection in a known state."""
+        if err is not None and self._got is not None:
+            raw, driver, _ = self._got
+            self._got = None
+            _release(raw, driver, err)
+
+    def release(self) -> None:
+        """Hand the kept connection back to the pool (out of autocommit mode), if one is
+        kept; the next statement checks one out again."""
+        got, self._got = self._got, None
+        if got is not None:
+            _release(got[0], got[1])
+
+
+def keeping_engine(engine: Engine) -> Engine:
+    """``engine`` for one thread that sends hot statements (claims, fast completions,
+    enqueues) one after the other: they run on a :class:`KeptConnection` instead of a
+    connection checked out per statement, with the same transactions (each one
+    autocommitted). Every other operation on it checks connections out of ``engine``'s pool
+    as on ``engine`` itself. Hand the kept connection back with :func:`release_kept` before
+    the thread waits for long and when it is done."""
+    keeping = OptionEngine(engine, {})
+    keeping.__dict__[_KEPT] = KeptConnection(keeping)
+    return keeping
+
+
+def release_kept(engine: Engine) -> None:
+    """Hand back the kept connection of a :func:`keeping_engine` (nothing for another
+    engine, or when none is kept)."""
+    kept: KeptConnection | None = engine.__dict__.get(_KEPT)
+    if kept is not None:
+        kept.release()
 
 
 #: ``lock_timeout`` of a guarded step (every ``ACCESS EXCLUSIVE`` request of prune and

@@ -1,0 +1,280 @@
+"""A thread that sends hot statements one after the other can keep one pooled connection for
+them (``keeping_engine``): one checkout for many statements, each still committed on its own;
+the connection goes back to the pool on ``release_kept``, after an error (replaced after a
+disconnect), when someone starts listening to cursor events, and after ``KEEP_LIMIT``. A
+worker's claim cycles keep theirs while jobs come often and hand it back when the queue goes
+quiet."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, event, text
+
+from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
+from qstore.storage import targets
+from qstore.storage.targets import keeping_engine, release_kept
+from qstore.tasks import App, JobContext
+from qstore.worker import Worker, WorkerSettings
+
+QUEUE = "kept"
+
+
+@pytest.fixture
+def app_engine(db_url: str) -> Iterator[Engine]:
+    """An engine of the test's own (SQLAlchemy's default pool), so its pool counts are the
+    test's alone."""
+    e = create_engine(db_url)
+    yield e
+    e.dispose()
+
+
+def checkouts_of(pool: Any) -> list[int]:
+    seen = [0]
+    event.listen(pool, "checkout", lambda *a: seen.__setitem__(0, seen[0] + 1))
+    return seen
+
+
+def enqueue(st: QueueStorage, engine: Engine, n: int) -> None:
+    st.enqueue_many(engine, [InsertParams("note", {"n": i}, InsertOpts(queue=QUEUE)) for i in range(n)])
+
+
+def kept_backend(engine: Engine) -> int:
+    kept = engine.__dict__[targets._KEPT]
+    assert kept.held
+    return int(kept._got[1].info.backend_pid)
+
+
+def receipts(engine: Engine, st: QueueStorage) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT count(*) FROM {st.config.schema}.lease_claims")).scalar_one())
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.01)
+
+
+# -- keeping_engine ------------------------------------------------------------------------------
+def test_hot_statements_on_a_keeping_engine_take_one_checkout(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    enqueue(st, app_engine, 5)
+    keeping = keeping_engine(app_engine)
+    seen = checkouts_of(app_engine.pool)
+    claimed = [st.claim_runtime_batch(keeping, QUEUE, 1) for _ in range(5)]
+    done = st.complete_runtime_batch(keeping, [c for batch in claimed for c in batch])
+    release_kept(keeping)
+    assert [len(batch) for batch in claimed] == [1] * 5 and len(done) == 5
+    assert seen[0] == 1
+
+
+def test_the_same_statements_on_the_engine_check_out_per_statement(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    enqueue(st, app_engine, 3)
+    seen = checkouts_of(app_engine.pool)
+    for _ in range(3):
+        st.claim_runtime_batch(app_engine, QUEUE, 1)
+    assert seen[0] == 3
+
+
+def test_each_statement_on_a_kept_connection_commits_on_its_own(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    enqueue(st, app_engine, 2)
+    keeping = keeping_engine(app_engine)
+    try:
+        st.claim_runtime_batch(keeping, QUEUE, 1)
+        assert receipts(app_engine, st) == 1  # seen by another connection while still kept
+        st.claim_runtime_batch(keeping, QUEUE, 1)
+        assert receipts(app_engine, st) == 2
+        driver = keeping.__dict__[targets._KEPT]._got[1]
+        assert driver.autocommit and driver.info.transaction_status == 0  # idle, no transaction
+    finally:
+        release_kept(keeping)
+
+
+def test_release_kept_hands_the_connection_back_out_of_autocommit(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    enqueue(st, app_engine, 1)
+    keeping = keeping_engine(app_engine)
+    st.claim_runtime_batch(keeping, QUEUE, 1)
+    pid = kept_backend(keeping)
+    assert app_engine.pool.checkedout() == 1
+    release_kept(keeping)
+    assert app_engine.pool.checkedout() == 0
+    raw = app_engine.raw_connection()
+    try:
+        assert raw.driver_connection.info.backend_pid == pid
+        assert raw.driver_connection.autocommit is False
+    finally:
+        raw.close()
+
+
+def test_other_operations_on_a_keeping_engine_use_the_pool_as_on_the_engine(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    enqueue(st, app_engine, 3)
+    keeping = keeping_engine(app_engine)
+    try:
+        st.claim_runtime_batch(keeping, QUEUE, 1)
+        counts = st.queue_counts(keeping, QUEUE)  # a snapshot read: a transaction of its own
+        assert counts.available == 2
+        st.set_queue_options(keeping, QUEUE, paused=True)  # a transaction of its own, committed
+        assert st.claim_runtime_batch(app_engine, QUEUE, 1) == []
+        assert app_engine.pool.checkedout() == 1  # the kept connection alone
+    finally:
+        release_kept(keeping)
+
+
+def test_a_kept_connection_that_was_cut_is_replaced_after_one_error(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    enqueue(st, app_engine, 2)
+    keeping = keeping_engine(app_engine)
+    try:
+        st.claim_runtime_batch(keeping, QUEUE, 1)
+        pid = kept_backend(keeping)
+        with app_engine.connect() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        time.sleep(0.1)
+        with pytest.raises(Exception):  # noqa: B017 - the driver's disconnect, whatever it is mapped to
+            st.claim_runtime_batch(keeping, QUEUE, 1)
+        assert not keeping.__dict__[targets._KEPT].held
+        assert [c.job.args["n"] for c in st.claim_runtime_batch(keeping, QUEUE, 1)] == [1]
+        assert kept_backend(keeping) != pid
+    finally:
+        release_kept(keeping)
+    assert app_engine.pool.checkedout() == 0
+
+
+def test_a_statement_error_hands_the_kept_connection_back(st, app_engine, db_url) -> None:  # type: ignore[no-untyped-def]
+    enqueue(st, app_engine, 1)
+    keeping = keeping_engine(app_engine)
+    st.claim_runtime_batch(keeping, QUEUE, 1)
+    missing = QueueStorage(QueueStorageConfig(schema="kept_not_installed"))
+    with pytest.raises(Exception):  # noqa: B017 - the schema-gone error, whatever its type
+        missing.claim_runtime_batch(keeping, QUEUE, 1)
+    assert not keeping.__dict__[targets._KEPT].held
+    assert app_engine.pool.checkedout() == 0
+
+
+def test_a_cursor_listener_added_later_sees_the_statements_and_the_connection_goes_back(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    enqueue(st, app_engine, 2)
+    keeping = keeping_engine(app_engine)
+    st.claim_runtime_batch(keeping, QUEUE, 1)
+    statements: list[str] = []
+    event.listen(app_engine, "before_cursor_execute", lambda c, cur, sql, *a: statements.append(sql))
+    assert len(st.claim_runtime_batch(keeping, QUEUE, 1)) == 1
+    assert any("claim_ready" in s for s in statements)
+    assert not keeping.__dict__[targets._KEPT].held
+    assert app_engine.pool.checkedout() == 0
+
+
+def test_a_kept_connection_goes_back_after_its_keep_limit(st, app_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    enqueue(st, app_engine, 3)
+    monkeypatch.setattr(targets, "KEEP_LIMIT", 0.0)
+    keeping = keeping_engine(app_engine)
+    seen = checkouts_of(app_engine.pool)
+    for _ in range(3):
+        st.claim_runtime_batch(keeping, QUEUE, 1)
+    release_kept(keeping)
+    assert seen[0] == 3
+
+
+def test_release_kept_of_another_engine_does_nothing(app_engine) -> None:
+    with app_engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+    release_kept(app_engine)
+    release_kept(keeping_engine(app_engine))  # nothing kept yet
+    assert app_engine.pool.checkedout() == 0
+
+
+# -- the worker's claim cycles -------------------------------------------------------------------
+def note_app(st: QueueStorage) -> tuple[App, list[int]]:
+    app = App(st)
+    done: list[int] = []
+
+    @app.task(kind="note", queue=QUEUE)
+    def note(ctx: JobContext, n: int) -> None:
+        done.append(n)
+
+    return app, done
+
+
+def worker_settings(**given: Any) -> WorkerSettings:
+    given.setdefault("maintain", False)
+    given.setdefault("concurrency", 4)
+    given.setdefault("poll_interval", 1.0)
+    return WorkerSettings(queues=[QUEUE], **given)
+
+
+def claim_checkouts_of(pool: Any) -> list[int]:
+    """Count the checkouts of ``pool`` made by a worker's claim cycles from now on."""
+    seen = [0]
+
+    def checkout(*_: Any) -> None:
+        if threading.current_thread().name.startswith("qstore-claim"):
+            seen[0] += 1
+
+    event.listen(pool, "checkout", checkout)
+    return seen
+
+
+def test_a_worker_claims_a_steady_trickle_on_a_kept_connection(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app, done = note_app(st)
+    w = Worker(app, app_engine, worker_settings())
+    seen = claim_checkouts_of(w.engine.pool)
+    w.start()
+    try:
+        time.sleep(0.2)
+        before = (seen[0], w.stats.claim_calls)
+        for i in range(40):  # one job every 20 ms, well within KEEP_IDLE
+            st.enqueue(app_engine, InsertParams("note", {"n": i}, InsertOpts(queue=QUEUE)))
+            time.sleep(0.02)
+        wait_for(lambda: len(done) == 40 and w.stats.completed == 40)
+        checkouts, claims = seen[0] - before[0], w.stats.claim_calls - before[1]
+    finally:
+        w.stop(5)
+    assert claims >= 20
+    assert checkouts <= 2, (checkouts, claims)  # a checkout per claim without the kept connection
+
+
+def test_a_worker_claims_a_slow_trickle_on_connections_checked_out_per_claim(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app, done = note_app(st)
+    w = Worker(app, app_engine, worker_settings())
+    seen = claim_checkouts_of(w.engine.pool)
+    w.start()
+    try:
+        time.sleep(0.2)
+        before = (seen[0], w.stats.claim_calls)
+        for i in range(4):  # one job every 250 ms: the cycle waits beyond KEEP_IDLE in between
+            st.enqueue(app_engine, InsertParams("note", {"n": i}, InsertOpts(queue=QUEUE)))
+            time.sleep(0.25)
+        wait_for(lambda: len(done) == 4)
+        checkouts, claims = seen[0] - before[0], w.stats.claim_calls - before[1]
+    finally:
+        w.stop(5)
+    assert claims >= 4 and checkouts >= 4, (checkouts, claims)
+
+
+def test_an_idle_worker_hands_its_claim_connections_back(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app, done = note_app(st)
+    w = Worker(app, app_engine, worker_settings(claims_in_flight=2))
+    enqueue(st, app_engine, 200)  # full claims: both cycles claim
+    w.start()
+    try:
+        wait_for(lambda: len(done) == 200 and w.stats.completed == 200)
+        wait_for(lambda: w.engine.pool.checkedout() == 0, timeout=3.0)
+    finally:
+        w.stop(5)
+
+
+def test_a_stopped_worker_has_handed_its_claim_connections_back(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app, done = note_app(st)
+    w = Worker(app, app_engine, worker_settings(own_pool=False, poll_interval=0.05))
+    w.start()
+    try:
+        for i in range(5):
+            st.enqueue(app_engine, InsertParams("note", {"n": i}, InsertOpts(queue=QUEUE)))
+        wait_for(lambda: len(done) == 5)
+    finally:
+        w.stop(5)
+    assert app_engine.pool.checkedout() == 0
+    assert not any(t.name.startswith("qstore-claim") for t in threading.enumerate())

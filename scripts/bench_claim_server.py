@@ -17,7 +17,10 @@ between rounds); the table holds medians over the rounds:
 
 qstore runs twice: with the default eight lanes per priority and with one lane
 (``enqueue_shards=1``), since a claim reads the enqueue and claim sequences of every lane of
-its queue to find the lanes with work.
+its queue to find the lanes with work. ``--also-claim-of REVISION`` (e.g. ``0010``) runs both
+once more with the ``claim_ready`` text that revision installed (from its frozen folder), in
+the same alternating rounds, so a change of the claim is measured against the text it
+replaces.
 
 ``python scripts/bench_claim_server.py --rounds 5 --jobs 1000``
 """
@@ -28,6 +31,7 @@ import argparse
 import os
 import statistics
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,8 @@ from _benchlib import ensure_database, make_engine
 from classic_psycopg import ClassicPsycopg, libpq_url
 
 from qstore.config import QueueStorageConfig
+from qstore.migrations import frozen
+from qstore.migrations.frozen import r0010
 from qstore.storage import QueueStorage
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/qstore_bench"
@@ -116,10 +122,14 @@ class System:
 
 
 class Qstore(System):
-    def __init__(self, url: str, schema: str, shards: int | None) -> None:
+    def __init__(self, url: str, schema: str, shards: int | None, claim_of: str | None = None) -> None:
+        """``claim_of``: a revision whose frozen ``claim_ready`` text replaces the head's."""
         self.schema = schema
         self.shards = shards
+        self.claim_of = claim_of
         self.name = f"qstore ({shards or 'default'} lane{'s' if shards != 1 else ''})"
+        if claim_of is not None:
+            self.name += f", {claim_of}"
         self.storage = QueueStorage(QueueStorageConfig(schema=schema))
         self.engine = make_engine(url, 2)
         self.receipts = self.storage.config.lease_claim_receipts
@@ -129,6 +139,8 @@ class Qstore(System):
         self.storage.prepare_schema(self.engine)
         if self.shards is not None:
             self.storage.set_queue_options(self.engine, QUEUE, enqueue_shards=self.shards)
+        if self.claim_of is not None:
+            conn.execute(r0010.render(f"r{self.claim_of}", "claim_ready", self.storage.config).encode())
         conn.execute(sql.SQL(_QSTORE_LOOP).format(
             s=sql.Identifier(self.schema), q=sql.Literal(QUEUE), receipts=sql.Literal(self.receipts)))
 
@@ -191,6 +203,14 @@ def claim_locks(conn: psycopg.Connection[Any], system: System) -> tuple[int, int
     return int(row[0]), int(row[1])
 
 
+def claim_revision(value: str) -> str:
+    """A revision whose frozen folder holds a ``claim_ready`` text (argparse type)."""
+    folder = resources.files(frozen).joinpath(f"r{value}")
+    if not value.isdigit() or not folder.joinpath("claim_ready.sql").is_file():
+        raise argparse.ArgumentTypeError(f"revision {value!r} has no frozen claim_ready text")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     ensure_database(args.url)
     conninfo = libpq_url(args.url)
@@ -199,6 +219,9 @@ def run(args: argparse.Namespace) -> int:
         Qstore(args.url, "bench_claim_qstore", None),
         Qstore(args.url, "bench_claim_qstore1", 1),
     ]
+    if args.also_claim_of:
+        systems += [Qstore(args.url, "bench_claim_qstore_prev", None, args.also_claim_of),
+                    Qstore(args.url, "bench_claim_qstore1_prev", 1, args.also_claim_of)]
     figures: dict[str, dict[str, list[float]]] = {s.name: {"claim": [], "commit": [], "cpu": []} for s in systems}
     locks: dict[str, tuple[int, int]] = {}
     with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -221,20 +244,20 @@ def run(args: argparse.Namespace) -> int:
                         f["cpu"].append((after - before) * 1e6 / args.jobs)
                     if rnd == 0:  # every lane the loop enqueued to exists now
                         locks[s.name] = claim_locks(conn, s)
-                    print(f"... round {rnd + 1}: {s.name:20s} claim {claim_us:6.0f} µs, commit {commit_us:5.0f} µs",
+                    print(f"... round {rnd + 1}: {s.name:30s} claim {claim_us:6.0f} µs, commit {commit_us:5.0f} µs",
                           flush=True)
         finally:
             for s in systems:
                 s.drop(conn)
     print()
-    print(f"{'system':22s} {'claim µs':>9s} {'commit µs':>10s} {'backend CPU µs/loop':>20s} {'locks (fast-path)':>18s}")
+    print(f"{'system':30s} {'claim µs':>9s} {'commit µs':>10s} {'backend CPU µs/loop':>20s} {'locks (fast-path)':>18s}")
     base = statistics.median(figures[systems[0].name]["claim"])
     for s in systems:
         f = figures[s.name]
         claim = statistics.median(f["claim"])
         cpu = f"{statistics.median(f['cpu']):.0f}" if f["cpu"] else ""
         n, fast = locks[s.name]
-        print(f"{s.name:22s} {claim:9.0f} {statistics.median(f['commit']):10.0f} {cpu:>20s} {f'{n} ({fast})':>18s}"
+        print(f"{s.name:30s} {claim:9.0f} {statistics.median(f['commit']):10.0f} {cpu:>20s} {f'{n} ({fast})':>18s}"
               f"   {claim / base:4.1f}x the classic claim")
     return 0
 
@@ -244,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default=DEFAULT_URL)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--jobs", type=int, default=1000, help="claims per system and round")
+    p.add_argument("--also-claim-of", metavar="REVISION", type=claim_revision,
+                   help="also run qstore with the claim_ready text of this revision (one whose frozen "
+                        "folder holds claim_ready.sql, e.g. 0010)")
     return run(p.parse_args(argv))
 
 

@@ -343,3 +343,17 @@ def test_claim_server_bench_claims_one_job_per_loop_in_every_system_and_drops_it
     rows = [line for line in proc.stdout.splitlines() if "the classic claim" in line]
     assert [r.split("  ")[0] for r in rows] == ["classic (psycopg)", "qstore (default lanes)", "qstore (1 lane)"]
     assert schemas_named(fresh_db_url, "nspname LIKE 'bench_claim_%'") == []
+
+
+def test_claim_server_bench_also_runs_the_claim_of_an_earlier_revision(fresh_db_url):
+    proc = run_script("bench_claim_server.py", "--url", fresh_db_url, "--rounds", "1", "--jobs", "20",
+                      "--also-claim-of", "0010")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if "the classic claim" in line]
+    assert [r.split("  ")[0] for r in rows][3:] == ["qstore (default lanes), 0010", "qstore (1 lane), 0010"]
+    assert schemas_named(fresh_db_url, "nspname LIKE 'bench_claim_%'") == []
+
+
+def test_claim_server_bench_refuses_a_revision_without_a_claim_text() -> None:
+    proc = run_script("bench_claim_server.py", "--also-claim-of", "0009")
+    assert proc.returncode == 2 and "revision '0009' has no frozen claim_ready text" in proc.stderr

@@ -545,3 +545,35 @@ def test_a_claim_that_empties_its_lanes_looks_at_no_other_ring_child(engine, sto
         assert len(storage.claim_runtime_batch(conn, "q", 10)) == 4
         assert storage.claim_runtime_batch(conn, "q", 10) == []
         assert ready_children_locked(conn, storage) == ["ready_entries_0"]
+
+
+# -- passes over a lane ----------------------------------------------------------------------
+
+def ready_row_scans(conn, storage) -> int:
+    """Index scans of ready rows this backend has counted and not yet reported (every
+    child): within one transaction, the difference of two readings is what ran between."""
+    return conn.execute(text(
+        "SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_xact_user_tables "
+        "WHERE schemaname = :s AND relname LIKE 'ready\\_entries\\_%'"), {"s": storage.schema()}).scalar_one()
+
+
+@both_receipt_modes("storage")
+def test_a_claim_that_takes_all_its_lane_had_leaves_the_lane_after_one_pass(engine, storage):
+    storage.set_queue_options(engine, "q", enqueue_shards=1)
+    storage.enqueue_many(engine, [job({"n": i}) for i in range(3)])
+    with engine.connect() as conn, conn.begin():
+        before = ready_row_scans(conn, storage)
+        claimed = storage.claim_runtime_batch(conn, "q", 10)
+        # one probe for the lane's first position, one pick of its rows; no probe for a
+        # position after the last one the lane had
+        assert ready_row_scans(conn, storage) - before == 2
+    assert [c.job.args["n"] for c in claimed] == [0, 1, 2]
+
+
+def test_a_claim_goes_on_past_a_tombstoned_row_in_its_lane(engine, storage):
+    storage.set_queue_options(engine, "q", enqueue_shards=1)
+    ids = storage.enqueue_many(engine, [job({"n": i}) for i in range(3)])
+    storage.cancel_job(engine, ids[1])
+    storage.enqueue(engine, job({"n": 3}))
+    claimed = storage.claim_runtime_batch(engine, "q", 3)
+    assert [c.job.args["n"] for c in claimed] == [0, 2, 3]

@@ -407,6 +407,31 @@ def test_downgrade_below_0015_drops_the_single_job_enqueue_only(migrated):
     assert "enqueue_job" not in functions and {"enqueue_jobs", "reserve_lanes"} <= functions
 
 
+#: the revision whose claim leaves a lane once it has taken all the lane had
+LANE_EXIT = "0016"
+
+
+def _claim_ready_text(url: str) -> str:
+    with engine_on(url) as eng, eng.connect() as conn:
+        return str(conn.execute(text(
+            "SELECT pg_get_functiondef(p.oid) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname = 'qstore' AND p.proname = 'claim_ready'")).scalar_one())
+
+
+def test_upgrade_0016_makes_the_claim_leave_a_lane_it_has_emptied(migrated):
+    url = migrated(f"upgrade {SINGLE_ENQUEUE}")
+    assert "v_enq_last" not in _claim_ready_text(url)
+    alembic(url, "upgrade", LANE_EXIT)
+    assert "EXIT WHEN v_rows = v_limit AND v_pos + v_limit > v_enq_last" in _claim_ready_text(url)
+
+
+def test_downgrade_below_0016_restores_the_previous_claim(migrated):
+    url = migrated("upgrade head")
+    alembic(url, "downgrade", SINGLE_ENQUEUE)
+    assert _version(url, "qstore") == SINGLE_ENQUEUE
+    assert "v_enq_last" not in _claim_ready_text(url)
+
+
 # -- check --------------------------------------------------------------------------------
 
 

@@ -3,7 +3,9 @@
 ## Picks lanes of a physical queue by (effective) priority, takes a lane's head row with
 ## SKIP LOCKED, follows the lane's committed chain of claim ranges from its cursor hint,
 ## consumes up to p_max positions of one ready segment, records the claim range and writes
-## receipts (or leases), and returns the claimed jobs.
+## receipts (or leases), and returns the claimed jobs. A lane is left as soon as the claim
+## has taken every position its enqueue sequence had reached (no second pass to find that
+## nothing follows).
 ##
 ## Template parameters: s (schema), shape (slot counts), claim_wait (the function's
 ## lock_timeout), claimed_in_xact (the transaction-local setting a claim sets once it has
@@ -38,6 +40,7 @@ DECLARE
   v_seg_gen bigint;
   v_seg_first bigint;
   v_limit bigint;
+  v_enq_last bigint;
   v_rows bigint;
   v_first_pass boolean;
   v_found boolean;
@@ -223,7 +226,8 @@ BEGIN
         PERFORM setval(v_claim_seq, v_pos - 1);
       END IF;
       v_first_pass := false;
-      v_limit := least(v_remaining, coalesce(pg_sequence_last_value(v_enq_seq), 0) - v_pos + 1);
+      v_enq_last := coalesce(pg_sequence_last_value(v_enq_seq), 0);
+      v_limit := least(v_remaining, v_enq_last - v_pos + 1);
       EXIT WHEN v_limit <= 0;
 
       -- 4. Claim from v_pos on in the segment's child: pick, record the range, write
@@ -300,6 +304,10 @@ BEGIN
 % endfor
       END IF;
       v_remaining := v_remaining - v_rows::integer;
+      -- Every position the lane had reserved when v_enq_last was read is claimed now (all
+      -- v_limit rows were live, so the last of them is at v_enq_last or beyond): another
+      -- pass could only find what was enqueued since, which the next claim takes.
+      EXIT WHEN v_rows = v_limit AND v_pos + v_limit > v_enq_last;
     END LOOP;
   END LOOP;
 END

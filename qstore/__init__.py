@@ -19,6 +19,7 @@ from qstore.schema import build_metadata
 from qstore.status import SchemaHealth, StatusReport, schema_health, status_report
 from qstore.storage import QueueStorage
 from qstore.storage.listen import Listener
+from qstore.storage.targets import kept_connection
 from qstore.types import (
     BusyCounts,
     CallbackConfig,
@@ -94,6 +95,7 @@ __all__ = [
     "Wakeup",
     "WheelPrune",
     "build_metadata",
+    "kept_connection",
     "schema_health",
     "status_report",
 ]

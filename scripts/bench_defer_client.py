@@ -4,6 +4,8 @@ Four ways of writing one job, each timed over ``--calls`` calls per round with
 ``time.process_time()`` (client CPU) and ``time.perf_counter()`` (wall, for calls/s):
 
 * ``defer``: a task's ``defer(engine, n=1)`` (the app's default telemetry);
+* ``defer_kept``: the same inside ``with qstore.kept_connection(engine) as producing``
+  (one connection kept for the whole loop; a tree without ``kept_connection`` skips it);
 * ``enqueue``: ``QueueStorage.enqueue(engine, InsertParams(...))`` of the same job;
 * ``raw``: the very SQL text and parameters ``enqueue`` sends (``<schema>.enqueue_job(...)``),
   executed on a held cursor of an autocommit psycopg connection: the least any client of that
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 HERE = Path(__file__).resolve().parent
-CASES = ("defer", "enqueue", "raw", "classic")
+CASES = ("defer", "defer_kept", "enqueue", "raw", "classic")
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
@@ -52,8 +54,9 @@ def _time(fn: Callable[[], object], calls: int) -> tuple[float, float]:
 
 
 def serve(url: str, schema: str, classic_schema: str, warm: int) -> None:
-    """The child process: builds the four cases on the ``qstore`` it imports, then answers
-    each ``<calls> <first case index>`` line on stdin with one JSON line of figures."""
+    """The child process: builds the cases on the ``qstore`` it imports (all of
+    :data:`CASES` its ``qstore`` has), says which, then answers each ``<calls> <first case
+    index>`` line on stdin with one JSON line of figures."""
     import psycopg
     from classic_psycopg import ClassicPsycopg
     from sqlalchemy import create_engine
@@ -84,6 +87,13 @@ def serve(url: str, schema: str, classic_schema: str, warm: int) -> None:
     def defer() -> object:
         return bench.defer(engine, n=1)
 
+    kept = getattr(qstore, "kept_connection", None)
+    block = kept(engine) if kept is not None else None
+    producing: Any = block.__enter__() if block is not None else engine
+
+    def defer_kept() -> object:
+        return bench.defer(producing, n=1)
+
     def enqueue() -> object:
         return storage.enqueue(engine, job)
 
@@ -94,18 +104,21 @@ def serve(url: str, schema: str, classic_schema: str, warm: int) -> None:
     def classic() -> object:
         return producer.enqueue("bench", "bench", 2, {"n": 1})
 
-    fns = {"defer": defer, "enqueue": enqueue, "raw": raw_sql, "classic": classic}
-    for fn in fns.values():
-        _time(fn, warm)
-    print(json.dumps({"qstore": qstore.__file__}), flush=True)
+    fns = {"defer": defer, "defer_kept": defer_kept, "enqueue": enqueue, "raw": raw_sql, "classic": classic}
+    cases = [name for name in CASES if name != "defer_kept" or block is not None]
+    for name in cases:
+        _time(fns[name], warm)
+    print(json.dumps({"qstore": qstore.__file__, "cases": cases}), flush=True)
     for line in sys.stdin:
         calls, first = (int(x) for x in line.split())
-        order = CASES[first:] + CASES[:first]
+        order = cases[first % len(cases):] + cases[:first % len(cases)]
         out = {}
         for name in order:
             cpu, rate = _time(fns[name], calls)
             out[name] = {"cpu_us": cpu, "calls_per_s": rate}
         print(json.dumps(out), flush=True)
+    if block is not None:
+        block.__exit__(None, None, None)
     producer.close()
     raw.close()
     engine.dispose()
@@ -173,10 +186,13 @@ def main() -> int:
     classic.create()
     procs: dict[str, subprocess.Popen[str]] = {}
     results: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in trees}
+    cases: dict[str, list[str]] = {}
     try:
         for label, tree in trees:
             procs[label] = _child(label, tree, args)
-            print(f"{label}: {_reply(procs[label])['qstore']}", file=sys.stderr)
+            hello = _reply(procs[label])
+            cases[label] = hello["cases"]
+            print(f"{label}: {hello['qstore']}", file=sys.stderr)
         for r in range(args.rounds):
             order = trees[r % len(trees):] + trees[:r % len(trees)]
             for label, _ in order:
@@ -198,7 +214,7 @@ def main() -> int:
     rows = []
     for label, _ in trees:
         rounds = results[label]
-        for name in CASES:
+        for name in cases[label]:
             cpu = statistics.median(x[name]["cpu_us"] for x in rounds)
             rate = statistics.median(x[name]["calls_per_s"] for x in rounds)
             vs_classic = statistics.median(x[name]["calls_per_s"] / x["classic"]["calls_per_s"] for x in rounds)

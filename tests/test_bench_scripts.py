@@ -332,7 +332,7 @@ def test_defer_client_bench_times_every_case_of_each_tree_and_drops_its_schemas(
     report = json.loads(out.read_text())
     assert set(report["figures"]) == {"a", "b"} and len(report["rounds"]["a"]) == 2
     for cases in report["figures"].values():
-        assert set(cases) == {"defer", "enqueue", "raw", "classic"}
+        assert set(cases) == {"defer", "defer_kept", "enqueue", "raw", "classic"}
         assert all(c["cpu_us"] > 0 and c["calls_per_s"] > 0 for c in cases.values())
     assert schemas_named(fresh_db_url, "nspname IN ('qstore_defer_client_bench', 'bench_defer_client_classic')") == []
 

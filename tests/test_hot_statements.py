@@ -88,3 +88,27 @@ def test_values_in_parameter_order_go_to_the_driver_as_the_named_ones_do(own_eng
     assert ordered_sql == named_sql and list(map(plain, ordered)) == list(map(plain, named))
     with pytest.raises(TypeError, match="parameters"):
         hot.in_order(own_engine.dialect, tuple(reversed(keys)), values)
+
+
+def test_a_hot_call_on_an_async_engine_checks_out_one_connection(storage, db_url):
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from qstore.aio import AsyncQueueStorage
+
+    async def body() -> list[int]:
+        aengine = create_async_engine(db_url)
+        try:
+            astorage = AsyncQueueStorage(storage)
+            seen = [0]
+            event.listen(aengine.sync_engine.pool, "checkout", lambda *a: seen.__setitem__(0, seen[0] + 1))
+            for n in range(3):
+                await astorage.enqueue(aengine, InsertParams("k", {"n": n}, InsertOpts(queue="q")))
+            claimed = await astorage.claim_runtime_batch(aengine, "q", 3)
+            assert len(claimed) == 3
+            return seen
+        finally:
+            await aengine.dispose()
+
+    assert asyncio.run(body()) == [4]  # three enqueues and a claim, one checkout each

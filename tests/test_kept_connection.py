@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, event, text
 
-from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig
+from qstore import (
+    InsertOpts,
+    InsertParams,
+    QueueStorage,
+    QueueStorageConfig,
+    ValidationError,
+    kept_connection,
+)
 from qstore.storage import targets
 from qstore.storage.targets import keeping_engine, release_kept
 from qstore.tasks import App, JobContext
@@ -186,6 +193,48 @@ def test_release_kept_of_another_engine_does_nothing(app_engine) -> None:
     assert app_engine.pool.checkedout() == 0
 
 
+# -- kept_connection: a block of calls on one connection ---------------------------------------
+def ready_rows(engine: Engine, st: QueueStorage) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT count(*) FROM {st.config.schema}.ready_entries")).scalar_one())
+
+
+def test_defers_in_a_kept_connection_block_take_one_checkout(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    app = App(st)
+
+    @app.task(kind="note", queue=QUEUE)
+    def note(ctx: JobContext, n: int) -> None: ...
+
+    seen = checkouts_of(app_engine.pool)
+    with kept_connection(app_engine) as producing:
+        for i in range(10):
+            note.defer(producing, n=i)
+        assert app_engine.pool.checkedout() == 1
+    assert seen[0] == 1
+    assert app_engine.pool.checkedout() == 0
+    assert ready_rows(app_engine, st) == 10
+
+
+def test_each_job_of_a_kept_connection_block_is_committed_at_its_call(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    with kept_connection(app_engine) as producing:
+        st.enqueue(producing, InsertParams("note", {"n": 1}, InsertOpts(queue=QUEUE)))
+        assert ready_rows(app_engine, st) == 1  # seen from another connection inside the block
+
+
+def test_a_kept_connection_block_hands_its_connection_back_when_it_raises(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError), kept_connection(app_engine) as producing:
+        st.enqueue(producing, InsertParams("note", {"n": 1}, InsertOpts(queue=QUEUE)))
+        raise RuntimeError("the caller's own error")
+    assert app_engine.pool.checkedout() == 0
+    assert ready_rows(app_engine, st) == 1  # what was sent before the error stays committed
+
+
+def test_kept_connection_refuses_anything_but_an_engine(app_engine) -> None:
+    with app_engine.connect() as conn, pytest.raises(ValidationError, match="engine"), \
+            kept_connection(conn):  # type: ignore[arg-type]
+        pass
+
+
 # -- the worker's claim cycles -------------------------------------------------------------------
 def note_app(st: QueueStorage) -> tuple[App, list[int]]:
     app = App(st)
@@ -217,7 +266,9 @@ def claim_checkouts_of(pool: Any) -> list[int]:
     return seen
 
 
-def test_a_worker_claims_a_steady_trickle_on_a_kept_connection(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+def trickle(st: QueueStorage, app_engine: Engine, jobs: int, gap: float) -> tuple[int, int]:
+    """Run a worker while ``jobs`` jobs arrive one every ``gap`` seconds; (checkouts its
+    claim cycles made, claims they made) meanwhile."""
     app, done = note_app(st)
     w = Worker(app, app_engine, worker_settings())
     seen = claim_checkouts_of(w.engine.pool)
@@ -225,32 +276,23 @@ def test_a_worker_claims_a_steady_trickle_on_a_kept_connection(st, app_engine) -
     try:
         time.sleep(0.2)
         before = (seen[0], w.stats.claim_calls)
-        for i in range(40):  # one job every 20 ms, well within KEEP_IDLE
+        for i in range(jobs):
             st.enqueue(app_engine, InsertParams("note", {"n": i}, InsertOpts(queue=QUEUE)))
-            time.sleep(0.02)
-        wait_for(lambda: len(done) == 40 and w.stats.completed == 40)
-        checkouts, claims = seen[0] - before[0], w.stats.claim_calls - before[1]
+            time.sleep(gap)
+        wait_for(lambda: len(done) == jobs and w.stats.completed == jobs)
+        return seen[0] - before[0], w.stats.claim_calls - before[1]
     finally:
         w.stop(5)
+
+
+def test_a_worker_claims_a_steady_trickle_on_a_kept_connection(st, app_engine) -> None:  # type: ignore[no-untyped-def]
+    checkouts, claims = trickle(st, app_engine, 40, 0.02)  # well within KEEP_IDLE
     assert claims >= 20
     assert checkouts <= 2, (checkouts, claims)  # a checkout per claim without the kept connection
 
 
 def test_a_worker_claims_a_slow_trickle_on_connections_checked_out_per_claim(st, app_engine) -> None:  # type: ignore[no-untyped-def]
-    app, done = note_app(st)
-    w = Worker(app, app_engine, worker_settings())
-    seen = claim_checkouts_of(w.engine.pool)
-    w.start()
-    try:
-        time.sleep(0.2)
-        before = (seen[0], w.stats.claim_calls)
-        for i in range(4):  # one job every 250 ms: the cycle waits beyond KEEP_IDLE in between
-            st.enqueue(app_engine, InsertParams("note", {"n": i}, InsertOpts(queue=QUEUE)))
-            time.sleep(0.25)
-        wait_for(lambda: len(done) == 4)
-        checkouts, claims = seen[0] - before[0], w.stats.claim_calls - before[1]
-    finally:
-        w.stop(5)
+    checkouts, claims = trickle(st, app_engine, 4, 0.25)  # the cycle waits beyond KEEP_IDLE in between
     assert claims >= 4 and checkouts >= 4, (checkouts, claims)
 
 

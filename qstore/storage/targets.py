@@ -132,6 +132,7 @@ __all__ = [
     "holding",
     "is_lock_failure",
     "keeping_engine",
+    "kept_connection",
     "reads_committed_state",
     "refuse_callers_transaction",
     "release_kept",
@@ -344,8 +345,8 @@ def _hot_checkout(engine: Engine) -> tuple[Any, Any, Runner] | None:
     its reused cursor; None when someone listens to cursor events or the driver is not
     psycopg's sync one (then the statement goes through a ``Connection``). Hand the
     connection back with :func:`_release`."""
-    if _listened(engine.dispatch):
-        return None
+    if engine.dialect.is_async or _listened(engine.dispatch):
+        return None  # (decided before a checkout: an async driver's statement checks out once)
     raw = engine.raw_connection()
     driver = raw.driver_connection
     if not isinstance(driver, psycopg.Connection):
@@ -513,6 +514,29 @@ def keeping_engine(engine: Engine) -> Engine:
     keeping = OptionEngine(engine, {})
     keeping.__dict__[_KEPT] = KeptConnection(keeping)
     return keeping
+
+
+@contextmanager
+def kept_connection(engine: Engine) -> Iterator[Engine]:
+    """``with kept_connection(engine) as producing:`` — an engine for one thread's burst of
+    hot calls (a loop of ``defer``, ``enqueue``, claims or fast completions): they run on one
+    pooled connection kept for the block (see :func:`keeping_engine`), each still committed on
+    its own as on ``engine``, instead of a checkout and check-in per call. The connection is
+    handed back when the block ends, and earlier after an error, when someone starts
+    listening to cursor events, or after :data:`KEEP_LIMIT` seconds. Everything else run on
+    ``producing`` behaves as on ``engine``. Use it from the thread that entered it.
+
+    Raises :class:`~qstore.errors.ValidationError` naming ``engine`` for anything but a
+    synchronous ``Engine`` (a caller's ``Connection`` is one connection already)."""
+    if not isinstance(engine, Engine):
+        raise ValidationError("engine", type(engine).__name__,
+                              "expected a synchronous Engine (a Connection or Session already is one "
+                              "connection)")
+    keeping = keeping_engine(engine)
+    try:
+        yield keeping
+    finally:
+        release_kept(keeping)
 
 
 def release_kept(engine: Engine) -> None:

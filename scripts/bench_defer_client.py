@@ -29,6 +29,7 @@ median of the per-round ratios). The schemas are dropped at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -87,9 +88,9 @@ def serve(url: str, schema: str, classic_schema: str, warm: int) -> None:
     def defer() -> object:
         return bench.defer(engine, n=1)
 
-    kept = getattr(qstore, "kept_connection", None)
-    block = kept(engine) if kept is not None else None
-    producing: Any = block.__enter__() if block is not None else engine
+    kept = getattr(qstore, "kept_connection", None)  # (absent from older trees)
+    blocks = contextlib.ExitStack()
+    producing: Any = blocks.enter_context(kept(engine)) if kept is not None else engine
 
     def defer_kept() -> object:
         return bench.defer(producing, n=1)
@@ -105,7 +106,7 @@ def serve(url: str, schema: str, classic_schema: str, warm: int) -> None:
         return producer.enqueue("bench", "bench", 2, {"n": 1})
 
     fns = {"defer": defer, "defer_kept": defer_kept, "enqueue": enqueue, "raw": raw_sql, "classic": classic}
-    cases = [name for name in CASES if name != "defer_kept" or block is not None]
+    cases = [name for name in CASES if name != "defer_kept" or kept is not None]
     for name in cases:
         _time(fns[name], warm)
     print(json.dumps({"qstore": qstore.__file__, "cases": cases}), flush=True)
@@ -117,8 +118,7 @@ def serve(url: str, schema: str, classic_schema: str, warm: int) -> None:
             cpu, rate = _time(fns[name], calls)
             out[name] = {"cpu_us": cpu, "calls_per_s": rate}
         print(json.dumps(out), flush=True)
-    if block is not None:
-        block.__exit__(None, None, None)
+    blocks.close()
     producer.close()
     raw.close()
     engine.dispose()

@@ -4,10 +4,11 @@ a census of every table family, and run a test in both receipt modes."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from qstore import InsertOpts, InsertParams
 from qstore.types import ClaimedRuntimeJob, JobState
@@ -120,3 +121,17 @@ def relation_locks(conn) -> int:
     return conn.execute(text(
         "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation'"
     )).scalar_one()
+
+
+def checkouts_of(pool: Any, thread_prefix: str = "") -> list[int]:
+    """Count the checkouts of ``pool`` from now on, by threads whose name starts with
+    ``thread_prefix`` (every thread by default); ``[n]``, updated in place. A listener of
+    that pool alone: a pool made from it later does not copy it."""
+    seen = [0]
+
+    def checkout(*_: Any) -> None:
+        if threading.current_thread().name.startswith(thread_prefix):
+            seen[0] += 1
+
+    event.listen(pool, "checkout", checkout)
+    return seen

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from jobtools import checkouts_of
 from sqlalchemy import Engine, create_engine, event, text
 
 from qstore import (
@@ -38,12 +39,6 @@ def app_engine(db_url: str) -> Iterator[Engine]:
     e = create_engine(db_url)
     yield e
     e.dispose()
-
-
-def checkouts_of(pool: Any) -> list[int]:
-    seen = [0]
-    event.listen(pool, "checkout", lambda *a: seen.__setitem__(0, seen[0] + 1))
-    return seen
 
 
 def enqueue(st: QueueStorage, engine: Engine, n: int) -> None:
@@ -254,24 +249,12 @@ def worker_settings(**given: Any) -> WorkerSettings:
     return WorkerSettings(queues=[QUEUE], **given)
 
 
-def claim_checkouts_of(pool: Any) -> list[int]:
-    """Count the checkouts of ``pool`` made by a worker's claim cycles from now on."""
-    seen = [0]
-
-    def checkout(*_: Any) -> None:
-        if threading.current_thread().name.startswith("qstore-claim"):
-            seen[0] += 1
-
-    event.listen(pool, "checkout", checkout)
-    return seen
-
-
 def trickle(st: QueueStorage, app_engine: Engine, jobs: int, gap: float) -> tuple[int, int]:
     """Run a worker while ``jobs`` jobs arrive one every ``gap`` seconds; (checkouts its
     claim cycles made, claims they made) meanwhile."""
     app, done = note_app(st)
     w = Worker(app, app_engine, worker_settings())
-    seen = claim_checkouts_of(w.engine.pool)
+    seen = checkouts_of(w.engine.pool, "qstore-claim")  # the claim cycles' checkouts
     w.start()
     try:
         time.sleep(0.2)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from jobtools import checkouts_of
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -65,14 +66,6 @@ def app_engine(db_url: str) -> Iterator[Engine]:
     e = create_engine(db_url, connect_args={"application_name": f"qstore-app-{uuid.uuid4().hex[:8]}"})
     yield e
     e.dispose()
-
-
-def checkouts_of(pool: Any) -> list[int]:
-    """Count the checkouts of ``pool`` from now on (a listener of that pool alone: a pool
-    made from it later does not copy it)."""
-    seen = [0]
-    event.listen(pool, "checkout", lambda *a: seen.__setitem__(0, seen[0] + 1))
-    return seen
 
 
 def backends_named(engine: Engine, name: str) -> int:

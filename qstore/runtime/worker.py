@@ -598,21 +598,21 @@ class Worker:
         # This cycle's claims run on a connection it keeps while it claims often, and hands
         # back before any longer wait (see KEEP_IDLE).
         claims_on = keeping_engine(engine)
-        give_back = functools.partial(release_kept, claims_on)
 
         def context(j: ClaimedRuntimeJob) -> JobContext:
             return JobContext(j, storage, engine)  # (handlers run elsewhere: never claims_on)
 
         try:
-            self._claim_cycle(queue, index, claims_on, give_back, context)
+            self._claim_cycle(queue, index, claims_on, context)
         finally:
-            give_back()
+            release_kept(claims_on)
             self.batcher.expect_claims(ClaimCycles.name(queue, index), False)
 
-    def _claim_cycle(self, queue: str, index: int, claims_on: Engine, give_back: Callable[[], None],
+    def _claim_cycle(self, queue: str, index: int, claims_on: Engine,
                      context: Callable[[ClaimedRuntimeJob], JobContext]) -> None:
         """The loop of :meth:`_dispatch_loop`: claims of cycle ``index`` of ``queue`` on
-        ``claims_on`` until claiming stops; ``give_back`` hands the kept connection back."""
+        ``claims_on`` (a :func:`keeping_engine`) until claiming stops."""
+        give_back = functools.partial(release_kept, claims_on)
         wake, busy = self._wakes[queue], self._busy[queue]
         cycles = self._cycles[queue]
         who = ClaimCycles.name(queue, index)

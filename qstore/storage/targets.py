@@ -381,17 +381,7 @@ def statement_on_engine(engine: Engine, body: Callable[..., R], lead: Any,
     in the fewest Python frames, since every enqueue, claim and fast completion on an
     ``Engine`` comes through here."""
     kept: KeptConnection | None = engine.__dict__.get(_KEPT)
-    if kept is not None:
-        got = kept.take()
-        if got is not None:
-            try:
-                return body(lead, got[2], *args, **kwargs)
-            except BaseException as err:
-                kept.settle(err)
-                raise
-        with _own_statement(engine) as conn:
-            return body(lead, Runner.on(conn), *args, **kwargs)
-    got = _hot_checkout(engine)
+    got = _hot_checkout(engine) if kept is None else kept.take()
     if got is None:
         with _own_statement(engine) as conn:
             return body(lead, Runner.on(conn), *args, **kwargs)
@@ -399,9 +389,13 @@ def statement_on_engine(engine: Engine, body: Callable[..., R], lead: Any,
     try:
         result = body(lead, runner, *args, **kwargs)
     except BaseException as err:
-        _release(raw, raw.driver_connection, err)
+        if kept is None:
+            _release(raw, raw.driver_connection, err)
+        else:
+            kept.settle(err)
         raise
-    _release(raw, driver)  # a runner without a Connection never invalidates: the same driver
+    if kept is None:
+        _release(raw, driver)  # a runner without a Connection never invalidates: the same driver
     return result
 
 

@@ -75,6 +75,20 @@ def test_hot_statements_on_a_keeping_engine_take_one_checkout(st, app_engine) ->
     assert seen[0] == 1
 
 
+def test_a_striped_claim_takes_every_stripe_on_the_kept_connection(make_storage, app_engine) -> None:  # type: ignore[no-untyped-def]
+    striped = make_storage(queue_stripe_count=3)
+    striped.enqueue_many(app_engine, [InsertParams("note", {"n": i}, InsertOpts(queue=f"{QUEUE}#{i % 3}"))
+                                      for i in range(6)])
+    keeping = keeping_engine(app_engine)
+    seen = checkouts_of(app_engine.pool)
+    claimed = striped.claim_runtime_batch(keeping, QUEUE, 6)  # one statement per stripe
+    got = striped.complete_and_claim(keeping, claimed, QUEUE, 6)
+    release_kept(keeping)
+    assert sorted(c.job.args["n"] for c in claimed) == list(range(6))
+    assert len(got.completed) == 6 and got.claimed == []
+    assert seen[0] == 1
+
+
 def test_the_same_statements_on_the_engine_check_out_per_statement(st, app_engine) -> None:  # type: ignore[no-untyped-def]
     enqueue(st, app_engine, 3)
     seen = checkouts_of(app_engine.pool)

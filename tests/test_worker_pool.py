@@ -17,12 +17,14 @@ import pytest
 from jobtools import checkouts_of
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool, QueuePool
 
 from qstore import InsertOpts, InsertParams
 from qstore.cli import build_parser
-from qstore.cli.worker import worker_settings
+from qstore.cli.worker import worker_engine, worker_settings
 from qstore.errors import ValidationError
-from qstore.runtime.pools import own_pool_engine
+from qstore.runtime.pools import ConnectionNeeds, own_pool_engine, pool_capacity
+from qstore.runtime.worker import connection_needs
 from qstore.tasks import App, JobContext
 from qstore.worker import AsyncWorker, Worker, WorkerSettings
 
@@ -162,6 +164,20 @@ def test_the_worker_command_runs_its_worker_on_the_engine_it_makes_for_it() -> N
     assert worker_settings(args).own_pool is False
 
 
+def test_the_worker_command_sizes_its_engine_for_a_worker_of_many_queues(st, db_url) -> None:  # type: ignore[no-untyped-def]
+    queues = [f"q{i}" for i in range(8)]
+    args = build_parser().parse_args(["worker", "some.module:app", "--concurrency", "1",
+                                      *[a for q in queues for a in ("--queue", q)]])
+    app = counted_app(st)[0]
+    made = worker_engine(db_url, app, worker_settings(args))
+    try:
+        w = Worker(app, made, worker_settings(args))  # 8 queues x 2 cycles + the maintainer's lock
+        assert w.connection_needs.kept == 17
+        assert made.pool.size() == w.connection_needs.most
+    finally:
+        made.dispose()
+
+
 def test_an_engine_on_a_pool_of_its_own_is_disposed_without_touching_the_applications(app_engine) -> None:
     with app_engine.connect() as conn:
         conn.execute(text("SELECT 1"))
@@ -171,6 +187,85 @@ def test_an_engine_on_a_pool_of_its_own_is_disposed_without_touching_the_applica
     own.dispose()
     assert own.pool is not app_engine.pool
     assert app_engine.pool.checkedin() == 1
+
+
+# -- pool sizes ------------------------------------------------------------------------------------
+def test_a_worker_on_an_engine_of_one_connection_runs_its_jobs(st, db_url) -> None:  # type: ignore[no-untyped-def]
+    # the maintainer's lock holder and a busy claim cycle keep a connection each: a copy of a
+    # one-connection pool would leave the batcher and the other cycle waiting for good
+    tiny = create_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=2)
+    try:
+        app, done = counted_app(st)
+        enqueue_jobs(st, tiny)
+        with w_started(app, tiny, maintain=True) as w:
+            wait_for(lambda: w.stats.completed == JOBS)
+        assert sorted(done) == list(range(JOBS))
+    finally:
+        tiny.dispose()
+
+
+def test_the_workers_own_pool_keeps_room_for_every_connection_its_threads_use(st, db_url) -> None:  # type: ignore[no-untyped-def]
+    small = create_engine(db_url, pool_size=2, max_overflow=3, pool_timeout=7, pool_recycle=60,
+                          pool_pre_ping=True, pool_use_lifo=True)
+    try:
+        w = Worker(counted_app(st)[0], small, settings(maintain=True, concurrency=4))
+        own = w.engine.pool
+        assert isinstance(own, QueuePool) and own is not small.pool
+        # 2 claim cycles + the maintainer's lock kept; batcher, keeper, a task, 4 outcome writers
+        assert w.connection_needs == ConnectionNeeds(kept=3, brief=7)
+        assert own.size() == 10
+        assert (own._max_overflow, own._timeout, own._recycle, own._pre_ping, own._pool.use_lifo) == (
+            3, 7, 60, True, True)
+    finally:
+        small.dispose()
+
+
+def test_the_workers_own_pool_keeps_a_larger_size_of_the_applications(st, db_url) -> None:  # type: ignore[no-untyped-def]
+    large = create_engine(db_url, pool_size=40, max_overflow=0)
+    try:
+        own = Worker(counted_app(st)[0], large, settings()).engine.pool
+        assert isinstance(own, QueuePool)
+        assert (own.size(), own._max_overflow) == (40, 0)
+    finally:
+        large.dispose()
+
+
+def test_a_worker_on_an_applications_pool_it_cannot_progress_on_is_refused(st, db_url) -> None:  # type: ignore[no-untyped-def]
+    tiny = create_engine(db_url, pool_size=1, max_overflow=2)
+    try:
+        with pytest.raises(ValidationError, match=r"a pool of 3 connections.*at least 4") as caught:
+            Worker(counted_app(st)[0], tiny, settings(own_pool=False, maintain=True))
+        assert caught.value.field == "engine"
+        assert tiny.pool.checkedout() == 0 and tiny.pool.checkedin() == 0  # nothing was opened
+        # without the maintainer's lock holder 3 is enough
+        Worker(counted_app(st)[0], tiny, settings(own_pool=False, maintain=False))
+    finally:
+        tiny.dispose()
+
+
+def test_connection_needs_count_one_cycle_per_queue_with_bounded_claimers_and_the_planners_lock(st) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    plain = connection_needs(app, settings(concurrency=16, maintain=True), ("a", "b", "c"))
+    assert plain == ConnectionNeeds(kept=3 * 2 + 1, brief=2 + 1 + 8)
+    bounded = connection_needs(app, settings(concurrency=2, max_claimers=1), ("a", "b", "c"))
+    assert bounded == ConnectionNeeds(kept=3, brief=2 + 2)
+
+    @app.periodic(every=60)
+    @app.task(kind="tick", queue="pool")
+    def tick(ctx: JobContext) -> None: ...
+
+    planned = connection_needs(app, settings(concurrency=2), ("pool",))
+    assert planned == ConnectionNeeds(kept=2 + 1, brief=2 + 1 + 2)
+
+
+def test_pool_capacity_is_size_and_overflow_or_none_without_a_limit(db_url) -> None:
+    engines = [create_engine(db_url, pool_size=3, max_overflow=4), create_engine(db_url, pool_size=3, max_overflow=-1),
+               create_engine(db_url, poolclass=NullPool)]
+    try:
+        assert [pool_capacity(e.pool) for e in engines] == [7, None, None]
+    finally:
+        for e in engines:
+            e.dispose()
 
 
 # -- the asyncio worker --------------------------------------------------------------------------
@@ -214,6 +309,41 @@ def test_an_async_worker_with_own_pool_false_uses_the_applications_async_pool(st
             await aengine.dispose()
 
     assert asyncio.run(asyncio.wait_for(body(), 20)) > 0
+
+
+def test_an_async_workers_own_pool_keeps_room_for_its_claims_and_writes(st, db_url, engine) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+
+    async def body() -> tuple[int, int]:
+        aengine = create_async_engine(db_url, pool_size=1, max_overflow=0)
+        try:
+            w = AsyncWorker(app, aengine, settings(concurrency=4), sync_engine=engine)
+            pool: Any = w.engine.sync_engine.pool
+            return pool.size(), w.connection_needs.most
+        finally:
+            await aengine.dispose()
+
+    size, most = asyncio.run(body())
+    assert (size, most) == (2 + 2 + 4, 8)  # 2 claim cycles; batcher, keeper, 4 outcome writers
+
+
+def test_an_async_worker_refuses_a_sync_engine_too_small_for_its_maintainer(st, db_url) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    tiny = create_engine(db_url, pool_size=1, max_overflow=0)
+
+    async def body() -> None:
+        aengine = create_async_engine(db_url)
+        try:
+            AsyncWorker(app, aengine, settings(maintain=True), sync_engine=tiny)
+        finally:
+            await aengine.dispose()
+
+    try:
+        with pytest.raises(ValidationError, match="a pool of 1 connection") as caught:
+            asyncio.run(body())
+        assert caught.value.field == "sync_engine"
+    finally:
+        tiny.dispose()
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -86,6 +86,18 @@ def worker_settings(args: argparse.Namespace) -> Any:
                           own_pool=False)
 
 
+def worker_engine(url: Any, app: Any, settings: Any) -> Any:
+    """The engine the command makes for its worker alone: its pool keeps a connection for
+    each handler writing an outcome and four more (``concurrency + 4``), and at least as
+    many as the worker's own threads use at once (claim cycles of every queue, locks,
+    batcher, keeper, outcome writers), with 8 more allowed beyond that."""
+    from qstore.runtime.core import worker_inputs
+    from qstore.runtime.worker import connection_needs
+
+    needs = connection_needs(app, settings, worker_inputs(app, settings)[1])
+    return create_engine(url, pool_size=max(settings.concurrency + 4, needs.most), max_overflow=8)
+
+
 def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     from qstore.runtime.worker import Worker  # the runtime only when a worker runs
 
@@ -102,8 +114,7 @@ def cmd_worker(args: argparse.Namespace, out: TextIO) -> int:
     checked = _engine(_url(args, "worker"))  # a bad URL or an unreachable server is one line
     checked.dispose()
     stop_metrics = _serve_metrics(args.metrics_host, args.metrics_port) if args.metrics_port is not None else None
-    # handlers write their outcomes concurrently, next to claims, completions and heartbeats
-    engine = create_engine(checked.url, pool_size=settings.concurrency + 4, max_overflow=8)
+    engine = worker_engine(checked.url, app, settings)
     try:
         worker = Worker(app, engine, settings)
         stats = worker.run()

@@ -176,12 +176,14 @@ class WorkerSettings:
     and delay. ``maintain``: run a :class:`Maintainer` (with ``schedule``).
     ``error_backoff``: wait after a failed claim.
     ``own_pool``: the worker checks its connections out of a pool of its own, made from
-    the engine's (``engine.pool.recreate()``: the same pool class and sizes, connect
-    arguments and pool events; the engine's event listeners see the worker's statements),
-    so that its many short checkouts neither make the application's pool open and close
-    connections nor wait for the application's; the pool is emptied at stop (see
+    the engine's (``engine.pool.recreate()``: the same pool class and sizes, except that it
+    keeps at least the connections the worker's own threads use at once; connect arguments
+    and pool events; the engine's event listeners see the worker's statements), so that its
+    many short checkouts neither make the application's pool open and close connections
+    nor wait for the application's; the pool is emptied at stop (see
     :mod:`qstore.runtime.pools`). ``False``: the worker uses the engine's own pool, which
-    then needs room for the worker's connections beside the application's.
+    then needs room for the worker's connections beside the application's (a pool that
+    cannot hold what the worker keeps, plus one, is refused).
     """
 
     queues: Sequence[str] | None = None

@@ -12,19 +12,86 @@ for a server process to start. A worker on a pool of its own neither churns the
 application's connections nor waits for them.
 
 :func:`own_pool_engine` gives the worker that pool without giving up anything the
-application configured on its engine.
+application configured on its engine, except that a pool too small for the worker's own
+threads is made large enough for them (:class:`ConnectionNeeds`); a worker on the
+application's pool (``own_pool=False``) refuses a pool it could not make progress on.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.pool import Pool
+from sqlalchemy.pool import Pool, QueuePool
 
-__all__ = ["own_pool_async_engine", "own_pool_engine"]
+from qstore.errors import ValidationError
+
+__all__ = ["ConnectionNeeds", "own_pool_async_engine", "own_pool_engine", "pool_capacity"]
+
+
+@dataclass(frozen=True)
+class ConnectionNeeds:
+    """How many pooled connections a worker's own threads use at once (its handlers'
+    context calls and the ``LISTEN`` connection, which leaves the pool, not counted).
+
+    ``kept``: connections held for long stretches: one per claim cycle in flight (a busy
+    cycle keeps its connection between claims) and the maintainer's and the periodic
+    planner's lock holders (each keeps one while it leads). ``brief``: connections held for
+    one call at a time: the completion batcher, the heartbeat keeper, a maintenance task and
+    the outcome writers."""
+
+    kept: int
+    brief: int
+
+    @property
+    def least(self) -> int:
+        """The smallest pool the worker makes progress on: everything kept, plus one for
+        the brief users to take turns on."""
+        return self.kept + 1
+
+    @property
+    def most(self) -> int:
+        """Every user at once: the pool size that lets no worker thread wait for another."""
+        return self.kept + self.brief
+
+    def check(self, pool: Pool, source: str) -> None:
+        """Raise :class:`~qstore.errors.ValidationError` naming ``source`` when ``pool``
+        allows fewer connections at once than :attr:`least` (the worker would wait for
+        connections its own threads never give back)."""
+        capacity = pool_capacity(pool)
+        if capacity is not None and capacity < self.least:
+            raise ValidationError(
+                source, f"a pool of {capacity} connection{'s' * (capacity != 1)}",
+                f"this worker keeps up to {self.kept} connections for long stretches (claim cycles, "
+                f"maintenance and planner locks) and needs one more for its other calls: give the "
+                f"engine a pool of at least {self.least} (pool_size + max_overflow), or use "
+                f"own_pool=True")
+
+
+def pool_capacity(pool: Pool) -> int | None:
+    """The most connections ``pool`` hands out at once: ``pool_size + max_overflow`` of a
+    ``QueuePool`` (and its asyncio form), ``None`` when it sets no limit (other pool classes,
+    ``max_overflow=-1``, ``pool_size=0``)."""
+    if not isinstance(pool, QueuePool) or pool.size() <= 0 or pool._max_overflow < 0:
+        return None
+    return pool.size() + pool._max_overflow
+
+
+def _copy(pool: Pool, at_least: int) -> Pool:
+    """``pool.recreate()``, with a ``QueuePool``'s ``pool_size`` raised to ``at_least`` when
+    it is smaller (and not 0, no limit); every other setting as ``recreate`` copies it."""
+    copy = pool.recreate()
+    if not isinstance(copy, QueuePool) or not 0 < copy.size() < at_least:
+        return copy
+    # the arguments QueuePool.recreate passes, with the size changed
+    return type(copy)(
+        copy._creator, pool_size=at_least, max_overflow=copy._max_overflow, pre_ping=copy._pre_ping,
+        use_lifo=copy._pool.use_lifo, timeout=copy._timeout, recycle=copy._recycle, echo=copy.echo,
+        logging_name=copy._orig_logging_name, reset_on_return=copy._reset_on_return,
+        _dispatch=copy.dispatch, dialect=copy._dialect)
 
 
 class _OwnPoolEngine(OptionEngine):
@@ -32,9 +99,9 @@ class _OwnPoolEngine(OptionEngine):
     compiled cache, and the parent's event listeners, including ones added later) except
     that it checks connections out of a pool of its own."""
 
-    def __init__(self, parent: Engine) -> None:
+    def __init__(self, parent: Engine, at_least: int) -> None:
         super().__init__(parent, {})
-        self.__dict__["_own_pool"] = parent.pool.recreate()
+        self.__dict__["_own_pool"] = _copy(parent.pool, at_least)
 
     # OptionEngine reads and writes its parent's pool through this property; an engine of
     # a pool of its own keeps its pool here instead (``dispose`` assigns a new one)
@@ -48,18 +115,19 @@ class _OwnPoolEngine(OptionEngine):
         self.__dict__["_own_pool"] = pool
 
 
-def own_pool_engine(engine: Engine) -> Engine:
+def own_pool_engine(engine: Engine, at_least: int = 0) -> Engine:
     """``engine`` on a new pool made by ``engine.pool.recreate()``: the same pool class and
     sizes, the same connect function (the engine's URL and ``connect_args``) and the pool's
-    event listeners (``connect``, ``checkout``, ... registered so far). Statements sent
-    through the returned engine fire ``engine``'s engine events as the engine's own do.
-    Nothing is connected until the first checkout; dispose of the pool
+    event listeners (``connect``, ``checkout``, ... registered so far), except that a
+    ``QueuePool`` keeps at least ``at_least`` connections (its ``max_overflow`` unchanged).
+    Statements sent through the returned engine fire ``engine``'s engine events as the
+    engine's own do. Nothing is connected until the first checkout; dispose of the pool
     (``returned.pool.dispose()``) when done with it."""
-    return _OwnPoolEngine(engine)
+    return _OwnPoolEngine(engine, at_least)
 
 
-def own_pool_async_engine(engine: AsyncEngine) -> AsyncEngine:
+def own_pool_async_engine(engine: AsyncEngine, at_least: int = 0) -> AsyncEngine:
     """:func:`own_pool_engine` for an ``AsyncEngine`` (its synchronous engine on a pool of
     its own, wrapped again)."""
-    own: Any = _OwnPoolEngine(engine.sync_engine)
+    own: Any = _OwnPoolEngine(engine.sync_engine, at_least)
     return AsyncEngine(own)

@@ -54,7 +54,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -85,7 +85,7 @@ from qstore.runtime.core import (
 )
 from qstore.runtime.maintainer import Maintainer
 from qstore.runtime.periodic import Planner
-from qstore.runtime.pools import own_pool_engine
+from qstore.runtime.pools import ConnectionNeeds, own_pool_engine
 from qstore.runtime.tasks import App, JobContext, JobOutcome
 from qstore.runtime.telemetry import fast_counts
 from qstore.storage.listen import Listener
@@ -183,6 +183,17 @@ class _EventLoop:
             self.loop.close()
 
 
+def connection_needs(app: App, settings: WorkerSettings, queues: Sequence[str]) -> ConnectionNeeds:
+    """The pooled connections a thread worker of ``app`` on ``queues`` uses at once: kept,
+    each claim cycle in flight (``claims_in_flight`` per queue, 1 with ``max_claimers``) and
+    the maintainer's and planner's lock holders; brief, the batcher, the keeper, a
+    maintenance task, the planner's ticks and up to 8 outcome writers."""
+    cycles = 1 if settings.max_claimers is not None else settings.claims_in_flight
+    maintain, plan = (1 if settings.maintain else 0), (1 if app.periodic_tasks else 0)
+    return ConnectionNeeds(kept=len(queues) * cycles + maintain + plan,
+                           brief=2 + maintain + plan + min(8, settings.concurrency))
+
+
 class Worker:
     """Runs ``app``'s tasks against ``engine`` (a synchronous ``Engine`` on the app's
     database) as ``settings`` say; see the module docstring."""
@@ -193,9 +204,6 @@ class Worker:
             raise ValidationError("engine", engine, "the worker needs a synchronous Engine")
         self.app = app
         self.storage = app.storage
-        #: the engine the worker's connections come from: ``engine`` on a pool of its own
-        #: (``own_pool``, see :mod:`qstore.runtime.pools`), else ``engine`` itself
-        self.engine = own_pool_engine(engine) if self.settings.own_pool else engine
         self.instance_id = uuid.uuid4()
 
         self._lock = threading.Lock()
@@ -216,6 +224,14 @@ class Worker:
         self._outages = OutageLog(log, "qstore worker")
         self.core = WorkerCore(app, self.settings, self, self._outages,
                                {"give_up": self._give_up, "hurry": self._hurry}, self._lock)
+        s = self.settings
+        #: the pooled connections this worker's threads use at once
+        self.connection_needs = connection_needs(app, s, self.queues)
+        if not s.own_pool:
+            self.connection_needs.check(engine.pool, "engine")
+        #: the engine the worker's connections come from: ``engine`` on a pool of its own
+        #: (``own_pool``, see :mod:`qstore.runtime.pools`), else ``engine`` itself
+        self.engine = own_pool_engine(engine, self.connection_needs.most) if s.own_pool else engine
         self._attempts = self.core.attempts
         self._places = Capacity(self.settings.concurrency + (self.settings.prefetch or 0), self.core.cycles,
                                 self.settings.claim_ahead or 0)

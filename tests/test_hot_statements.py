@@ -112,3 +112,90 @@ def test_a_hot_call_on_an_async_engine_checks_out_one_connection(storage, db_url
             await aengine.dispose()
 
     assert asyncio.run(body()) == [4]  # three enqueues and a claim, one checkout each
+
+
+# -- on an AsyncEngine ---------------------------------------------------------------------------
+async def async_cycle(aengine: Any, astorage: Any) -> None:
+    """:func:`cycle` on the async face."""
+    await astorage.enqueue(aengine, InsertParams("k", {"n": 1}, InsertOpts(queue="q")))
+    await astorage.enqueue_many(aengine, [InsertParams("k", {"n": n}, InsertOpts(queue="q")) for n in range(3)])
+    claimed = await astorage.claim_runtime_batch(aengine, "q", 2)
+    assert len(await astorage.complete_runtime_batch(aengine, claimed)) == 2
+    got = await astorage.complete_and_claim(aengine, [], "q", 1)
+    assert len((await astorage.complete_and_claim(aengine, got.claimed, "q", 1)).completed) == 1
+
+
+def run_async_cycles(storage: Any, db_url: str, listen: str | None) -> tuple[list[str], list[str]]:
+    """Two async cycles on a new ``AsyncEngine``: the statements ``Connection.execute`` ran
+    (``before_execute``) and the ones a ``listen`` cursor event saw, if asked for."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from qstore.aio import AsyncQueueStorage
+
+    executed: list[str] = []
+    cursor_seen: list[str] = []
+
+    async def body() -> None:
+        aengine = create_async_engine(db_url)
+        try:
+            event.listen(aengine.sync_engine, "before_execute",
+                         lambda conn, clause, *a: executed.append(str(clause)))
+            if listen is not None:
+                event.listen(aengine.sync_engine, listen, lambda conn, cur, stmt, *a: cursor_seen.append(stmt))
+            astorage = AsyncQueueStorage(storage)
+            for _ in range(2):
+                await async_cycle(aengine, astorage)
+        finally:
+            await aengine.dispose()
+
+    asyncio.run(body())
+    return executed, cursor_seen
+
+
+def test_hot_calls_on_an_async_engine_go_to_the_driver_cursor_directly(storage, db_url):
+    executed, _ = run_async_cycles(storage, db_url, None)
+    hot = ("claim_ready", "complete_receipts", "enqueue_job")
+    assert not [s for s in executed if any(name in s for name in hot)]
+
+
+def test_with_cursor_events_listened_to_an_async_engines_hot_calls_go_through_a_connection(storage, db_url):
+    executed, seen = run_async_cycles(storage, db_url, "before_cursor_execute")
+    assert any("claim_ready" in s for s in executed) and any("enqueue_job" in s for s in seen)
+
+
+def test_an_async_hot_call_on_a_cut_connection_fails_once_and_the_next_reconnects(storage, db_url, engine):
+    import asyncio
+
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from qstore.aio import AsyncQueueStorage
+    from qstore.errors import QueueStorageError
+
+    name = "qstore-cut-async"
+
+    async def body() -> tuple[str, int]:
+        aengine = create_async_engine(db_url, pool_size=1, connect_args={"application_name": name})
+        try:
+            astorage = AsyncQueueStorage(storage)
+            job = InsertParams("k", {"n": 1}, InsertOpts(queue="q"))
+            await astorage.enqueue(aengine, job)
+            with engine.connect() as conn:
+                conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                  "WHERE application_name = :n"), {"n": name})
+            await asyncio.sleep(0.1)
+            try:
+                await astorage.enqueue(aengine, job)
+                outcome = "sent"
+            except QueueStorageError as err:
+                outcome = type(err).__name__
+            await astorage.enqueue(aengine, job)
+            return outcome, len(await astorage.claim_runtime_batch(aengine, "q", 10))
+        finally:
+            await aengine.dispose()
+
+    outcome, claimed = asyncio.run(body())
+    assert outcome != "sent"
+    assert claimed == 2

@@ -75,8 +75,10 @@ synchronous psycopg connection it sends a :class:`~qstore.storage.statements.Hot
 driver cursor directly, skipping SQLAlchemy's per-execute work; with an ``Engine`` it also
 skips the ``Connection`` and its isolation-level round about (a pooled driver connection in
 autocommit mode for the one statement, or for as long as a thread keeps it: see
-:func:`keeping_engine`). Where someone listens to SQLAlchemy's cursor events
-(tracing, statement logging) or the driver is async, the same statement goes through
+:func:`keeping_engine`). With an ``AsyncEngine`` on psycopg the same holds: the statement
+goes to the pooled psycopg ``AsyncConnection``'s cursor, awaited from the greenlet the
+async face runs the operation in. On a caller's async connection, or where someone listens
+to SQLAlchemy's cursor events (tracing, statement logging), the same statement goes through
 ``Connection.execute`` instead, so those listeners see every statement.
 
 A ``SNAPSHOT`` read of several statements names the tables it reads that upkeep truncates
@@ -106,6 +108,7 @@ from sqlalchemy import Connection, Engine, Table, func, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.orm import Session
+from sqlalchemy.util import await_only
 
 from qstore.errors import CallerTransactionRefusedError, ValidationError
 
@@ -276,10 +279,10 @@ def _loads(data: bytes | bytearray | memoryview | str) -> Any:
     return _JSON.decode(data if isinstance(data, str) else bytes(data).decode())
 
 
-def _cursor(info: dict[str, Any], driver: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
-    """The driver connection's reused cursor (kept in its pool record's ``info``). JSON
-    values it reads are parsed by :func:`_loads`; the connection's other cursors keep the
-    application's settings."""
+def _cursor(info: dict[str, Any], driver: Any) -> Any:
+    """The driver connection's reused cursor (kept in its pool record's ``info``; an
+    ``AsyncCursor`` of an ``AsyncConnection``). JSON values it reads are parsed by
+    :func:`_loads`; the connection's other cursors keep the application's settings."""
     cur = info.get(_CURSOR)
     if cur is None or cur.closed or cur.connection is not driver:
         cur = info[_CURSOR] = driver.cursor()
@@ -340,25 +343,46 @@ class Runner:
         return cur.fetchall()
 
 
+class _AsyncRunner(Runner):
+    """A :class:`Runner` on a psycopg ``AsyncConnection``'s cursor, for code running in the
+    greenlet of an async operation: each send is awaited there (``await_only``)."""
+
+    __slots__ = ()
+
+    def _send(self, cur: Any, hot: HotStatement, sql: str, params: Sequence[Any]) -> list[Any]:
+        try:
+            await_only(cur.execute(sql, params, prepare=True if hot.prepared and cur.connection.prepare_threshold
+                                   is not None else None))
+        except psycopg.OperationalError:
+            if cur.connection.closed and self._conn is not None:
+                self._conn.invalidate()
+            raise
+        rows: list[Any] = await_only(cur.fetchall())
+        return rows
+
+
 def _hot_checkout(engine: Engine) -> tuple[Any, Any, Runner] | None:
     """A pooled driver connection of ``engine`` in autocommit mode and a :class:`Runner` on
     its reused cursor; None when someone listens to cursor events or the driver is not
-    psycopg's sync one (then the statement goes through a ``Connection``). Hand the
-    connection back with :func:`_release`."""
-    if engine.dialect.is_async or _listened(engine.dispatch):
-        return None  # (decided before a checkout: an async driver's statement checks out once)
+    psycopg (then the statement goes through a ``Connection``). On an async engine (the
+    sync engine of an ``AsyncEngine``) this runs in the operation's greenlet, and the
+    runner awaits each statement there. Hand the connection back with :func:`_release`."""
+    if _listened(engine.dispatch):
+        return None
     raw = engine.raw_connection()
     driver = raw.driver_connection
-    if not isinstance(driver, psycopg.Connection):
-        raw.close()
-        return None
     try:
-        driver.autocommit = True
-        cursor = _cursor(raw.info, driver)
+        if isinstance(driver, psycopg.Connection):
+            driver.autocommit = True
+            return raw, driver, Runner(engine.dialect, _cursor(raw.info, driver))
+        if isinstance(driver, psycopg.AsyncConnection):
+            await_only(driver.set_autocommit(True))
+            return raw, driver, _AsyncRunner(engine.dialect, _cursor(raw.info, driver))
     except BaseException as err:
         _release(raw, driver, err)
         raise
-    return raw, driver, Runner(engine.dialect, cursor)
+    raw.close()
+    return None
 
 
 def _release(raw: Any, driver: Any, err: BaseException | None = None) -> None:
@@ -367,6 +391,9 @@ def _release(raw: Any, driver: Any, err: BaseException | None = None) -> None:
     try:
         if isinstance(err, psycopg.OperationalError) and (driver is None or driver.closed):
             raw.invalidate()
+        elif isinstance(driver, psycopg.AsyncConnection):
+            if not driver.closed:
+                await_only(driver.set_autocommit(False))
         elif driver is not None and not driver.closed:
             driver.autocommit = False
     finally:

@@ -3,10 +3,12 @@ them (``keeping_engine``): one checkout for many statements, each still committe
 the connection goes back to the pool on ``release_kept``, after an error (replaced after a
 disconnect), when someone starts listening to cursor events, and after ``KEEP_LIMIT``. A
 worker's claim cycles keep theirs while jobs come often and hand it back when the queue goes
-quiet."""
+quiet; so do an asyncio worker's."""
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 from jobtools import checkouts_of
 from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from qstore import (
     InsertOpts,
@@ -27,7 +30,7 @@ from qstore import (
 from qstore.storage import targets
 from qstore.storage.targets import keeping_engine, release_kept
 from qstore.tasks import App, JobContext
-from qstore.worker import Worker, WorkerSettings
+from qstore.worker import AsyncWorker, Worker, WorkerSettings
 
 QUEUE = "kept"
 
@@ -317,3 +320,81 @@ def test_a_stopped_worker_has_handed_its_claim_connections_back(st, app_engine) 
         w.stop(5)
     assert app_engine.pool.checkedout() == 0
     assert not any(t.name.startswith("qstore-claim") for t in threading.enumerate())
+
+
+# -- the asyncio worker's claim cycles -------------------------------------------------------------
+CLAIM_OPS = frozenset({"claim_runtime_batch", "complete_and_claim"})
+
+
+def claim_checkouts_of(pool: Any) -> list[int]:
+    """Count the checkouts of ``pool`` made by a claim (an async face call runs the storage
+    operation in a greenlet, whose frames lead back to the operation); ``[n]``, in place."""
+    seen = [0]
+
+    def checkout(*_: Any) -> None:
+        frame = sys._getframe()
+        while frame is not None:
+            if frame.f_code.co_name in CLAIM_OPS:
+                seen[0] += 1
+                return
+            frame = frame.f_back
+
+    event.listen(pool, "checkout", checkout)
+    return seen
+
+
+def async_trickle(st: QueueStorage, engine: Engine, db_url: str, jobs: int, gap: float) -> tuple[int, int]:
+    """:func:`trickle` for an ``AsyncWorker``: (checkouts its claims made, claims made)
+    while ``jobs`` jobs arrive one every ``gap`` seconds."""
+    app, done = note_app(st)
+
+    async def body() -> tuple[int, int]:
+        aengine = create_async_engine(db_url)
+        try:
+            async with AsyncWorker(app, aengine, worker_settings(), sync_engine=engine) as w:
+                seen = claim_checkouts_of(w.engine.sync_engine.pool)
+                await asyncio.sleep(0.2)
+                before = (seen[0], w.stats.claim_calls)
+                for i in range(jobs):
+                    st.enqueue(engine, InsertParams("note", {"n": i}, InsertOpts(queue=QUEUE)))
+                    await asyncio.sleep(gap)
+                deadline = time.monotonic() + 10
+                while not (len(done) == jobs and w.stats.completed == jobs):
+                    assert time.monotonic() < deadline, "not drained in time"
+                    await asyncio.sleep(0.01)
+                return seen[0] - before[0], w.stats.claim_calls - before[1]
+        finally:
+            await aengine.dispose()
+
+    return asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_an_async_worker_claims_a_steady_trickle_on_a_kept_connection(st, engine, db_url) -> None:  # type: ignore[no-untyped-def]
+    checkouts, claims = async_trickle(st, engine, db_url, 40, 0.02)
+    assert claims >= 20
+    assert checkouts <= 2, (checkouts, claims)
+
+
+def test_an_async_worker_claims_a_slow_trickle_on_connections_checked_out_per_claim(st, engine, db_url) -> None:  # type: ignore[no-untyped-def]
+    checkouts, claims = async_trickle(st, engine, db_url, 4, 0.25)
+    assert claims >= 4 and checkouts >= 4, (checkouts, claims)
+
+
+def test_a_stopped_async_worker_has_handed_its_claim_connections_back(st, engine, db_url) -> None:  # type: ignore[no-untyped-def]
+    app, done = note_app(st)
+
+    async def body() -> int:
+        aengine = create_async_engine(db_url)
+        try:
+            async with AsyncWorker(app, aengine, worker_settings(own_pool=False, poll_interval=0.05),
+                                   sync_engine=engine):
+                for i in range(5):
+                    st.enqueue(engine, InsertParams("note", {"n": i}, InsertOpts(queue=QUEUE)))
+                    await asyncio.sleep(0.01)
+                while len(done) < 5:
+                    await asyncio.sleep(0.01)
+            return aengine.sync_engine.pool.checkedout()
+        finally:
+            await aengine.dispose()
+
+    assert asyncio.run(asyncio.wait_for(body(), 30)) == 0

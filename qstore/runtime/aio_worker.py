@@ -47,7 +47,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any
 
@@ -84,7 +84,8 @@ from qstore.runtime.periodic import Planner
 from qstore.runtime.pools import ConnectionNeeds, own_pool_async_engine
 from qstore.runtime.tasks import App, JobContext, JobOutcome
 from qstore.runtime.telemetry import fast_counts
-from qstore.runtime.worker import _Pool
+from qstore.runtime.worker import KEEP_IDLE, _Pool
+from qstore.storage.targets import keeping_engine, release_kept_async
 from qstore.types import ClaimedRuntimeJob
 
 __all__ = ["AsyncWorker"]
@@ -470,15 +471,27 @@ class AsyncWorker:
             await self.engine.dispose()  # its own pool's idle connections; a restart opens new ones
 
     # -- capacity --------------------------------------------------------------------------------
-    async def _reserve(self, most: int) -> int:
-        """Take up to ``most`` free places; 0 when claiming has stopped."""
+    async def _reserve(self, most: int, long_wait: Callable[[], Awaitable[None]] | None = None) -> int:
+        """Take up to ``most`` free places; 0 when claiming has stopped. ``long_wait`` is
+        awaited once if no place has come free for :data:`KEEP_IDLE` seconds."""
         free_since: float | None = None
+        waiting_since: float | None = None
         while self._claiming.is_set():
-            n, wait, free_since = self._places.take(most, free_since, time.monotonic())
+            now = time.monotonic()
+            n, wait, free_since = self._places.take(most, free_since, now)
             if n:
                 return n
+            wait = 0.5 if wait is None else wait
+            if long_wait is not None:
+                if waiting_since is None:
+                    waiting_since = now
+                elif now - waiting_since >= KEEP_IDLE:
+                    await long_wait()
+                    long_wait = None
+                if long_wait is not None:
+                    wait = min(wait, KEEP_IDLE)
             self._capacity_changed.clear()
-            await wait_event(self._capacity_changed, 0.5 if wait is None else wait)
+            await wait_event(self._capacity_changed, wait)
         return 0
 
     def _release(self, n: int, let_go: bool = False) -> None:
@@ -502,7 +515,21 @@ class AsyncWorker:
                                    busy=self._busy[queue], wake=self._wakes[queue])
 
     async def _dispatch_loop(self, queue: str, index: int = 0) -> None:
-        """Claim cycle ``index`` of ``queue`` (0: the lead; see :class:`ClaimCycles`)."""
+        """Claim cycle ``index`` of ``queue`` (0: the lead; see :class:`ClaimCycles`). Its
+        claims run on a connection it keeps while it claims often and hands back before any
+        longer wait (see :data:`KEEP_IDLE`), as a thread worker's cycle does."""
+        keeping = keeping_engine(self.engine.sync_engine)
+        try:
+            await self._claim_cycle(queue, index, AsyncEngine(keeping), functools.partial(release_kept_async, keeping))
+        finally:
+            await release_kept_async(keeping)
+            self.batcher.expect_claims(ClaimCycles.name(queue, index), False)
+
+    async def _claim_cycle(self, queue: str, index: int, claims_on: AsyncEngine,
+                           give_back: Callable[[], Awaitable[None]]) -> None:
+        """The loop of :meth:`_dispatch_loop`: claims of cycle ``index`` of ``queue`` on
+        ``claims_on`` (an ``AsyncEngine`` of a :func:`keeping_engine`) until claiming stops;
+        ``give_back`` hands the kept connection back."""
         wake, busy = self._wakes[queue], self._busy[queue]
         cycles = self._cycles[queue]
         who = ClaimCycles.name(queue, index)
@@ -511,10 +538,12 @@ class AsyncWorker:
         what = f"claims on queue {queue!r}"
         while self._claiming.is_set():
             if not lead:
+                if not busy.is_set():
+                    await give_back()
                 await busy.wait()  # set while the queue is busy, and by a stop
                 if not self._claiming.is_set():
                     break
-            want = await self._reserve(s.claim_batch)
+            want = await self._reserve(s.claim_batch, give_back)
             if want == 0:
                 break
             if not lead and not cycles.may_claim(index):  # the queue went quiet meanwhile
@@ -524,7 +553,7 @@ class AsyncWorker:
                 wake.clear()
             sent = time.monotonic()
             try:
-                jobs = await self._claim(queue, want)
+                jobs = await self._claim(queue, want, claims_on)
             except Exception as err:
                 self.batcher.expect_claims(who, False)
                 self._release(want)
@@ -537,6 +566,7 @@ class AsyncWorker:
                     break
                 self._outages.failed(what, err, s.error_backoff)
                 if lead:
+                    await give_back()
                     await wait_event(wake, s.error_backoff)  # a stop sets it
                 continue  # (the other cycles wait for the lead's next full claim)
             self._outages.ok(what)
@@ -549,16 +579,20 @@ class AsyncWorker:
                 self._handlers.add(task)
                 task.add_done_callback(self._handlers.discard)
             if lead and len(jobs) < want:
-                await wait_event(wake, s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK))
-        self.batcher.expect_claims(who, False)
+                timeout = s.poll_interval if not jobs else min(s.poll_interval, PARTIAL_RECHECK)
+                if timeout <= KEEP_IDLE:
+                    await wait_event(wake, timeout)
+                elif not await wait_event(wake, KEEP_IDLE):  # quiet for a while: the connection goes back
+                    await give_back()
+                    await wait_event(wake, timeout - KEEP_IDLE)
 
-    async def _claim(self, queue: str, n: int) -> list[ClaimedRuntimeJob]:
-        """Claim up to ``n`` attempts of ``queue``, taking the completions waiting in the
-        batcher along (one ``complete_and_claim`` round trip) when there are any."""
+    async def _claim(self, queue: str, n: int, on: AsyncEngine) -> list[ClaimedRuntimeJob]:
+        """Claim up to ``n`` attempts of ``queue`` on ``on``, taking the completions waiting
+        in the batcher along (one ``complete_and_claim`` round trip) when there are any."""
         lent = self.batcher.lend() if self.core.claims_complete else []
         call = self.core.claim_call(queue, n, self.instance_id, [c.claimed for c in lent])
         try:
-            result = await getattr(self.storage, call.op)(self.engine, *call.args)
+            result = await getattr(self.storage, call.op)(on, *call.args)
         except BaseException as err:
             return self.core.claim_raised(self.batcher, lent, err)
         return self.core.claim_returned(self.batcher, lent, result)

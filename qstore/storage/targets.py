@@ -108,7 +108,7 @@ from sqlalchemy import Connection, Engine, Table, func, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.orm import Session
-from sqlalchemy.util import await_only
+from sqlalchemy.util import await_only, greenlet_spawn
 
 from qstore.errors import CallerTransactionRefusedError, ValidationError
 
@@ -566,6 +566,15 @@ def release_kept(engine: Engine) -> None:
     kept: KeptConnection | None = engine.__dict__.get(_KEPT)
     if kept is not None:
         kept.release()
+
+
+async def release_kept_async(engine: Engine) -> None:
+    """:func:`release_kept` for a :func:`keeping_engine` of an ``AsyncEngine``'s sync engine:
+    the check-in runs in a greenlet, as the pool of an async driver needs (nothing is
+    spawned when no connection is kept)."""
+    kept: KeptConnection | None = engine.__dict__.get(_KEPT)
+    if kept is not None and kept.held:
+        await greenlet_spawn(kept.release)
 
 
 #: ``lock_timeout`` of a guarded step (every ``ACCESS EXCLUSIVE`` request of prune and

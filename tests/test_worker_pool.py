@@ -346,6 +346,34 @@ def test_an_async_worker_refuses_a_sync_engine_too_small_for_its_maintainer(st, 
         tiny.dispose()
 
 
+def test_stopping_a_worker_on_a_pool_of_its_own_tells_no_engine_disposed_listener(st, db_url, engine) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    disposed: list[str] = []
+
+    async def body() -> tuple[list[str], bool]:
+        aengine = create_async_engine(db_url)
+        try:
+            event.listen(aengine.sync_engine, "engine_disposed", lambda e: disposed.append("async"))
+            w = AsyncWorker(app, aengine, settings(), sync_engine=engine)
+            async with w:
+                await asyncio.sleep(0.2)
+            return list(disposed), w.engine.sync_engine.pool.checkedin() == 0
+        finally:
+            await aengine.dispose()
+
+    sync_app = create_engine(db_url)
+    try:
+        event.listen(sync_app, "engine_disposed", lambda e: disposed.append("sync"))
+        with w_started(app, sync_app):
+            time.sleep(0.2)
+        assert disposed == []  # the thread worker emptied its pool alone
+        seen, emptied = asyncio.run(asyncio.wait_for(body(), 20))
+    finally:
+        sync_app.dispose()
+    assert seen == [] and emptied
+    assert disposed == ["async", "sync"]  # the applications' own disposals are told as ever
+
+
 # -- helpers -------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def w_started(app: App, engine: Engine, **given: Any) -> Iterator[Worker]:

@@ -53,6 +53,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import greenlet_spawn
 
 from qstore import migrate
 from qstore.aio import AsyncListener
@@ -468,7 +469,10 @@ class AsyncWorker:
             self.sync_engine.dispose()
             self.sync_engine = None
         if self.settings.own_pool:
-            await self.engine.dispose()  # its own pool's idle connections; a restart opens new ones
+            # its own pool's idle connections (a restart opens new ones); the pool alone, as
+            # the engine's dispose would tell the application's engine_disposed listeners
+            # that the application's engine was disposed
+            await greenlet_spawn(self.engine.sync_engine.pool.dispose)
 
     # -- capacity --------------------------------------------------------------------------------
     async def _reserve(self, most: int, long_wait: Callable[[], Awaitable[None]] | None = None) -> int:

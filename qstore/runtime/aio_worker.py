@@ -150,13 +150,13 @@ class AsyncWorker:
         self.app = app
         self.storage = app.async_storage
         s = self.settings
-        cycles = 1 if s.max_claimers is not None else s.claims_in_flight
         #: the pooled connections of ``engine`` this worker uses at once (claims, the batcher,
         #: the keeper, outcome writes; the maintainer and the planner use ``sync_engine``)
-        self.connection_needs = ConnectionNeeds(kept=len(self.queues) * cycles, brief=2 + min(8, s.concurrency))
+        self.connection_needs = ConnectionNeeds(kept=len(self.queues) * s.claim_cycles,
+                                                brief=2 + min(8, s.concurrency))
         locks = (1 if s.maintain else 0) + (1 if app.periodic_tasks else 0)
         if sync_engine is not None and locks:
-            ConnectionNeeds(kept=locks, brief=1).check(sync_engine.pool, "sync_engine")
+            ConnectionNeeds(kept=locks, brief=1).check(sync_engine.pool, "sync_engine", remedy="")
         #: the engine the worker's claims and completions go through: ``engine`` on a pool
         #: of its own (``own_pool``, see :mod:`qstore.runtime.pools`), else ``engine`` itself
         self.engine = (own_pool_async_engine(engine, self.connection_needs.most) if s.own_pool

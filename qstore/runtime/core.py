@@ -208,6 +208,13 @@ class WorkerSettings:
     error_backoff: float = 1.0
     own_pool: bool = True
 
+    @property
+    def claim_cycles(self) -> int:
+        """The claim cycles each queue may have in flight: ``claims_in_flight``, or 1 through
+        bounded claimer slots (``max_claimers``): a worker is one claimer of its queue, and
+        its claims go through its one slot one at a time."""
+        return 1 if self.max_claimers is not None else self.claims_in_flight
+
     def __post_init__(self) -> None:
         if self.queues is not None:
             if isinstance(self.queues, str):
@@ -718,10 +725,8 @@ class WorkerCore:
     # -- claiming ---------------------------------------------------------------------------------
     @property
     def cycles(self) -> int:
-        """The claim cycles each queue may have in flight: ``claims_in_flight``, or 1 through
-        bounded claimer slots (``max_claimers``): a worker is one claimer of its queue, and
-        its claims go through its one slot one at a time."""
-        return 1 if self.settings.max_claimers is not None else self.settings.claims_in_flight
+        """The claim cycles each queue may have in flight (:attr:`WorkerSettings.claim_cycles`)."""
+        return self.settings.claim_cycles
 
     @property
     def claims_complete(self) -> bool:

@@ -57,18 +57,17 @@ class ConnectionNeeds:
         """Every user at once: the pool size that lets no worker thread wait for another."""
         return self.kept + self.brief
 
-    def check(self, pool: Pool, source: str) -> None:
+    def check(self, pool: Pool, source: str, remedy: str = ", or use own_pool=True") -> None:
         """Raise :class:`~qstore.errors.ValidationError` naming ``source`` when ``pool``
         allows fewer connections at once than :attr:`least` (the worker would wait for
-        connections its own threads never give back)."""
+        connections its own threads never give back); ``remedy`` ends the message."""
         capacity = pool_capacity(pool)
         if capacity is not None and capacity < self.least:
             raise ValidationError(
                 source, f"a pool of {capacity} connection{'s' * (capacity != 1)}",
-                f"this worker keeps up to {self.kept} connections for long stretches (claim cycles, "
-                f"maintenance and planner locks) and needs one more for its other calls: give the "
-                f"engine a pool of at least {self.least} (pool_size + max_overflow), or use "
-                f"own_pool=True")
+                f"this worker keeps up to {self.kept} connections of it for long stretches (claim "
+                f"cycles, maintenance and planner locks) and needs one more for its other calls: "
+                f"give {source} a pool of at least {self.least} (pool_size + max_overflow){remedy}")
 
 
 def pool_capacity(pool: Pool) -> int | None:

@@ -188,9 +188,8 @@ def connection_needs(app: App, settings: WorkerSettings, queues: Sequence[str]) 
     each claim cycle in flight (``claims_in_flight`` per queue, 1 with ``max_claimers``) and
     the maintainer's and planner's lock holders; brief, the batcher, the keeper, a
     maintenance task, the planner's ticks and up to 8 outcome writers."""
-    cycles = 1 if settings.max_claimers is not None else settings.claims_in_flight
     maintain, plan = (1 if settings.maintain else 0), (1 if app.periodic_tasks else 0)
-    return ConnectionNeeds(kept=len(queues) * cycles + maintain + plan,
+    return ConnectionNeeds(kept=len(queues) * settings.claim_cycles + maintain + plan,
                            brief=2 + maintain + plan + min(8, settings.concurrency))
 
 

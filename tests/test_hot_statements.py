@@ -199,3 +199,36 @@ def test_an_async_hot_call_on_a_cut_connection_fails_once_and_the_next_reconnect
     outcome, claimed = asyncio.run(body())
     assert outcome != "sent"
     assert claimed == 2
+
+
+def test_hot_calls_in_a_callers_async_transaction_go_to_the_driver_and_follow_its_end(storage, db_url, engine):
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from qstore.aio import AsyncQueueStorage
+
+    executed: list[str] = []
+
+    async def body() -> tuple[int, int]:
+        aengine = create_async_engine(db_url)
+        try:
+            event.listen(aengine.sync_engine, "before_execute", lambda conn, clause, *a: executed.append(str(clause)))
+            astorage = AsyncQueueStorage(storage)
+            job = InsertParams("k", {"n": 1}, InsertOpts(queue="q"))
+            async with aengine.connect() as conn:
+                await astorage.enqueue(conn, job)
+                await conn.rollback()  # the enqueue goes with the caller's transaction
+                await astorage.enqueue(conn, job)
+                await astorage.enqueue(conn, job)
+                await conn.commit()
+                claimed = await astorage.claim_runtime_batch(conn, "q", 10)
+                await conn.rollback()  # so does the claim: both jobs are claimable again
+            async with aengine.begin() as conn:
+                again = await astorage.claim_runtime_batch(conn, "q", 10)
+            return len(claimed), len(again)
+        finally:
+            await aengine.dispose()
+
+    assert asyncio.run(body()) == (2, 2)
+    assert not [s for s in executed if "enqueue_job" in s or "claim_ready" in s]

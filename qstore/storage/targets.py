@@ -75,11 +75,12 @@ synchronous psycopg connection it sends a :class:`~qstore.storage.statements.Hot
 driver cursor directly, skipping SQLAlchemy's per-execute work; with an ``Engine`` it also
 skips the ``Connection`` and its isolation-level round about (a pooled driver connection in
 autocommit mode for the one statement, or for as long as a thread keeps it: see
-:func:`keeping_engine`). With an ``AsyncEngine`` on psycopg the same holds: the statement
-goes to the pooled psycopg ``AsyncConnection``'s cursor, awaited from the greenlet the
-async face runs the operation in. On a caller's async connection, or where someone listens
-to SQLAlchemy's cursor events (tracing, statement logging), the same statement goes through
-``Connection.execute`` instead, so those listeners see every statement.
+:func:`keeping_engine`). On psycopg's ``AsyncConnection`` (an ``AsyncEngine``, or a
+caller's ``AsyncConnection`` or ``AsyncSession`` in its transaction) the same holds: the
+statement goes to the driver's cursor, awaited from the greenlet the async face runs the
+operation in. Where someone listens to SQLAlchemy's cursor events (tracing, statement
+logging), the same statement goes through ``Connection.execute`` instead, so those
+listeners see every statement.
 
 A ``SNAPSHOT`` read of several statements names the tables it reads that upkeep truncates
 (:func:`holding`); it takes ``ACCESS SHARE`` on them (:func:`hold`) before its first
@@ -309,8 +310,11 @@ class Runner:
         if not conn.in_transaction():
             conn.begin()
         driver = conn.connection.driver_connection
-        if isinstance(driver, psycopg.Connection) and not _listened(conn.dispatch):
-            return cls(conn.dialect, _cursor(conn.connection.info, driver), conn)
+        if not _listened(conn.dispatch):
+            if isinstance(driver, psycopg.Connection):
+                return cls(conn.dialect, _cursor(conn.connection.info, driver), conn)
+            if isinstance(driver, psycopg.AsyncConnection):  # (in the async face's greenlet)
+                return _AsyncRunner(conn.dialect, _cursor(conn.connection.info, driver), conn)
         return cls(conn.dialect, None, conn)
 
     def rows(self, hot: HotStatement, values: dict[str, Any]) -> list[Any]:

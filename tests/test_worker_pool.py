@@ -214,10 +214,23 @@ def test_the_workers_own_pool_keeps_room_for_every_connection_its_threads_use(st
         # 2 claim cycles + the maintainer's lock kept; batcher, keeper, a task, 4 outcome writers
         assert w.connection_needs == ConnectionNeeds(kept=3, brief=7)
         assert own.size() == 10
+        # 2 + 3 = 5 at once was too few: 10 kept, none beyond
         assert (own._max_overflow, own._timeout, own._recycle, own._pre_ping, own._pool.use_lifo) == (
-            3, 7, 60, True, True)
+            0, 7, 60, True, True)
     finally:
         small.dispose()
+
+
+def test_the_workers_own_pool_hands_out_no_more_at_once_than_the_applications(st, db_url) -> None:  # type: ignore[no-untyped-def]
+    default = create_engine(db_url)  # 5 kept, 10 more: 15 at once
+    try:
+        w = Worker(counted_app(st)[0], default, settings(maintain=True, concurrency=4))
+        own = w.engine.pool
+        assert isinstance(own, QueuePool)
+        assert (own.size(), own._max_overflow) == (w.connection_needs.most, 15 - w.connection_needs.most)
+        assert pool_capacity(own) == 15
+    finally:
+        default.dispose()
 
 
 def test_the_workers_own_pool_keeps_a_larger_size_of_the_applications(st, db_url) -> None:  # type: ignore[no-untyped-def]

@@ -81,13 +81,18 @@ def pool_capacity(pool: Pool) -> int | None:
 
 def _copy(pool: Pool, at_least: int) -> Pool:
     """``pool.recreate()``, with a ``QueuePool``'s ``pool_size`` raised to ``at_least`` when
-    it is smaller (and not 0, no limit); every other setting as ``recreate`` copies it."""
+    it is smaller (and not 0, no limit). The most connections it hands out at once stay the
+    original's (``pool_size + max_overflow``: the overflow shrinks by what the size grew)
+    unless that is below ``at_least``; every other setting as ``recreate`` copies it."""
     copy = pool.recreate()
     if not isinstance(copy, QueuePool) or not 0 < copy.size() < at_least:
         return copy
-    # the arguments QueuePool.recreate passes, with the size changed
+    overflow = copy._max_overflow
+    if overflow >= 0:
+        overflow = max(0, copy.size() + overflow - at_least)
+    # the arguments QueuePool.recreate passes, with the size and overflow changed
     return type(copy)(
-        copy._creator, pool_size=at_least, max_overflow=copy._max_overflow, pre_ping=copy._pre_ping,
+        copy._creator, pool_size=at_least, max_overflow=overflow, pre_ping=copy._pre_ping,
         use_lifo=copy._pool.use_lifo, timeout=copy._timeout, recycle=copy._recycle, echo=copy.echo,
         logging_name=copy._orig_logging_name, reset_on_return=copy._reset_on_return,
         _dispatch=copy.dispatch, dialect=copy._dialect)
@@ -118,7 +123,8 @@ def own_pool_engine(engine: Engine, at_least: int = 0) -> Engine:
     """``engine`` on a new pool made by ``engine.pool.recreate()``: the same pool class and
     sizes, the same connect function (the engine's URL and ``connect_args``) and the pool's
     event listeners (``connect``, ``checkout``, ... registered so far), except that a
-    ``QueuePool`` keeps at least ``at_least`` connections (its ``max_overflow`` unchanged).
+    ``QueuePool`` keeps at least ``at_least`` connections (with its ``max_overflow`` cut so
+    that it hands out no more at once than the original, or ``at_least`` if that is more).
     Statements sent through the returned engine fire ``engine``'s engine events as the
     engine's own do. Nothing is connected until the first checkout; dispose of the pool
     (``returned.pool.dispose()``) when done with it."""

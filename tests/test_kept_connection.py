@@ -398,3 +398,14 @@ def test_a_stopped_async_worker_has_handed_its_claim_connections_back(st, engine
             await aengine.dispose()
 
     assert asyncio.run(asyncio.wait_for(body(), 30)) == 0
+
+
+def test_a_wait_for_places_hands_the_connection_back_once_it_has_lasted_keep_idle() -> None:
+    from qstore.runtime.core import KEEP_IDLE, IdleGiveBack
+
+    idle = IdleGiveBack(True)
+    assert idle.step(10.0, 0.5) == (KEEP_IDLE, False)  # waits are cut to KEEP_IDLE until then
+    assert idle.step(10.0 + KEEP_IDLE / 2, 0.5) == (KEEP_IDLE, False)
+    assert idle.step(10.0 + KEEP_IDLE, 0.5) == (0.5, True)  # once, then waits are left alone
+    assert idle.step(11.0, 0.5) == (0.5, False)
+    assert IdleGiveBack(False).step(10.0, 0.5) == (0.5, False)  # nothing kept: nothing to hand back

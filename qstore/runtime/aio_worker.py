@@ -67,11 +67,13 @@ from qstore.errors import (
 from qstore.outage import OutageLog, describe_failure
 from qstore.runtime.batcher import AsyncCompletionBatcher, wait_event
 from qstore.runtime.core import (
+    KEEP_IDLE,
     PARTIAL_RECHECK,
     Attempt,
     Call,
     Capacity,
     ClaimCycles,
+    IdleGiveBack,
     Procedure,
     Sleep,
     WorkerCore,
@@ -85,7 +87,7 @@ from qstore.runtime.periodic import Planner
 from qstore.runtime.pools import ConnectionNeeds, own_pool_async_engine
 from qstore.runtime.tasks import App, JobContext, JobOutcome
 from qstore.runtime.telemetry import fast_counts
-from qstore.runtime.worker import KEEP_IDLE, _Pool
+from qstore.runtime.worker import _Pool
 from qstore.storage.targets import keeping_engine, release_kept_async
 from qstore.types import ClaimedRuntimeJob
 
@@ -479,21 +481,15 @@ class AsyncWorker:
         """Take up to ``most`` free places; 0 when claiming has stopped. ``long_wait`` is
         awaited once if no place has come free for :data:`KEEP_IDLE` seconds."""
         free_since: float | None = None
-        waiting_since: float | None = None
+        idle = IdleGiveBack(long_wait is not None)
         while self._claiming.is_set():
             now = time.monotonic()
             n, wait, free_since = self._places.take(most, free_since, now)
             if n:
                 return n
-            wait = 0.5 if wait is None else wait
-            if long_wait is not None:
-                if waiting_since is None:
-                    waiting_since = now
-                elif now - waiting_since >= KEEP_IDLE:
-                    await long_wait()
-                    long_wait = None
-                if long_wait is not None:
-                    wait = min(wait, KEEP_IDLE)
+            wait, give_back = idle.step(now, 0.5 if wait is None else wait)
+            if give_back and long_wait is not None:
+                await long_wait()
             self._capacity_changed.clear()
             await wait_event(self._capacity_changed, wait)
         return 0

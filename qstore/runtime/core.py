@@ -96,6 +96,11 @@ CLAIM_LINGER = 0.005
 #: How soon a dispatcher whose claim came back partly filled claims again without a
 #: notification (seconds; at most ``poll_interval``).
 PARTIAL_RECHECK = 0.05
+#: How long (seconds) a claim cycle waiting for a notification or for free places keeps its
+#: connection: a queue that gets jobs at least this often claims on one connection, without
+#: a pool checkout and check-in per claim; a quieter one hands it back to the pool while it
+#: waits.
+KEEP_IDLE = 0.1
 #: Retry delays of an outcome write or a give-back that failed (seconds): the first, doubled
 #: after each failure up to the cap. They go on until the attempt's lease ends (see
 #: :meth:`WorkerCore.lease_end`) or a stop gives up.
@@ -500,6 +505,30 @@ class Host(Protocol):
 
     def fatal(self, err: SchemaNotInstalledError) -> None:
         """Stop the worker: its schema is gone."""
+
+
+class IdleGiveBack:
+    """When a claim cycle waiting for free places hands its kept connection back: once the
+    wait has lasted :data:`KEEP_IDLE` (short waits of a drain keep it). One per wait."""
+
+    __slots__ = ("_pending", "_since")
+
+    def __init__(self, pending: bool) -> None:
+        self._pending = pending  # False: nothing to hand back
+        self._since: float | None = None
+
+    def step(self, now: float, wait: float) -> tuple[float, bool]:
+        """Before waiting ``wait`` seconds at ``now``: (how long to wait, whether to hand
+        the connection back first). Until it is handed back, no wait outlasts
+        :data:`KEEP_IDLE`, so the hand-back comes on time."""
+        if not self._pending:
+            return wait, False
+        if self._since is None:
+            self._since = now
+        elif now - self._since >= KEEP_IDLE:
+            self._pending = False
+            return wait, True
+        return min(wait, KEEP_IDLE), False
 
 
 class Capacity:

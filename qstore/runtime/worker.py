@@ -70,10 +70,12 @@ from qstore.errors import (
 from qstore.outage import OutageLog, describe_failure
 from qstore.runtime.batcher import CompletionBatcher
 from qstore.runtime.core import (
+    KEEP_IDLE,
     PARTIAL_RECHECK,
     Attempt,
     Capacity,
     ClaimCycles,
+    IdleGiveBack,
     Procedure,
     Sleep,
     WorkerCore,
@@ -96,10 +98,6 @@ __all__ = ["Worker", "WorkerSettings", "WorkerStats"]
 
 log = logging.getLogger("qstore.worker")
 
-#: How long (seconds) a claim cycle waiting for a notification keeps its connection: a
-#: queue that gets jobs at least this often claims on one connection, without a pool
-#: checkout and check-in per claim; a quieter one hands it back to the pool while it waits.
-KEEP_IDLE = 0.1
 
 
 
@@ -541,21 +539,15 @@ class Worker:
         place has come free for :data:`KEEP_IDLE` seconds."""
         with self._capacity:
             free_since: float | None = None
-            waiting_since: float | None = None
+            idle = IdleGiveBack(long_wait is not None)
             while self._claiming.is_set():
                 now = time.monotonic()
                 n, wait, free_since = self._places.take(most, free_since, now)
                 if n:
                     return n
-                wait = 0.5 if wait is None else wait
-                if long_wait is not None:
-                    if waiting_since is None:
-                        waiting_since = now
-                    elif now - waiting_since >= KEEP_IDLE:
-                        long_wait()
-                        long_wait = None
-                    if long_wait is not None:
-                        wait = min(wait, KEEP_IDLE)
+                wait, give_back = idle.step(now, 0.5 if wait is None else wait)
+                if give_back and long_wait is not None:
+                    long_wait()
                 self._capacity.wait(wait)
             return 0
 

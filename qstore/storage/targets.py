@@ -338,13 +338,24 @@ class Runner:
 
     def _send(self, cur: psycopg.Cursor[Any], hot: HotStatement, sql: str, params: Sequence[Any]) -> list[Any]:
         try:
-            cur.execute(sql, params, prepare=True if hot.prepared and cur.connection.prepare_threshold is not None
-                        else None)
+            cur.execute(sql, params, prepare=_prepare(hot, cur))
         except psycopg.OperationalError:
-            if cur.connection.closed and self._conn is not None:
-                self._conn.invalidate()  # as SQLAlchemy does on a disconnect
+            self._lost(cur)
             raise
         return cur.fetchall()
+
+    def _lost(self, cur: Any) -> None:
+        """After a driver error: invalidate the caller's connection if the driver's is
+        closed, as SQLAlchemy does on a disconnect (a pooled one is handled by
+        :func:`_release`)."""
+        if cur.connection.closed and self._conn is not None:
+            self._conn.invalidate()
+
+
+def _prepare(hot: HotStatement, cur: Any) -> bool | None:
+    """The driver's ``prepare`` flag for ``hot`` on ``cur``: prepared at once when the
+    statement asks for it and the connection prepares at all, else the driver's default."""
+    return True if hot.prepared and cur.connection.prepare_threshold is not None else None
 
 
 class _AsyncRunner(Runner):
@@ -355,11 +366,9 @@ class _AsyncRunner(Runner):
 
     def _send(self, cur: Any, hot: HotStatement, sql: str, params: Sequence[Any]) -> list[Any]:
         try:
-            await_only(cur.execute(sql, params, prepare=True if hot.prepared and cur.connection.prepare_threshold
-                                   is not None else None))
+            await_only(cur.execute(sql, params, prepare=_prepare(hot, cur)))
         except psycopg.OperationalError:
-            if cur.connection.closed and self._conn is not None:
-                self._conn.invalidate()
+            self._lost(cur)
             raise
         rows: list[Any] = await_only(cur.fetchall())
         return rows

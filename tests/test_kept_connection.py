@@ -404,8 +404,8 @@ def test_a_wait_for_places_hands_the_connection_back_once_it_has_lasted_keep_idl
     from qstore.runtime.core import KEEP_IDLE, IdleGiveBack
 
     idle = IdleGiveBack(True)
-    assert idle.step(10.0, 0.5) == (KEEP_IDLE, False)  # waits are cut to KEEP_IDLE until then
-    assert idle.step(10.0 + KEEP_IDLE / 2, 0.5) == (KEEP_IDLE, False)
-    assert idle.step(10.0 + KEEP_IDLE, 0.5) == (0.5, True)  # once, then waits are left alone
-    assert idle.step(11.0, 0.5) == (0.5, False)
+    assert idle.step(0.0, 0.5) == (KEEP_IDLE, False)  # waits are cut to KEEP_IDLE until then
+    assert idle.step(KEEP_IDLE / 2, 0.5) == (KEEP_IDLE, False)
+    assert idle.step(KEEP_IDLE, 0.5) == (0.5, True)  # once, then waits are left alone
+    assert idle.step(1.0, 0.5) == (0.5, False)
     assert IdleGiveBack(False).step(10.0, 0.5) == (0.5, False)  # nothing kept: nothing to hand back

@@ -357,3 +357,14 @@ def test_claim_server_bench_also_runs_the_claim_of_an_earlier_revision(fresh_db_
 def test_claim_server_bench_refuses_a_revision_without_a_claim_text() -> None:
     proc = run_script("bench_claim_server.py", "--also-claim-of", "0009")
     assert proc.returncode == 2 and "revision '0009' has no frozen claim_ready text" in proc.stderr
+
+
+def test_async_calls_bench_times_every_case_and_drops_its_schema(fresh_db_url, tmp_path):
+    out = tmp_path / "async_calls.json"
+    proc = run_script("bench_async_calls.py", "--url", fresh_db_url, "--calls", "10", "--blocks", "2",
+                      "--warm", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"enqueue", "claim", "enqueue_in_tx", "claim_in_tx"}
+    assert all(f["cpu_us"] > 0 and f["calls_per_s"] > 0 for f in figures.values())
+    assert schemas_named(fresh_db_url, "nspname LIKE 'qstore_async_calls_%'") == []

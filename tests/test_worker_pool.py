@@ -17,13 +17,18 @@ import pytest
 from jobtools import checkouts_of
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.pool import NullPool, QueuePool
+from sqlalchemy.pool import AssertionPool, AsyncAdaptedQueuePool, NullPool, QueuePool, StaticPool
 
 from qstore import InsertOpts, InsertParams
 from qstore.cli import build_parser
 from qstore.cli.worker import worker_engine, worker_settings
 from qstore.errors import ValidationError
-from qstore.runtime.pools import ConnectionNeeds, own_pool_engine, pool_capacity
+from qstore.runtime.pools import (
+    ONE_CONNECTION_OVERFLOW,
+    ConnectionNeeds,
+    own_pool_engine,
+    pool_capacity,
+)
 from qstore.runtime.worker import connection_needs
 from qstore.tasks import App, JobContext
 from qstore.worker import AsyncWorker, Worker, WorkerSettings
@@ -254,6 +259,112 @@ def test_a_worker_on_an_applications_pool_it_cannot_progress_on_is_refused(st, d
         Worker(counted_app(st)[0], tiny, settings(own_pool=False, maintain=False))
     finally:
         tiny.dispose()
+
+
+# -- pools of one connection ----------------------------------------------------------------------
+def test_a_worker_on_a_static_pool_runs_on_a_queue_pool_of_its_own(st, db_url, caplog) -> None:  # type: ignore[no-untyped-def]
+    # a StaticPool hands its one connection to every thread: the maintainer's transactions and
+    # the claim cycles' autocommitted statements would interleave on it
+    static = create_engine(db_url, poolclass=StaticPool, pool_pre_ping=True)
+    try:
+        app, done = counted_app(st)
+        enqueue_jobs(st, static)
+        with caplog.at_level("WARNING", logger="qstore"), w_started(app, static, maintain=True) as w:
+            own = w.engine.pool
+            assert type(own) is QueuePool
+            assert (own.size(), own._max_overflow, own._pre_ping) == (
+                w.connection_needs.most, ONE_CONNECTION_OVERFLOW, True)
+            wait_for(lambda: w.stats.completed == JOBS)
+            m = w.maintainer
+            assert m is not None
+            wait_for(lambda: {r.task for r in m.reports()} == set(m.task_names))  # each task ran
+            assert [(r.task, r.error) for r in m.reports() if r.error is not None] == []
+        assert sorted(done) == list(range(JOBS))
+        assert [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")] == []
+    finally:
+        static.dispose()
+
+
+def test_a_worker_on_an_assertion_pool_runs_its_jobs(st, db_url) -> None:  # type: ignore[no-untyped-def]
+    # an AssertionPool allows one checkout at a time: a copy of it refused every claim
+    single = create_engine(db_url, poolclass=AssertionPool)
+    try:
+        app, done = counted_app(st)
+        enqueue_jobs(st, single)
+        with w_started(app, single, maintain=True) as w:
+            wait_for(lambda: w.stats.completed == JOBS)
+            assert w.stats.claim_errors == 0
+        assert sorted(done) == list(range(JOBS))
+    finally:
+        single.dispose()
+
+
+@pytest.mark.parametrize("pool_class", [StaticPool, AssertionPool], ids=lambda c: c.__name__)
+def test_a_worker_refuses_to_share_the_one_connection_of_the_applications_pool(st, db_url, pool_class) -> None:  # type: ignore[no-untyped-def]
+    one = create_engine(db_url, poolclass=pool_class)
+    try:
+        with pytest.raises(ValidationError, match=rf"invalid engine='{pool_class.__name__}'.*one connection to "
+                                                  r"every caller.*QueuePool of at least") as caught:
+            Worker(counted_app(st)[0], one, settings(own_pool=False))
+        assert caught.value.field == "engine"
+    finally:
+        one.dispose()
+
+
+def test_an_async_worker_on_a_static_pool_claims_on_an_async_queue_pool_of_its_own(st, db_url, engine) -> None:  # type: ignore[no-untyped-def]
+    app, done = counted_app(st)
+    enqueue_jobs(st, engine)
+
+    async def body() -> type:
+        aengine = create_async_engine(db_url, poolclass=StaticPool)
+        try:
+            w = AsyncWorker(app, aengine, settings(concurrency=4), sync_engine=engine)
+            pool: Any = w.engine.sync_engine.pool
+            async with w:
+                while w.stats.completed < JOBS:
+                    await asyncio.sleep(0.01)
+            return type(pool)
+        finally:
+            await aengine.dispose()
+
+    assert asyncio.run(asyncio.wait_for(body(), 20)) is AsyncAdaptedQueuePool
+    assert sorted(done) == list(range(JOBS))
+
+
+@pytest.mark.parametrize("pool", ["static", "one connection"])
+def test_an_async_worker_refuses_an_applications_async_pool_it_cannot_run_on(st, db_url, engine, pool) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    given: dict[str, Any] = {"poolclass": StaticPool} if pool == "static" else {"pool_size": 1, "max_overflow": 0}
+
+    async def body() -> None:
+        aengine = create_async_engine(db_url, **given)
+        try:
+            AsyncWorker(app, aengine, settings(own_pool=False), sync_engine=engine)
+        finally:
+            await aengine.dispose()
+
+    with pytest.raises(ValidationError, match="StaticPool" if pool == "static" else "a pool of 1 connection") as caught:
+        asyncio.run(body())
+    assert caught.value.field == "engine"
+
+
+def test_an_async_worker_refuses_a_sync_engine_of_one_shared_connection(st, db_url) -> None:  # type: ignore[no-untyped-def]
+    app, _ = counted_app(st)
+    static = create_engine(db_url, poolclass=StaticPool)
+
+    async def body() -> None:
+        aengine = create_async_engine(db_url)
+        try:
+            AsyncWorker(app, aengine, settings(maintain=True), sync_engine=static)
+        finally:
+            await aengine.dispose()
+
+    try:
+        with pytest.raises(ValidationError, match="StaticPool") as caught:
+            asyncio.run(body())
+        assert caught.value.field == "sync_engine"
+    finally:
+        static.dispose()
 
 
 def test_connection_needs_count_one_cycle_per_queue_with_bounded_claimers_and_the_planners_lock(st) -> None:  # type: ignore[no-untyped-def]

@@ -156,6 +156,8 @@ class AsyncWorker:
         #: the keeper, outcome writes; the maintainer and the planner use ``sync_engine``)
         self.connection_needs = ConnectionNeeds(kept=len(self.queues) * s.claim_cycles,
                                                 brief=2 + min(8, s.concurrency))
+        if not s.own_pool:
+            self.connection_needs.check(engine.sync_engine.pool, "engine")
         locks = (1 if s.maintain else 0) + (1 if app.periodic_tasks else 0)
         if sync_engine is not None and locks:
             ConnectionNeeds(kept=locks, brief=1).check(sync_engine.pool, "sync_engine", remedy="")

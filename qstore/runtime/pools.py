@@ -13,8 +13,12 @@ application's connections nor waits for them.
 
 :func:`own_pool_engine` gives the worker that pool without giving up anything the
 application configured on its engine, except that a pool too small for the worker's own
-threads is made large enough for them (:class:`ConnectionNeeds`); a worker on the
-application's pool (``own_pool=False``) refuses a pool it could not make progress on.
+threads is made large enough for them (:class:`ConnectionNeeds`), and a pool that hands one
+connection to every caller (``StaticPool``, ``AssertionPool``) is replaced by a queue pool
+on the same connect function: the worker's threads each run their own transactions, and on
+one shared connection they would interleave them. A worker on the application's pool
+(``own_pool=False``) refuses a pool it could not make progress on or would share one
+connection over.
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.pool import Pool, QueuePool
+from sqlalchemy.pool import AssertionPool, AsyncAdaptedQueuePool, Pool, QueuePool, StaticPool
 
 from qstore.errors import ValidationError
 
-__all__ = ["ConnectionNeeds", "own_pool_async_engine", "own_pool_engine", "pool_capacity"]
+__all__ = ["ConnectionNeeds", "own_pool_async_engine", "own_pool_engine", "pool_capacity", "shares_one_connection"]
+
+#: The overflow of the queue pool that replaces a one-connection pool (SQLAlchemy's default).
+ONE_CONNECTION_OVERFLOW = 10
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,16 @@ class ConnectionNeeds:
     def check(self, pool: Pool, source: str, remedy: str = ", or use own_pool=True") -> None:
         """Raise :class:`~qstore.errors.ValidationError` naming ``source`` when ``pool``
         allows fewer connections at once than :attr:`least` (the worker would wait for
-        connections its own threads never give back); ``remedy`` ends the message."""
+        connections its own threads never give back) or hands one connection to every
+        caller (:func:`shares_one_connection`: the worker's transactions would interleave on
+        it); ``remedy`` ends the message."""
+        if shares_one_connection(pool):
+            raise ValidationError(
+                source, type(pool).__name__,
+                f"a pool of this class hands one connection to every caller, and this worker's threads (claim cycles, "
+                f"the completion batcher, maintenance) each run transactions of their own, which "
+                f"would interleave on it: give {source} a QueuePool of at least {self.least} "
+                f"connections{remedy}")
         capacity = pool_capacity(pool)
         if capacity is not None and capacity < self.least:
             raise ValidationError(
@@ -79,11 +95,28 @@ def pool_capacity(pool: Pool) -> int | None:
     return pool.size() + pool._max_overflow
 
 
+def shares_one_connection(pool: Pool) -> bool:
+    """True when ``pool`` hands one connection to every caller: a ``StaticPool`` (the same
+    connection to every checkout at once) or an ``AssertionPool`` (one checkout at a time,
+    and an error for a second)."""
+    return isinstance(pool, StaticPool | AssertionPool)
+
+
 def _copy(pool: Pool, at_least: int) -> Pool:
     """``pool.recreate()``, with a ``QueuePool``'s ``pool_size`` raised to ``at_least`` when
     it is smaller (and not 0, no limit). The most connections it hands out at once stay the
     original's (``pool_size + max_overflow``: the overflow shrinks by what the size grew)
-    unless that is below ``at_least``; every other setting as ``recreate`` copies it."""
+    unless that is below ``at_least``; every other setting as ``recreate`` copies it. A
+    one-connection pool (:func:`shares_one_connection`) becomes a queue pool of
+    ``at_least`` connections (and :data:`ONE_CONNECTION_OVERFLOW` more) on its connect
+    function, with its pre-ping, recycle, reset and logging settings and its events."""
+    if shares_one_connection(pool):
+        queue_class = AsyncAdaptedQueuePool if getattr(pool._dialect, "is_async", False) else QueuePool
+        return queue_class(
+            pool._creator, pool_size=max(1, at_least), max_overflow=ONE_CONNECTION_OVERFLOW,
+            pre_ping=pool._pre_ping, recycle=pool._recycle, echo=pool.echo,
+            logging_name=pool._orig_logging_name, reset_on_return=pool._reset_on_return,
+            _dispatch=pool.dispatch, dialect=pool._dialect)
     copy = pool.recreate()
     if not isinstance(copy, QueuePool) or not 0 < copy.size() < at_least:
         return copy
@@ -124,7 +157,9 @@ def own_pool_engine(engine: Engine, at_least: int = 0) -> Engine:
     sizes, the same connect function (the engine's URL and ``connect_args``) and the pool's
     event listeners (``connect``, ``checkout``, ... registered so far), except that a
     ``QueuePool`` keeps at least ``at_least`` connections (with its ``max_overflow`` cut so
-    that it hands out no more at once than the original, or ``at_least`` if that is more).
+    that it hands out no more at once than the original, or ``at_least`` if that is more),
+    and a one-connection pool (:func:`shares_one_connection`) becomes a queue pool of
+    ``at_least`` connections.
     Statements sent through the returned engine fire ``engine``'s engine events as the
     engine's own do. Nothing is connected until the first checkout; dispose of the pool
     (``returned.pool.dispose()``) when done with it."""

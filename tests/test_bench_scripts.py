@@ -368,3 +368,16 @@ def test_async_calls_bench_times_every_case_and_drops_its_schema(fresh_db_url, t
     assert set(figures) == {"enqueue", "claim", "enqueue_in_tx", "claim_in_tx"}
     assert all(f["cpu_us"] > 0 and f["calls_per_s"] > 0 for f in figures.values())
     assert schemas_named(fresh_db_url, "nspname LIKE 'qstore_async_calls_%'") == []
+
+
+def test_trickle_cycle_bench_reads_the_claiming_backends_cpu_and_plans_and_drops_its_schema(fresh_db_url, tmp_path):
+    out = tmp_path / "trickle.json"
+    proc = run_script("bench_trickle_cycle.py", "--url", fresh_db_url, "--cycles", "20", "--blocks", "2",
+                      "--warm", "10", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["backend_cpu_us"] >= 0 and figures["call_p50_us"] > 0 and len(figures["blocks_cpu_us"]) == 2
+    # the cycle's statement, once the driver prepares it (after its first five runs): five
+    # custom plans, then the generic one for every later call
+    assert (figures["custom_plans"], figures["generic_plans"]) == (5, 10 + 2 * 20 - 1 - 5 - 5)
+    assert schemas_named(fresh_db_url, "nspname LIKE 'qstore_trickle_%'") == []

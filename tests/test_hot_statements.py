@@ -57,6 +57,28 @@ def test_hot_calls_compile_nothing_after_a_warm_up(own_engine, storage, monkeypa
     assert len(compiles) == hot and compiled_entries(own_engine) == cached
 
 
+def test_every_hot_statement_runs_on_a_generic_plan_after_the_servers_first_custom_ones(own_engine, storage):
+    # The server plans a prepared statement's first five executions with their values
+    # (custom plans), then keeps its generic plan unless that one is estimated dearer: a
+    # statement left on custom plans is planned again at every call. (The general path's
+    # statements, which the driver prepares after a few runs, are left to the server.)
+    for _ in range(12):
+        cycle(own_engine, storage)
+    raws = [own_engine.raw_connection() for _ in range(2)]  # the pool's two connections
+    try:
+        plans = [row for raw in raws for row in raw.driver_connection.execute(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement ~ '(claim_ready|complete_receipts|enqueue_jobs?)\\('").fetchall()]
+    finally:
+        for raw in raws:
+            raw.close()
+    texts = [text for text, _, _ in plans]
+    assert any("complete_receipts" in t and "claim_ready" in t for t in texts)  # complete_and_claim
+    assert any("enqueue_job(" in t for t in texts) and any("enqueue_jobs(" in t for t in texts)
+    assert sum(generic for _, generic, _ in plans) > 0
+    assert [(text[:80], generic, custom) for text, generic, custom in plans if custom > 5] == []
+
+
 def test_with_cursor_events_listened_to_hot_calls_hit_the_compiled_cache(own_engine, storage):
     seen: list[str] = []
 

@@ -24,6 +24,7 @@ from sqlalchemy import (
     case,
     column,
     func,
+    literal_column,
     select,
     true,
 )
@@ -163,15 +164,23 @@ def _fast_and_claim_stmt(sch: StorageSchema) -> HotStatement:
     completion has returned all its rows: ``d`` is the outer side of the join and the claim
     needs its value. The ``LEFT JOIN`` keeps ``d``'s row when nothing is claimed. The
     completed pairs come back in the first row only (NULL in the others), so a batch's
-    arrays are sent and decoded once, not once per claimed job."""
+    arrays are sent and decoded once, not once per claimed job.
+
+    The constants are written into the text, not bound: the server's plan cache keeps a
+    prepared statement on a custom plan (planned again at every execution) while the
+    generic plan's estimate is above a custom one's, and comparisons with parameters cost
+    more in a generic estimate than comparisons with constants folded in a custom one.
+    With only the functions' arguments bound, both estimates are equal and the generic plan
+    serves every call after the first few."""
     fn = schema_func(sch, "complete_receipts", *(packed_array_param(n, t) for n, t in _ARRAYS.items()))
     done = fn.table_valued(column("job_id", BigInteger()), column("run_lease", BigInteger())).alias("done")
     d = select(func.array_agg(done.c.job_id).label("done_job_ids"),
                func.array_agg(done.c.run_lease).label("done_run_leases"),
                func.count().label("n")).select_from(done).subquery("d")
-    after_done = case((d.c.n >= 0, bindparam("max_batch", type_=Integer())))
+    zero, one = literal_column("0", Integer()), literal_column("1", Integer())
+    after_done = case((d.c.n >= zero, bindparam("max_batch", type_=Integer())))
     claim = claim_statement(sch, after_done, ordinality="ordinality").lateral("c")
-    first = func.coalesce(claim.c.ordinality, 1) == 1
+    first = func.coalesce(claim.c.ordinality, one) == one
     return HotStatement(select(case((first, d.c.done_job_ids)), case((first, d.c.done_run_leases)),
                                *(claim.c[c.name] for c in CLAIMED))
                         .select_from(d.outerjoin(claim, true())))

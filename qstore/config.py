@@ -56,6 +56,11 @@ CLAIM_WAIT = "200ms"
 #: the same transaction may see their own uncommitted ranges, so they leave the lane's
 #: cursor hint alone.
 CLAIMED_IN_XACT = "qstore.claimed_in_xact"
+#: Session setting (suffixed ``.<schema>``) in which a claim keeps the queue-ring slot it
+#: last found a ready row in, and looks there first at its next call: a backlog enqueued
+#: before the ring last turned sits in an older slot than the current one. A hint only: a
+#: miss falls back to a look at every slot.
+READY_SLOT_SEEN = "qstore.ready_slot_seen"
 #: Terminal-count deltas and live counts are keyed by (slot, lane, counter_bucket) with
 #: ``counter_bucket = job_id % COUNTER_BUCKETS``. One bucket keeps the append-only ledger at
 #: one row per lane per completion batch (instead of one per job); the column stays so a

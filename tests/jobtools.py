@@ -116,6 +116,14 @@ def requeue(engine, s, claimed: ClaimedRuntimeJob) -> None:
     assert s.promote_due(engine, JobState.RETRYABLE, 100) >= 1
 
 
+def forget_seen_slot(conn: Any, st: Any) -> Any:
+    """Clear the session's hint of the ring slot its claims last found ready rows in (a
+    session setting, so it outlives a test on a pooled connection), so that a claim on
+    ``conn`` looks in the ring's current slot first, as on a new connection; ``conn``."""
+    conn.execute(text("SELECT set_config(:name, '', false)"), {"name": f"qstore.ready_slot_seen.{st.schema()}"})
+    return conn
+
+
 def relation_locks(conn) -> int:
     """Relation locks held by ``conn``'s backend (its transaction's, plus the query's own)."""
     return conn.execute(text(

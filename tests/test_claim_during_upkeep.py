@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from jobtools import params
+from jobtools import forget_seen_slot, params
 from sqlalchemy import Engine, text
 
 from qstore import QueueStorage
@@ -41,9 +41,22 @@ def test_aging_claim_returns_nothing_instead_of_raising_while_a_prune_holds_a_ch
 def test_claim_whose_cursor_lookup_scans_the_ring_returns_nothing_while_a_child_is_held(engine, small):
     small.enqueue_params_batch(engine, [params(args={"n": 1})])
     assert small.rotate(engine).kind == "rotated"  # the job's row is no longer in the current slot
-    with pruning(engine, small, "ready_entries_2"):
-        assert small.claim_runtime_batch(engine, "q", 5) == []
+    with engine.connect() as conn:
+        with pruning(engine, small, "ready_entries_2"):
+            assert small.claim_runtime_batch(forget_seen_slot(conn, small), "q", 5) == []
+        conn.commit()
     assert len(small.claim_runtime_batch(engine, "q", 5)) == 1
+
+
+def test_a_claim_that_knows_the_backlogs_slot_claims_while_another_child_is_held(engine, small):
+    small.enqueue_params_batch(engine, [params(args={"n": i}) for i in range(2)])  # one lane, slot 0
+    assert small.rotate(engine).kind == "rotated"
+    with engine.connect() as conn:
+        assert len(small.claim_runtime_batch(forget_seen_slot(conn, small), "q", 1)) == 1  # found in slot 0
+        conn.commit()
+        with pruning(engine, small, "ready_entries_2"):  # the look at every child would wait for it
+            assert [j.job.args for j in small.claim_runtime_batch(conn, "q", 1)] == [{"n": 1}]
+        conn.commit()
 
 
 def test_claim_of_a_segment_whose_tombstones_are_held_returns_nothing(engine, small):
@@ -58,7 +71,7 @@ def test_claim_blocked_by_upkeep_leaves_the_callers_transaction_usable(engine, s
     assert small.rotate(engine).kind == "rotated"
     with engine.connect() as conn, conn.begin():
         with pruning(engine, small, "ready_entries_2"):
-            assert small.claim_runtime_batch(conn, "q", 5) == []
+            assert small.claim_runtime_batch(forget_seen_slot(conn, small), "q", 5) == []
         assert conn.execute(text("SELECT 1")).scalar_one() == 1
         assert len(small.claim_runtime_batch(conn, "q", 5)) == 1
 

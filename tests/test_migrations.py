@@ -432,6 +432,26 @@ def test_downgrade_below_0016_restores_the_previous_claim(migrated):
     assert "v_enq_last" not in _claim_ready_text(url)
 
 
+#: the revision whose claim looks first in the slot where it last found a lane's rows
+SLOT_SEEN = "0017"
+
+
+def test_upgrade_0017_makes_the_claim_look_first_where_it_last_found_rows(migrated):
+    url = migrated(f"upgrade {LANE_EXIT}")
+    assert "ready_slot_seen" not in _claim_ready_text(url)
+    alembic(url, "upgrade", SLOT_SEEN)
+    assert "current_setting('qstore.ready_slot_seen.qstore', true)" in _claim_ready_text(url)
+
+
+def test_downgrade_below_0017_restores_the_claim_of_0016(migrated):
+    url = migrated("upgrade head")
+    alembic(url, "downgrade", LANE_EXIT)
+    assert _version(url, "qstore") == LANE_EXIT
+    text_0016 = _claim_ready_text(url)
+    assert "ready_slot_seen" not in text_0016
+    assert "EXIT WHEN v_rows = v_limit AND v_pos + v_limit > v_enq_last" in text_0016
+
+
 # -- check --------------------------------------------------------------------------------
 
 

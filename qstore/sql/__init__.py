@@ -26,6 +26,7 @@ from qstore.config import (
     CLAIMED_IN_XACT,
     COUNTER_BUCKETS,
     DEFAULT_SHARDS,
+    READY_SLOT_SEEN,
     WHEEL_BUCKET_SECONDS,
     WHEEL_GUARD_SLOTS,
     WHEEL_SLOTS,
@@ -54,7 +55,7 @@ def render(name: str, cfg: QueueStorageConfig, **extra: Any) -> str:
     """The text of template ``name`` (``claim_ready``, ``ring_state``, ...) for an install
     of ``cfg``: one complete ``CREATE OR REPLACE`` statement, without trailing whitespace."""
     params = dict(s=cfg.schema, shape=cfg, claim_wait=CLAIM_WAIT, claimed_in_xact=CLAIMED_IN_XACT,
-                  counter_buckets=COUNTER_BUCKETS, default_shards=DEFAULT_SHARDS,
+                  ready_slot_seen=READY_SLOT_SEEN, counter_buckets=COUNTER_BUCKETS, default_shards=DEFAULT_SHARDS,
                   wheel_seconds=WHEEL_BUCKET_SECONDS, wheel_slots=WHEEL_SLOTS,
                   wheel_span=WHEEL_SLOTS - WHEEL_GUARD_SLOTS, **extra)
     return str(_template(name).render(**params)).strip()

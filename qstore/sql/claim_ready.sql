@@ -7,9 +7,16 @@
 ## has taken every position its enqueue sequence had reached (no second pass to find that
 ## nothing follows).
 ##
+## A lane's position is looked up first in the ring slot where this session's claims last
+## found a ready row (the session setting ready_slot_seen.<schema>; the ring's current slot
+## when there is none), then in the slot a hop led to, and in every child only on a miss: a
+## backlog enqueued before the ring last turned lies in an older slot than the current one,
+## and a look at every child costs one index scan per slot.
+##
 ## Template parameters: s (schema), shape (slot counts), claim_wait (the function's
 ## lock_timeout), claimed_in_xact (the transaction-local setting a claim sets once it has
-## written a range). Every read of a queue-ring child names the child through a static
+## written a range), ready_slot_seen (the session setting's name, suffixed with the schema).
+## Every read of a queue-ring child names the child through a static
 ## branch per slot (a cached generic plan over a partitioned parent would lock every child
 ## and index at each execution); receipts and leases go through their parents (tuple routing
 ## opens only the child a row lands in).
@@ -45,6 +52,7 @@ DECLARE
   v_first_pass boolean;
   v_found boolean;
   v_guess integer;
+  v_seen integer := nullif(current_setting('${ready_slot_seen}.${s}', true), '')::integer;
   v_lane record;
 BEGIN
   IF p_max <= 0 THEN RETURN; END IF;
@@ -147,7 +155,7 @@ BEGIN
     -- the first pass, over committed evidence alone (and only by the first claim of a
     -- transaction: a later one could see its own transaction's uncommitted ranges).
     v_first_pass := true;
-    v_guess := (SELECT q.current_slot FROM ${s}.queue_ring_state q);
+    v_guess := coalesce(v_seen, (SELECT q.current_slot FROM ${s}.queue_ring_state q));
     LOOP
       EXIT WHEN v_remaining <= 0;
       v_hint := coalesce(pg_sequence_last_value(v_claim_seq), 0) + 1;
@@ -159,8 +167,9 @@ BEGIN
           -- Follow the committed chain of claim ranges. A range starts at a ready row's
           -- position and lives in that row's slot, so each hop is one probe for the
           -- position plus one range probe, each in a single child. The position is looked
-          -- up first in the child the chain was last seen in (the ring's current slot to
-          -- begin with): positions are unique per lane, so a row at v_pos is the first one
+          -- up first in the child the chain was last seen in (to begin with, the slot this
+          -- session last found a row in, else the ring's current slot): positions are
+          -- unique per lane, so a row at v_pos is the first one
           -- at or after it; only a miss scans every child, and only when the lane's enqueue
           -- sequence has reached v_pos (no row at or after it can exist otherwise).
           -- Positions before the first committed row are spent: aborted reservations (a
@@ -188,6 +197,10 @@ BEGIN
           END IF;
           EXIT WHEN NOT v_found;
           v_guess := v_seg_slot;
+          IF v_seen IS DISTINCT FROM v_seg_slot THEN  -- (a session setting: it outlives the call)
+            v_seen := v_seg_slot;
+            PERFORM set_config('${ready_slot_seen}.${s}', v_seg_slot::text, false);
+          END IF;
           v_next := NULL;
 % for k in range(shape.queue_slot_count):
           ${'IF' if loop.first else 'ELSIF'} v_seg_slot = ${k} THEN

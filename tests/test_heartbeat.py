@@ -382,7 +382,7 @@ def test_a_heartbeat_in_progress_does_not_hold_up_the_attempts_own_lease_updates
         beating.begin()
         assert s.heartbeat_batch(beating, [(c.job.id, c.job.run_lease)]) == 1
         with engine.connect() as other:
-            other.execute(text("SET lock_timeout = '2s'"))
+            other.execute(text("SET LOCAL lock_timeout = '2s'"))
             assert s.enter_callback_wait(other, c.job.id, c.job.run_lease, token) is True
             other.commit()
         beating.commit()

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import event, text
 
 from qstore import InsertOpts, InsertParams
+from qstore.config import READY_SLOT_SEEN
 from qstore.types import ClaimedRuntimeJob, JobState
 
 #: The pseudo-table of the live deferred backlog for :func:`relation`: overflow rows
@@ -116,12 +117,28 @@ def requeue(engine, s, claimed: ClaimedRuntimeJob) -> None:
     assert s.promote_due(engine, JobState.RETRYABLE, 100) >= 1
 
 
+def seen_slot(conn: Any, st: Any) -> str | None:
+    """The ring slot the claims of ``conn``'s session last found a ready row in (the session
+    setting ``claim_ready`` keeps), None when it has none."""
+    value = conn.execute(text("SELECT current_setting(:name, true)"), {"name": _seen_slot_setting(st)}).scalar()
+    return value or None
+
+
+def set_seen_slot(conn: Any, st: Any, slot: str) -> Any:
+    """Set that session setting on ``conn`` to ``slot`` ('' clears it); ``conn``."""
+    conn.execute(text("SELECT set_config(:name, :slot, false)"), {"name": _seen_slot_setting(st), "slot": slot})
+    return conn
+
+
 def forget_seen_slot(conn: Any, st: Any) -> Any:
     """Clear the session's hint of the ring slot its claims last found ready rows in (a
     session setting, so it outlives a test on a pooled connection), so that a claim on
     ``conn`` looks in the ring's current slot first, as on a new connection; ``conn``."""
-    conn.execute(text("SELECT set_config(:name, '', false)"), {"name": f"qstore.ready_slot_seen.{st.schema()}"})
-    return conn
+    return set_seen_slot(conn, st, "")
+
+
+def _seen_slot_setting(st: Any) -> str:
+    return f"{READY_SLOT_SEEN}.{st.schema()}"
 
 
 def relation_locks(conn) -> int:

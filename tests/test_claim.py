@@ -21,7 +21,7 @@ from jobtools import (
     seen_slot,
     set_seen_slot,
 )
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from qstore import ClaimedEntry, InsertOpts, InsertParams, JobRow, JobState, ValidationError
@@ -528,6 +528,26 @@ def test_a_claim_keeps_for_its_session_the_ring_slot_it_found_a_backlog_in(engin
         (second,) = storage.claim_runtime_batch(conn, "q", 1)
         conn.commit()
     assert [first.job.args["i"], second.job.args["i"]] == [0, 1]
+
+
+def test_claims_on_an_engine_keep_the_slot_on_the_pooled_connection(db_url, make_storage):
+    # an Engine's claim is an autocommitted statement on a pooled connection: the setting
+    # stays on that connection for the next claim that checks it out
+    storage = make_storage(queue_slot_count=4)
+    one = create_engine(db_url, pool_size=1, max_overflow=0)
+    try:
+        storage.set_queue_options(one, "q", enqueue_shards=1)
+        storage.enqueue_params_batch(one, [job({"i": i}) for i in range(4)])  # slot 0
+        assert storage.rotate(one).kind == "rotated"
+        with one.connect() as conn:
+            forget_seen_slot(conn, storage)
+            conn.commit()
+        assert [c.job.args["i"] for c in storage.claim_runtime_batch(one, "q", 1)] == [0]
+        with one.connect() as conn:
+            assert seen_slot(conn, storage) == "0"
+        assert [c.job.args["i"] for c in storage.claim_runtime_batch(one, "q", 3)] == [1, 2, 3]
+    finally:
+        one.dispose()
 
 
 @pytest.mark.parametrize("hint", ["3", "99"], ids=["a slot without the rows", "no such slot"])

@@ -90,7 +90,8 @@ import functools
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,9 @@ from _benchlib import (
     timed_single_enqueue,
     verdict,
 )
-from classic_psycopg import ClassicPsycopg
+from classic_psycopg import ClassicPsycopg, Row
 
+from qstore import CompletedAndClaimed, QueueStorage
 from qstore.runtime.maintainer import MaintenanceSchedule
 from qstore.tasks import App, JobContext
 from qstore.worker import AsyncWorker, Worker, WorkerSettings
@@ -748,6 +750,67 @@ def pickup_figures(system: str, phase: str, rate: float, schedule: PacedSchedule
     }
 
 
+class ClaimTrips:
+    """When the claim that returned each job was sent and when it came back (by the job's
+    ``n``), to split each pickup into three parts that add up to it: the wait for a claim
+    (from the commit until a claim that returned the job was on its way, 0 when one was in
+    flight already), that claim's round trip from then on, and the hand-off from its
+    return to the handler's start."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_job: dict[int, tuple[float, float]] = {}
+
+    def note(self, sent: float, returned: float, jobs: Iterable[int]) -> None:
+        with self.lock:
+            for n in jobs:
+                self.by_job[n] = (sent, returned)
+
+    def split(self, commit_at: dict[int, float], started: dict[int, float], jobs: Sequence[int]) -> dict[str, Any]:
+        """The three parts' summaries (ms) over ``jobs`` (the measured window's)."""
+        wait, trip, handoff = [], [], []
+        for n in jobs:
+            at, began, claim = commit_at[n], started.get(n), self.by_job.get(n)
+            if began is None or claim is None:
+                continue
+            sent, returned = claim
+            on_its_way = max(sent, at)
+            wait.append(on_its_way - at)
+            trip.append(returned - on_its_way)
+            handoff.append(began - returned)
+        return {"claim_wait_ms": latency_summary(wait), "claim_trip_ms": latency_summary(trip),
+                "handoff_ms": latency_summary(handoff)}
+
+
+#: The storage operations a thread worker claims through.
+CLAIM_OPERATIONS = ("complete_and_claim", "claim_runtime_batch", "claim_runtime_batch_with_aging",
+                    "claim_runtime_batch_with_aging_for_instance")
+
+
+@contextmanager
+def timed_claims(storage: QueueStorage, trips: ClaimTrips) -> Iterator[None]:
+    """Note in ``trips`` when each claim of ``storage``'s claim operations was sent and came
+    back, for the jobs it returned (their ``n``), until the block ends: the instance's bound
+    operations are wrapped for the block and put back after it."""
+    bound = {name: getattr(storage, name) for name in CLAIM_OPERATIONS}
+
+    def timed(call: Callable[..., Any]) -> Callable[..., Any]:
+        def claim(*args: Any, **kwargs: Any) -> Any:
+            sent = time.perf_counter()
+            result = call(*args, **kwargs)
+            jobs = result.claimed if isinstance(result, CompletedAndClaimed) else result
+            trips.note(sent, time.perf_counter(), (int(j.job.args["n"]) for j in jobs))
+            return result
+        return claim
+
+    for name, call in bound.items():
+        storage.__dict__[name] = timed(call)
+    try:
+        yield
+    finally:
+        storage.__dict__.update(bound)
+
+
 def worker_pickup(engine: Engine, qsys: bs.QstoreSystem, phase: str, rate: float,
                   args: argparse.Namespace, exact: bool, *, is_async: bool = False,
                   cycles: int | None = None) -> dict[str, Any]:
@@ -764,7 +827,9 @@ def worker_pickup(engine: Engine, qsys: bs.QstoreSystem, phase: str, rate: float
     schedule = PacedSchedule(rate=rate, seconds=args.duration, warmup=args.warmup,
                              enqueue_one=defer_one, producers=args.producers, on_error=errors.note)
     runs = TaskRuns(worker)
-    with pinned(engine, phase == "pinned"):
+    trips = ClaimTrips()
+    timing = nullcontext() if is_async else timed_claims(qsys.storage, trips)
+    with pinned(engine, phase == "pinned"), timing:
         worker.start()
         runs.start()
         try:
@@ -778,6 +843,8 @@ def worker_pickup(engine: Engine, qsys: bs.QstoreSystem, phase: str, rate: float
                          errors.counts, dead)
     res["claims_in_flight"] = cycles
     m = schedule.measured(recorder.started)
+    if not is_async:
+        res["split"] = trips.split(schedule.commit_at, recorder.started, m.jobs)
     pickups = [(schedule.commit_at[i], recorder.started[i]) for i in m.jobs if i in recorder.started]
     res["stats"] = st = stats_of(worker)
     handled = max(len(recorder.started), 1)
@@ -839,10 +906,15 @@ def pg_pickup(engine: Engine, cpg: ClassicPsycopg, phase: str, rate: float,
 
     schedule = PacedSchedule(rate=rate, seconds=args.duration, warmup=args.warmup,
                              enqueue_one=enqueue_one, producers=args.producers, on_error=errors.note)
+    trips = ClaimTrips()
+
+    def claimed(sent: float, returned: float, rows: list[Row]) -> None:
+        trips.note(sent, returned, (int(r[3]["n"]) for r in rows))
+
     with pinned(engine, phase == "pinned"):
         workers = cpg.pickup_workers(bs.QUEUE, lambda row: recorder.note(int(row[3]["n"])),
                                      workers=args.concurrency, batch=CLASSIC_BATCH,
-                                     poll_interval=args.poll_interval)
+                                     poll_interval=args.poll_interval, on_claim=claimed)
         try:
             schedule.run()
             schedule.settle(recorder.started, recorder.lock, 30.0)
@@ -852,6 +924,7 @@ def pg_pickup(engine: Engine, cpg: ClassicPsycopg, phase: str, rate: float,
                 prod.close()
         dead = dead_tuples(engine, cpg.schema, exact)
     res = pickup_figures("classic_pg", phase, rate, schedule, recorder, errors.counts, dead)
+    res["split"] = trips.split(schedule.commit_at, recorder.started, schedule.measured(recorder.started).jobs)
     res["errors"] = {**errors.counts, **workers.errors}
     res["claim_calls"], res["empty_claims"] = workers.claim_calls, workers.empty_claims
     res["wakes_notify"], res["wakes_poll"] = workers.wakes_notify, workers.wakes_poll
@@ -895,6 +968,10 @@ def pickup_run(engine: Engine, qsys: bs.QstoreSystem, args: argparse.Namespace, 
     return worker_pickup(engine, qsys, phase, rate, args, exact, is_async=is_async, cycles=cycles)
 
 
+#: The parts of a pickup :class:`ClaimTrips` splits it into.
+SPLIT_PARTS = ("claim_wait", "claim_trip", "handoff")
+
+
 def summarise_pickup(results: list[dict[str, Any]], classics: list[str]) -> dict[str, Any]:
     groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
     for r in results:
@@ -909,6 +986,9 @@ def summarise_pickup(results: list[dict[str, Any]], classics: list[str]) -> dict
             "achieved_rate": median([r["achieved_rate"] for r in rs]),
             "round_trips_per_job": median([r["calls_per_job"]["round_trips"] for r in rs])
             if all("calls_per_job" in r for r in rs) else None,
+            **({f"{part}_{q}_ms": median([r["split"][f"{part}_ms"][f"{q}_ms"] for r in rs])
+                for part in SPLIT_PARTS for q in ("p50", "p95")}
+               if all("split" in r and r["split"]["claim_trip_ms"]["n"] for r in rs) else {}),
         }
     targets: dict[str, dict[str, Any]] = {}
     ratios: dict[str, dict[str, Any]] = {}
@@ -974,6 +1054,17 @@ def print_pickup(results: list[dict[str, Any]], summary: dict[str, Any]) -> None
                   f"{bs.fmt(base['p95_ms'], '.2f')} ms ({bs.times(bs.ratio(m['p95_ms'], base['p95_ms']))}), "
                   f"round trips/job {bs.fmt(m['round_trips_per_job'], '.3f')} against "
                   f"{bs.fmt(base['round_trips_per_job'], '.3f')} (medians)")
+    split_rows = [[r["system"], f"{r['offered_rate']:g}", r["phase"], r["round"],
+                   *(bs.fmt(part[f"{q}_ms"], ".2f")
+                     for part in (r["pickup_ms"], *(r["split"][f"{p}_ms"] for p in SPLIT_PARTS))
+                     for q in ("p50", "p95"))]
+                  for r in results if "split" in r]
+    if split_rows:
+        print("\nWhere the pickups' time went, job by job (ms; the parts add up to each pickup): the "
+              "wait for a claim that returned the job (0 when one was in flight), that claim's round "
+              "trip from then on, the hand-off from its return to the handler:")
+        print(format_table(["system", "rate", "phase", "round", "pickup p50", "p95", "wait p50", "p95",
+                            "claim trip p50", "p95", "hand-off p50", "p95"], split_rows))
     print("\nThe workers' claim and completion calls per job picked up:")
     print(format_table(["system", "rate", "phase", "round", "round trips/job", "claims/job", "empty claims/job",
                         "completion calls alone/job"], rows))

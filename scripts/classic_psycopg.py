@@ -76,6 +76,7 @@ CLAIM_MODES = ("update", "select")
 _CHANNEL = re.compile(r"[A-Za-z0-9_:.]{1,63}")
 Job = tuple[str, str, int, Any]  # (queue, kind, priority, payload)
 Row = tuple[int, str, int, Any, int]  # (id, kind, priority, payload, attempts)
+ClaimHook = Callable[[float, float, list[Row]], object]  # (sent, returned, rows) of a claim
 
 
 @dataclass
@@ -452,11 +453,14 @@ class ClassicPsycopg:
 
     # -- pickup -------------------------------------------------------------------------------
     def pickup_workers(self, queue: str, on_job: Callable[[Row], object], *, workers: int = 16,
-                       batch: int = 10, poll_interval: float = 1.0) -> PickupWorkers:
+                       batch: int = 10, poll_interval: float = 1.0,
+                       on_claim: ClaimHook | None = None) -> PickupWorkers:
         """Workers woken by ``LISTEN`` that claim ``batch`` jobs of ``queue``, call ``on_job``
         for each and complete them, until :meth:`PickupWorkers.stop`. Started before return
-        (connections open, statements prepared, ``LISTEN`` active)."""
-        return PickupWorkers(self, queue, on_job, workers, batch, poll_interval)
+        (connections open, statements prepared, ``LISTEN`` active). ``on_claim(sent,
+        returned, rows)`` is told of each claim that returned jobs (``time.perf_counter``
+        before it was sent and after it came back), before the jobs' ``on_job``."""
+        return PickupWorkers(self, queue, on_job, workers, batch, poll_interval, on_claim)
 
 
 @dataclass(frozen=True)
@@ -575,8 +579,8 @@ class PickupWorkers:
     ``poll_interval`` seconds."""
 
     def __init__(self, q: ClassicPsycopg, queue: str, on_job: Callable[[Row], object], workers: int,
-                 batch: int, poll_interval: float) -> None:
-        self._q, self._queue, self._on_job = q, queue, on_job
+                 batch: int, poll_interval: float, on_claim: ClaimHook | None = None) -> None:
+        self._q, self._queue, self._on_job, self._on_claim = q, queue, on_job, on_claim
         self._workers, self._batch, self._poll = workers, batch, poll_interval
         self.claim_calls = self.empty_claims = self.completed = self.notifications = 0
         self.wakes_notify = self.wakes_poll = 0
@@ -604,7 +608,9 @@ class PickupWorkers:
         with self._lock:
             self.errors[key] = self.errors.get(key, 0) + 1
 
-    def _handle(self, got: list[Row]) -> list[int]:
+    def _handle(self, got: list[Row], sent: float) -> list[int]:
+        if self._on_claim is not None:
+            self._on_claim(sent, time.perf_counter(), got)
         for row in got:
             self._on_job(row)
         return [r[0] for r in got]
@@ -642,6 +648,7 @@ class PickupWorkers:
 
         async def work(conn: psycopg.AsyncConnection[Any]) -> None:
             while not stop.is_set():
+                sent = time.perf_counter()
                 try:
                     got = await q.aclaim(conn, self._queue, self._batch)
                 except Exception as exc:
@@ -649,7 +656,7 @@ class PickupWorkers:
                     got = []
                 self.claim_calls += 1
                 if got:
-                    ids = self._handle(got)
+                    ids = self._handle(got, sent)
                     try:
                         self.completed += await q.acomplete(conn, ids)
                     except Exception as exc:
@@ -705,6 +712,7 @@ class PickupWorkers:
         def work(conn: psycopg.Connection[Any]) -> None:
             try:
                 while not self._tstop.is_set():
+                    sent = time.perf_counter()
                     try:
                         got = q.claim(conn, self._queue, self._batch)
                     except Exception as exc:
@@ -712,7 +720,7 @@ class PickupWorkers:
                         got = []
                     done = 0
                     if got:
-                        ids = self._handle(got)
+                        ids = self._handle(got, sent)
                         try:
                             done = q.complete(conn, ids)
                         except Exception as exc:

@@ -210,7 +210,12 @@ def test_worker_bench_drains_through_the_worker_beside_both_classic_queues_and_t
     assert {(r["system"], r["phase"]) for r in picked} == {
         (s, p) for s in ("classic", "classic_pg", "worker") for p in ("clean", "pinned")}
     assert all(r["enqueued"] > 0 and not r["problems"] for r in picked)
-    for r in picked:
+    for r in picked:  # each pickup of the worker and the psycopg classic, split into its parts
+        if r["system"] in ("worker", "classic_pg"):
+            split = r["split"]
+            assert all(split[f"{part}_ms"]["n"] == r["pickup_ms"]["n"]
+                       for part in ("claim_wait", "claim_trip", "handoff")), (r["system"], split)
+            assert split["claim_trip_ms"]["p50_ms"] > 0 and split["claim_wait_ms"]["p50_ms"] >= 0, split
         if r["system"] != "worker":
             continue
         overlap = r["tail_overlap"]  # the maintainer's runs during the phase, lined up with the pickups

@@ -386,3 +386,17 @@ def test_trickle_cycle_bench_reads_the_claiming_backends_cpu_and_plans_and_drops
     # custom plans, then the generic one for every later call
     assert (figures["custom_plans"], figures["generic_plans"]) == (5, 10 + 2 * 20 - 1 - 5 - 5)
     assert schemas_named(fresh_db_url, "nspname LIKE 'qstore_trickle_%'") == []
+
+
+def test_wal_per_batch_facts_measures_both_designs_for_every_batch_size(fresh_db_url, tmp_path):
+    out = tmp_path / "wal_facts.json"
+    proc = run_script("wal_per_batch_facts.py", "--url", fresh_db_url, "--jobs", "256", "--batches", "1,32",
+                      "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = {(r["system"], r["batch"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {(s, b) for s in ("qstore", "per_batch") for b in (1, 32)}
+    # qstore's drain completed every job, in one call per batch (plus the last, empty, claim)
+    assert results["qstore", 32]["jobs"] == 256 and results["qstore", 32]["calls"] == 256 // 32 + 1
+    # per job, qstore writes a receipt, a closure and a done row; the sketch a share of one row of each
+    assert results["per_batch", 32]["wal_bytes_per_job"] < results["qstore", 32]["wal_bytes_per_job"] / 3
+    assert results["per_batch", 32]["wal_bytes_per_job"] < results["per_batch", 1]["wal_bytes_per_job"]

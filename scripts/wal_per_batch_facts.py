@@ -15,10 +15,14 @@ For each claim batch size of ``--batches`` (on one database, one after the other
   a receipt per job), the completion's lock on that row, one closure row holding the
   batch's ids and one done row holding its ids, positions, attempts, kinds and states (in
   place of a closure and a done row per job), each row with its primary key; one
-  transaction per batch, as the worker's cycle is.
+  transaction per batch, as the worker's cycle is;
+* **classic**: the psycopg classic queue (``classic_psycopg.py``) loaded with COPY and
+  vacuumed, drained on one connection by claims of ``batch`` jobs (``UPDATE … SKIP
+  LOCKED``), each followed by the ``DELETE`` of its jobs.
 
-WAL per job is the server's WAL between the stretch's start and end (after a
-``CHECKPOINT``) over its jobs, so the server must be otherwise quiet. What the sketch leaves
+WAL per job is the server's WAL between the stretch's start and end over its jobs (a
+``CHECKPOINT`` before each load, as the worker benchmark does), so the server must be
+otherwise quiet. What the sketch leaves
 out is what makes it a redesign rather than a change: finding one job's attempt, rescue,
 exact counts and the prune gates over facts that hold many jobs.
 
@@ -40,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_storage as bs
 from _benchlib import checkpoint, ensure_database, format_table, wal_position, wal_since
+from classic_psycopg import ClassicPsycopg
 
 from qstore.storage.targets import keeping_engine, release_kept
 
@@ -86,9 +91,9 @@ SKETCH = (
 def qstore_wal(engine: Engine, system: bs.QstoreSystem, jobs: int, batch: int) -> dict[str, Any]:
     """Drain ``jobs`` COPY-loaded jobs by ``complete_and_claim`` calls of ``batch``; WAL per job."""
     system.fresh(engine)
+    checkpoint(engine)
     with engine.begin() as conn:
         system.enqueue_copy(conn, system.convert(bs.workload(jobs)))
-    checkpoint(engine)
     kept = keeping_engine(engine)
     claimed: list[Any] = []
     done = calls = 0
@@ -132,6 +137,30 @@ def sketch_wal(engine: Engine, jobs: int, batch: int) -> dict[str, Any]:
             "wal_bytes": wal, "wal_bytes_per_job": wal / jobs}
 
 
+def classic_wal(engine: Engine, url: str, jobs: int, batch: int) -> dict[str, Any]:
+    """The psycopg classic queue's drain of ``jobs`` COPY-loaded jobs on one connection:
+    claim ``batch`` (``UPDATE … SKIP LOCKED``), then ``DELETE`` them; WAL per job."""
+    cpg = ClassicPsycopg(url, f"classic_walfacts_{uuid.uuid4().hex[:8]}")
+    cpg.create()
+    done = calls = 0
+    try:
+        checkpoint(engine)
+        cpg.enqueue_copy(bs.workload(jobs))
+        cpg.vacuum()
+        with cpg.connect() as conn:
+            start = wal_position(engine)
+            while rows := cpg.claim(conn, bs.QUEUE, batch):
+                calls += 1
+                done += cpg.complete(conn, [r[0] for r in rows])
+            wal = wal_since(engine, start)
+    finally:
+        cpg.drop()
+    if done != jobs:
+        raise RuntimeError(f"the classic queue completed {done} of {jobs} jobs")
+    return {"system": "classic_pg", "batch": batch, "jobs": done, "calls": calls, "wal_bytes": wal,
+            "wal_bytes_per_job": wal / done}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--url", default=DEFAULT_URL)
@@ -148,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in batches:
             results.append(qstore_wal(engine, system, args.jobs, batch))
             results.append(sketch_wal(engine, args.jobs, batch))
+            results.append(classic_wal(engine, args.url, args.jobs, batch))
     finally:
         system.drop(engine)
         engine.dispose()

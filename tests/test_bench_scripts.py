@@ -394,9 +394,12 @@ def test_wal_per_batch_facts_measures_both_designs_for_every_batch_size(fresh_db
                       "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = {(r["system"], r["batch"]): r for r in json.loads(out.read_text())["results"]}
-    assert set(results) == {(s, b) for s in ("qstore", "per_batch") for b in (1, 32)}
+    assert set(results) == {(s, b) for s in ("qstore", "per_batch", "classic_pg") for b in (1, 32)}
+    assert all(r["jobs"] == 256 for r in results.values())
     # qstore's drain completed every job, in one call per batch (plus the last, empty, claim)
     assert results["qstore", 32]["jobs"] == 256 and results["qstore", 32]["calls"] == 256 // 32 + 1
     # per job, qstore writes a receipt, a closure and a done row; the sketch a share of one row of each
     assert results["per_batch", 32]["wal_bytes_per_job"] < results["qstore", 32]["wal_bytes_per_job"] / 3
     assert results["per_batch", 32]["wal_bytes_per_job"] < results["per_batch", 1]["wal_bytes_per_job"]
+    # the classic queue's UPDATE and DELETE are per job whatever the batch
+    assert results["classic_pg", 32]["wal_bytes_per_job"] > results["per_batch", 32]["wal_bytes_per_job"]

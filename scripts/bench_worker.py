@@ -87,11 +87,12 @@ import argparse
 import asyncio
 import bisect
 import functools
+import inspect
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,7 @@ from _benchlib import (
 )
 from classic_psycopg import ClassicPsycopg, Row
 
-from qstore import CompletedAndClaimed, QueueStorage
+from qstore import CompletedAndClaimed
 from qstore.runtime.maintainer import MaintenanceSchedule
 from qstore.tasks import App, JobContext
 from qstore.worker import AsyncWorker, Worker, WorkerSettings
@@ -788,19 +789,27 @@ CLAIM_OPERATIONS = ("complete_and_claim", "claim_runtime_batch", "claim_runtime_
 
 
 @contextmanager
-def timed_claims(storage: QueueStorage, trips: ClaimTrips) -> Iterator[None]:
+def timed_claims(storage: Any, trips: ClaimTrips) -> Iterator[None]:
     """Note in ``trips`` when each claim of ``storage``'s claim operations was sent and came
     back, for the jobs it returned (their ``n``), until the block ends: the instance's bound
-    operations are wrapped for the block and put back after it."""
+    operations are wrapped for the block and put back after it. ``storage`` is a
+    :class:`QueueStorage` or an app's asyncio face (``App.async_storage``), whose calls
+    return awaitables: those are timed until they are awaited to their end."""
     bound = {name: getattr(storage, name) for name in CLAIM_OPERATIONS}
+
+    def noted(sent: float, result: Any) -> Any:
+        jobs = result.claimed if isinstance(result, CompletedAndClaimed) else result
+        trips.note(sent, time.perf_counter(), (int(j.job.args["n"]) for j in jobs))
+        return result
+
+    async def awaited(sent: float, pending: Awaitable[Any]) -> Any:
+        return noted(sent, await pending)
 
     def timed(call: Callable[..., Any]) -> Callable[..., Any]:
         def claim(*args: Any, **kwargs: Any) -> Any:
             sent = time.perf_counter()
             result = call(*args, **kwargs)
-            jobs = result.claimed if isinstance(result, CompletedAndClaimed) else result
-            trips.note(sent, time.perf_counter(), (int(j.job.args["n"]) for j in jobs))
-            return result
+            return awaited(sent, result) if inspect.isawaitable(result) else noted(sent, result)
         return claim
 
     for name, call in bound.items():
@@ -828,7 +837,7 @@ def worker_pickup(engine: Engine, qsys: bs.QstoreSystem, phase: str, rate: float
                              enqueue_one=defer_one, producers=args.producers, on_error=errors.note)
     runs = TaskRuns(worker)
     trips = ClaimTrips()
-    timing = nullcontext() if is_async else timed_claims(qsys.storage, trips)
+    timing = timed_claims(app.async_storage if is_async else qsys.storage, trips)
     with pinned(engine, phase == "pinned"), timing:
         worker.start()
         runs.start()
@@ -843,8 +852,7 @@ def worker_pickup(engine: Engine, qsys: bs.QstoreSystem, phase: str, rate: float
                          errors.counts, dead)
     res["claims_in_flight"] = cycles
     m = schedule.measured(recorder.started)
-    if not is_async:
-        res["split"] = trips.split(schedule.commit_at, recorder.started, m.jobs)
+    res["split"] = trips.split(schedule.commit_at, recorder.started, m.jobs)
     pickups = [(schedule.commit_at[i], recorder.started[i]) for i in m.jobs if i in recorder.started]
     res["stats"] = st = stats_of(worker)
     handled = max(len(recorder.started), 1)

@@ -388,6 +388,20 @@ def test_trickle_cycle_bench_reads_the_claiming_backends_cpu_and_plans_and_drops
     assert schemas_named(fresh_db_url, "nspname LIKE 'qstore_trickle_%'") == []
 
 
+
+def test_worker_bench_splits_the_async_workers_pickups_too(fresh_db_url, tmp_path):
+    out = tmp_path / "async_pickup.json"
+    proc = run_script("bench_worker.py", "--url", fresh_db_url, "--concurrency", "4", "--mode", "pickup",
+                      "--async", "--phases", "clean", "--classics", "psycopg", "--rates", "50",
+                      "--duration", "1", "--warmup", "0.2", "--rounds", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    picked = {r["system"]: r for r in json.loads(out.read_text())["pickup"]["results"]}
+    assert set(picked) == {"classic_pg", "worker", "async_worker"}
+    for system, r in picked.items():  # each pickup split into its parts, whichever runtime claimed it
+        split = r["split"]
+        assert split["claim_trip_ms"]["n"] == r["pickup_ms"]["n"] > 0, (system, split)
+        assert split["handoff_ms"]["p50_ms"] is not None, (system, split)
+
 def test_wal_per_batch_facts_measures_both_designs_for_every_batch_size(fresh_db_url, tmp_path):
     out = tmp_path / "wal_facts.json"
     proc = run_script("wal_per_batch_facts.py", "--url", fresh_db_url, "--jobs", "256", "--batches", "1,32",

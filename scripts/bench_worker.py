@@ -783,7 +783,7 @@ class ClaimTrips:
                 "handoff_ms": latency_summary(handoff)}
 
 
-#: The storage operations a thread worker claims through.
+#: The storage operations a worker claims through (by the same names on the asyncio face).
 CLAIM_OPERATIONS = ("complete_and_claim", "claim_runtime_batch", "claim_runtime_batch_with_aging",
                     "claim_runtime_batch_with_aging_for_instance")
 

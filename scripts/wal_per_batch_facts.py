@@ -88,6 +88,12 @@ SKETCH = (
 )
 
 
+def figures(system: str, batch: int, jobs: int, calls: int, wal: int) -> dict[str, Any]:
+    """One drain's figures: ``jobs`` drained in ``calls`` claims of ``batch``, ``wal`` bytes."""
+    return {"system": system, "batch": batch, "jobs": jobs, "calls": calls, "wal_bytes": wal,
+            "wal_bytes_per_job": wal / jobs}
+
+
 def qstore_wal(engine: Engine, system: bs.QstoreSystem, jobs: int, batch: int) -> dict[str, Any]:
     """Drain ``jobs`` COPY-loaded jobs by ``complete_and_claim`` calls of ``batch``; WAL per job."""
     system.fresh(engine)
@@ -111,8 +117,7 @@ def qstore_wal(engine: Engine, system: bs.QstoreSystem, jobs: int, batch: int) -
         release_kept(kept)
     if done != jobs:
         raise RuntimeError(f"qstore completed {done} of {jobs} jobs")
-    return {"system": "qstore", "batch": batch, "jobs": done, "calls": calls, "wal_bytes": wal,
-            "wal_bytes_per_job": wal / done}
+    return figures("qstore", batch, done, calls, wal)
 
 
 def sketch_wal(engine: Engine, jobs: int, batch: int) -> dict[str, Any]:
@@ -133,8 +138,7 @@ def sketch_wal(engine: Engine, jobs: int, batch: int) -> dict[str, Any]:
     finally:
         with engine.begin() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-    return {"system": "per_batch", "batch": batch, "jobs": jobs, "calls": -(-jobs // batch),
-            "wal_bytes": wal, "wal_bytes_per_job": wal / jobs}
+    return figures("per_batch", batch, jobs, -(-jobs // batch), wal)
 
 
 def classic_wal(engine: Engine, url: str, jobs: int, batch: int) -> dict[str, Any]:
@@ -157,8 +161,7 @@ def classic_wal(engine: Engine, url: str, jobs: int, batch: int) -> dict[str, An
         cpg.drop()
     if done != jobs:
         raise RuntimeError(f"the classic queue completed {done} of {jobs} jobs")
-    return {"system": "classic_pg", "batch": batch, "jobs": done, "calls": calls, "wal_bytes": wal,
-            "wal_bytes_per_job": wal / done}
+    return figures("classic_pg", batch, done, calls, wal)
 
 
 def main(argv: list[str] | None = None) -> int:

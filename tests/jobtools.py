@@ -64,12 +64,8 @@ def params(kind: str = "k", args: object = None, **opts: object) -> InsertParams
 def add(engine, s, **opts: object) -> int:
     """Enqueue one job and return its id."""
     args = opts.pop("args", None)
-    s.enqueue_params_batch(engine, [params(args=args, **opts)])
-    sc = s.schema()
-    with engine.connect() as c:
-        return c.execute(text(
-            f'SELECT max(job_id) FROM (SELECT job_id FROM "{sc}".ready_entries '
-            f'UNION ALL SELECT job_id FROM {relation(sc, BACKLOG)}) j')).scalar_one()
+    (job_id,) = s.enqueue_many(engine, [params(args=args, **opts)])
+    return job_id
 
 
 def claim(engine, s, queue: str = "q", deadline: float | None = None) -> ClaimedRuntimeJob:

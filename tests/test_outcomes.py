@@ -41,27 +41,6 @@ def st(request, make_storage):
     return install_in_mode(request, make_storage)
 
 
-def newest_id(engine, s) -> int:
-    sc = s.schema()
-    with engine.connect() as c:
-        return c.execute(text(
-            f'SELECT max(job_id) FROM (SELECT job_id FROM "{sc}".ready_entries '
-            f'UNION ALL SELECT job_id FROM "{sc}".deferred_jobs '
-            f'UNION ALL SELECT job_id FROM "{sc}".deferred_wheel) j')).scalar_one()
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def seconds(d: timedelta) -> float:
     return d.total_seconds()
 

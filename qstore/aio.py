@@ -134,6 +134,7 @@ class AsyncListener:
         self._idle_since = time.monotonic()
         self._retry_delay = RECONNECT_FIRST
         self._interrupted = asyncio.Event()
+        self._receiving: asyncio.Future[None] | None = None  # the wait's receive, while it runs
         self._closed = False
         self._outages = outages if outages is not None else OutageLog(log, "qstore listener")
 
@@ -187,12 +188,11 @@ class AsyncListener:
 
     async def _receive(self, conn: psycopg.AsyncConnection[Any], timeout: float) -> None:
         """Collect the notifications that arrive within ``timeout`` seconds: returns after
-        the first (with every one already received), or when the time is up."""
+        the first, with every one that came in the same read, or when the time is up. (One
+        that arrives later stays with the connection until the next wait: nothing is lost,
+        and the wakeup goes out without a second look at the socket.)"""
         async for n in conn.notifies(timeout=timeout, stop_after=1):
             self._take(n)
-        if self._has_news():
-            async for n in conn.notifies(timeout=0.0):
-                self._take(n)
 
     async def wait(self, timeout: float) -> Wakeup:
         """Wait up to ``timeout`` seconds for notifications (see the class docstring)."""
@@ -212,16 +212,17 @@ class AsyncListener:
                 if remaining <= 0:
                     await self._keepalive(conn)
                     return self._pending.take()
-                receiving = asyncio.ensure_future(self._receive(conn, min(remaining, KEEPALIVE_EVERY)))
-                stopper = asyncio.ensure_future(self._interrupted.wait())
+                # one task, which interrupt() cancels: the wait ends at the first of a
+                # notification, the time, or an interrupt
+                receiving = self._receiving = asyncio.ensure_future(
+                    self._receive(conn, min(remaining, KEEPALIVE_EVERY)))
                 try:
-                    await asyncio.wait({receiving, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait((receiving,))
                 finally:
-                    stopper.cancel()
-                if not receiving.done():  # interrupted: the wait ends here
-                    receiving.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, psycopg.Error, OSError):
-                        await receiving
+                    self._receiving = None
+                    if not receiving.done():  # this wait itself was cancelled
+                        receiving.cancel()
+                if receiving.cancelled():  # interrupted: the wait ends here
                     self._interrupted.clear()
                     return self._pending.take()
                 receiving.result()
@@ -263,6 +264,8 @@ class AsyncListener:
     def interrupt(self) -> None:
         """Make the current (or next) :meth:`wait` return at once (call it on the loop)."""
         self._interrupted.set()
+        if self._receiving is not None:
+            self._receiving.cancel()
 
     async def close(self) -> None:
         """Close the connection (its ``LISTEN`` registrations end with it). Idempotent."""

@@ -427,6 +427,29 @@ def test_the_async_listener_returns_a_wakeup_as_soon_as_a_notify_arrives(db_url,
     assert quiet.queues == frozenset() and stopped_in < 0.5
 
 
+
+def test_an_interrupt_ends_a_wait_in_progress_and_the_listener_still_hears_the_next_notify(
+        db_url, engine, st):  # type: ignore[no-untyped-def]
+    async def main() -> Any:
+        aengine: AsyncEngine = create_async_engine(db_url)
+        try:
+            async with AsyncListener(aengine, st.config, ["mail"]) as listener:
+                waiting = asyncio.ensure_future(listener.wait(10))
+                await asyncio.sleep(0.1)  # the wait is receiving by now
+                interrupted = time.monotonic()
+                listener.interrupt()
+                quiet = await waiting
+                stopped_in = time.monotonic() - interrupted
+                await asyncio.to_thread(st.enqueue, engine, InsertParams("k", {}, InsertOpts(queue="mail")))
+                wake = await listener.wait(10)
+                return quiet, stopped_in, wake
+        finally:
+            await aengine.dispose()
+
+    quiet, stopped_in, wake = run(main())
+    assert quiet.queues == frozenset() and stopped_in < 0.5
+    assert wake.queues == frozenset({"mail"})
+
 # -- a database outage ------------------------------------------------------------------------------
 
 

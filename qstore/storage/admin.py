@@ -132,8 +132,9 @@ def retry_jobs_by_ids(ctx: StorageContext, conn: Connection, ids: Sequence[int])
 
 
 def cancel_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | None:
-    """Cancel whatever is live: an unclaimed ready position (tombstone + wide done row), a
-    running/waiting attempt (closed, NOTIFY on the cancel channel), or a deferred row."""
+    """Cancel whatever is live: an unclaimed ready position (a tombstone and a narrow done
+    row beside its ready row), a running/waiting attempt (closed, NOTIFY on the cancel
+    channel), or a deferred row."""
     sch = ctx.schema
     body = _take_unclaimed(conn, sch, job_id)
     if body is not None:

@@ -45,7 +45,11 @@ Per drain: jobs/s, and per job the WAL the server wrote, the time the database's
 spent running statements (``pg_stat_database.active_time``), the CPU of the database's
 backend processes (from ``/proc``, the server being on this host), the server transactions
 and the benchmark process's own CPU (``time.process_time``: the client's CPU, the
-measuring thread's taken out). With ``--account-jobs N`` (default 5,000; 0 skips it) each
+measuring thread's taken out). For the worker and the psycopg classic queue also when the
+first handler started after the drain's clock did (the start-up: the worker opens its
+connections within its clock, the classic queue opened and prepared its own before) and
+the rate between the 10th and the 90th percentile handler start (``steady``: the drain
+once under way). With ``--account-jobs N`` (default 5,000; 0 skips it) each
 system then drains N more jobs once in a clean phase with every connection's protocol
 traced (libpq trace, which costs client time, so nothing of this run is timed): round
 trips and protocol messages per job, and where the WAL went per relation
@@ -297,6 +301,21 @@ def worker_variants(args: argparse.Namespace, rnd: int) -> list[int | None]:
     return values if rnd % 2 else values[::-1]
 
 
+def pace(starts: Iterable[float], t0: float) -> dict[str, float | None]:
+    """Where a drain's time went, from the clock readings at which its handlers started:
+    ``first_job_ms``, the first handler's start after the drain's clock started (the
+    start-up: a worker opens its connections and makes its first claims, the classic queue
+    had opened and prepared its own before its clock started), and ``steady_jobs_per_s``,
+    the rate between the starts of the 10th and the 90th percentile job (neither the
+    start-up nor the last completions' commits)."""
+    at = sorted(starts)
+    if len(at) < 10:
+        return {"first_job_ms": None, "steady_jobs_per_s": None}
+    lo, hi = at[len(at) // 10], at[(len(at) * 9) // 10]
+    return {"first_job_ms": (at[0] - t0) * 1000.0,
+            "steady_jobs_per_s": ((len(at) * 9) // 10 - len(at) // 10) / (hi - lo) if hi > lo else None}
+
+
 def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
                  args: argparse.Namespace, exact: bool, trace: WireTrace | None = None,
                  *, is_async: bool = False, cycles: int | None = None) -> dict[str, Any]:
@@ -342,7 +361,8 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
         problems.append(f"left available={counts.available} running={counts.running}")
     figures = per_job(use, n, cpu - use["sampler_cpu_s"])
     res["drain"] = {"jobs": n, "seconds": seconds, "jobs_per_s": n / seconds,
-                    "cpu_us_per_job": figures["client_cpu_us_per_job"], **figures}
+                    "cpu_us_per_job": figures["client_cpu_us_per_job"], **figures,
+                    **pace(recorder.started.values(), t0)}
     res["server"] = use
     res["stats"] = stats_of(worker)
     res["dead_tuples"] = dead
@@ -412,14 +432,21 @@ def pg_drain(engine: Engine, cpg: ClassicPsycopg, phase: str, n: int, args: argp
     meter = ServerMeter(engine, breakdown=trace is not None)
     clock: dict[str, float] = {}
 
+    handled: list[float] = []  # each handler's start (list.append: one step under the GIL)
+
+    def handle(row: Row) -> None:
+        handled.append(time.perf_counter())
+        bs.handler(row)
+
     def started() -> None:
         meter.start()
         clock["cpu"] = time.process_time()
+        clock["t0"] = time.perf_counter()
 
     with pinned(engine, phase == "pinned") as pin:
         if pin is not None:
             res["pinned_xid"] = pin.xid
-        d = cpg.drain(bs.QUEUE, n, workers=args.concurrency, batch=CLASSIC_BATCH, handle=bs.handler,
+        d = cpg.drain(bs.QUEUE, n, workers=args.concurrency, batch=CLASSIC_BATCH, handle=handle,
                       on_start=started, on_end=meter.sample,
                       on_connect=None if trace is None else lambda c: trace.attach(c.pgconn),
                       on_close=None if trace is None else lambda c: trace.detach(c.pgconn))
@@ -440,7 +467,7 @@ def pg_drain(engine: Engine, cpg: ClassicPsycopg, phase: str, n: int, args: argp
                     "jobs_per_s": d.jobs_per_s, "duplicates": d.duplicates,
                     "claim_calls": d.claim_calls, "empty_claims": d.empty_claims,
                     "handled": d.handled, "errors": d.errors,
-                    **per_job(use, d.jobs, cpu - use["sampler_cpu_s"])}
+                    **per_job(use, d.jobs, cpu - use["sampler_cpu_s"]), **pace(handled, clock["t0"])}
     res["server"] = use
     res["dead_tuples"] = dead
     res["dead_total"] = sum(f["dead"] for f in dead.values())
@@ -540,7 +567,8 @@ def summarise_drain(results: list[dict[str, Any]], jobs: int, classics: list[str
         med.setdefault(f"{r['system']}/{r['phase']}", []).append(r)
     out: dict[str, Any] = {}
     keys = ("wal_bytes_per_job", "wal_db_bytes_per_job", "server_active_us_per_job",
-            "server_cpu_us_per_job", "server_xacts_per_job", "client_cpu_us_per_job")
+            "server_cpu_us_per_job", "server_xacts_per_job", "client_cpu_us_per_job",
+            "first_job_ms", "steady_jobs_per_s")
     for key, rs in med.items():
         out[key] = {
             "rounds": len(rs),
@@ -552,7 +580,7 @@ def summarise_drain(results: list[dict[str, Any]], jobs: int, classics: list[str
 
     def get(system: str, phase: str, key: str = "jobs_per_s") -> float | None:
         m = out.get(f"{system}/{phase}")
-        return None if m is None else m[key]
+        return None if m is None else m.get(key)
 
     def better(phase: str) -> str | None:
         rated = [(get(c, phase) or 0.0, c) for c in classics if get(c, phase) is not None]
@@ -567,6 +595,8 @@ def summarise_drain(results: list[dict[str, Any]], jobs: int, classics: list[str
         ratios[phase] = {
             "better_classic": best,
             "vs_classic": bs.ratio(get("worker", phase), get(best, phase) if best else None),
+            "steady_vs_classic": bs.ratio(get("worker", phase, "steady_jobs_per_s"),
+                                          get(best, phase, "steady_jobs_per_s") if best else None),
             "vs_each": {c: bs.ratio(get("worker", phase), get(c, phase)) for c in classics},
             "vs_storage": bs.ratio(get("worker", phase), get("storage", phase)),
             "wal_vs_classic": bs.ratio(get("worker", phase, wal_key),
@@ -611,9 +641,10 @@ def print_drain(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
                         "server xacts/job", "dead tuples", "check"], rows))
     print("\nMedians over the rounds:")
     print(format_table(
-        ["system/phase", "rounds", "drain j/s", "WAL B/job", "its DB's WAL B/job", "active µs/job",
-         "server CPU µs/job", "client CPU µs/job", "per round"],
-        [[k, m["rounds"], bs.fmt(m["jobs_per_s"]), bs.fmt(m["wal_bytes_per_job"]),
+        ["system/phase", "rounds", "drain j/s", "first job ms", "steady j/s", "WAL B/job",
+         "its DB's WAL B/job", "active µs/job", "server CPU µs/job", "client CPU µs/job", "per round"],
+        [[k, m["rounds"], bs.fmt(m["jobs_per_s"]), bs.fmt(m.get("first_job_ms"), ".1f"),
+          bs.fmt(m.get("steady_jobs_per_s")), bs.fmt(m["wal_bytes_per_job"]),
           bs.fmt(m["wal_db_bytes_per_job"]),
           bs.fmt(m["server_active_us_per_job"]), bs.fmt(m["server_cpu_us_per_job"]),
           bs.fmt(m["client_cpu_us_per_job"]), " ".join(f"{x:,}" for x in m["jobs_per_s_all"])]
@@ -623,6 +654,7 @@ def print_drain(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
         each = "   ".join(f"vs {k} {bs.times(v)}" for k, v in rr["vs_each"].items())
         print(f"  {phase:<6}  vs classic ({rr['better_classic']}) {bs.times(rr['vs_classic'])}   "
               f"{each}   vs storage {bs.times(rr['vs_storage'])}   WAL {bs.times(rr['wal_vs_classic'])}"
+              f"   steady {bs.times(rr['steady_vs_classic'])}"
               + (f"   async worker / worker {bs.times(rr['async_vs_worker'])}" if rr["async_vs_worker"] else ""))
         for name, pr in rr["cycles_vs_worker"].items():
             print(f"          {name} / {'async_worker' if name.startswith('async_') else 'worker'} of the same "

@@ -194,6 +194,8 @@ def test_worker_bench_drains_through_the_worker_beside_both_classic_queues_and_t
         d = r["drain"]
         assert d["wal_bytes_per_job"] > 0 and d["server_xacts_per_job"] > 0, (r["system"], d)
         assert d["client_cpu_us_per_job"] > 0 and d["server_active_us_per_job"] >= 0, (r["system"], d)
+        if r["system"] in ("worker", "classic_pg"):  # its start-up and its rate once under way
+            assert d["first_job_ms"] >= 0 and d["steady_jobs_per_s"] > 0, (r["system"], d)
     # the classic queues leave their claim's update and their delete of every job behind the pin
     pinned = {r["system"]: r for r in drained if r["phase"] == "pinned"}
     assert pinned["classic_pg"]["dead_total"] == pinned["classic"]["dead_total"] == 2 * 300
@@ -201,6 +203,7 @@ def test_worker_bench_drains_through_the_worker_beside_both_classic_queues_and_t
     for phase in ("clean", "pinned"):  # against the faster classic queue of the phase
         rr = ratios[phase]
         assert rr["vs_classic"] == min(rr["vs_each"].values()), rr
+        assert rr["steady_vs_classic"] > 0, rr
     accounted = {r["system"]: r for r in data["drain"]["accounting"]}
     assert set(accounted) == set(systems)
     # a classic loop is one claim and one DELETE per 10 jobs (plus its few empty claims)

@@ -46,6 +46,7 @@ from classic_psycopg import ClassicPsycopg, libpq_url
 from qstore.config import QueueStorageConfig
 from qstore.migrations import frozen
 from qstore.migrations.frozen import r0010
+from qstore.migrations.frozen.r0017 import READY_SLOT_SEEN
 from qstore.storage import QueueStorage
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/qstore_bench"
@@ -140,7 +141,9 @@ class Qstore(System):
         if self.shards is not None:
             self.storage.set_queue_options(self.engine, QUEUE, enqueue_shards=self.shards)
         if self.claim_of is not None:
-            conn.execute(r0010.render(f"r{self.claim_of}", "claim_ready", self.storage.config).encode())
+            # (texts from revision 0017 on name the session setting of the slot last seen)
+            conn.execute(r0010.render(f"r{self.claim_of}", "claim_ready", self.storage.config,
+                                      ready_slot_seen=READY_SLOT_SEEN).encode())
         conn.execute(sql.SQL(_QSTORE_LOOP).format(
             s=sql.Identifier(self.schema), q=sql.Literal(QUEUE), receipts=sql.Literal(self.receipts)))
 

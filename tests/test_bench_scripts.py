@@ -353,12 +353,14 @@ def test_claim_server_bench_claims_one_job_per_loop_in_every_system_and_drops_it
     assert schemas_named(fresh_db_url, "nspname LIKE 'bench_claim_%'") == []
 
 
-def test_claim_server_bench_also_runs_the_claim_of_an_earlier_revision(fresh_db_url):
+@pytest.mark.parametrize("revision", ["0010", "0017"])  # 0017's text names the slot-seen setting
+def test_claim_server_bench_also_runs_the_claim_of_an_earlier_revision(fresh_db_url, revision):
     proc = run_script("bench_claim_server.py", "--url", fresh_db_url, "--rounds", "1", "--jobs", "20",
-                      "--also-claim-of", "0010")
+                      "--also-claim-of", revision)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if "the classic claim" in line]
-    assert [r.split("  ")[0] for r in rows][3:] == ["qstore (default lanes), 0010", "qstore (1 lane), 0010"]
+    assert [r.split("  ")[0] for r in rows][3:] == [f"qstore (default lanes), {revision}",
+                                                   f"qstore (1 lane), {revision}"]
     assert schemas_named(fresh_db_url, "nspname LIKE 'bench_claim_%'") == []
 
 

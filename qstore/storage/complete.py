@@ -128,8 +128,9 @@ def complete_runtime_batch(ctx: StorageContext, tx: Transactions,
 
     In a caller's transaction everything runs there. With an ``Engine``: when every attempt
     can take the fast path, its one statement commits on its own (one round trip); any
-    attempt it turns out not to finish (a receipt materialised by a callback since the
-    claim) then takes the general path in a second transaction, and if that one
+    attempt it turns out not to finish (a receipt materialised since the claim: by a
+    callback, or by a heartbeat of a worker older than revision 0013) then takes the
+    general path in a second transaction, and if that one
     fails the error is a :class:`~qstore.errors.PartialCommitError` whose ``committed`` lists
     the attempts the first transaction completed. When some attempts need the general path
     from the start, both parts run in one transaction.
@@ -245,8 +246,9 @@ def complete_and_claim(ctx: StorageContext, tx: Transactions,
     (``take_attempts``, ``destinations``), and no server function of the schema does it.
     When the batch holds such attempts from the start, the whole call is one transaction
     (the fast completion, the general one, then the claim; one round trip per statement).
-    A fast attempt the statement did not finish (its receipt was materialised by a callback
-    since the claim) is completed by the general path afterwards: in the
+    A fast attempt the statement did not finish (its receipt was materialised since the
+    claim: by a callback, or by a heartbeat of a worker older than revision 0013) is
+    completed by the general path afterwards: in the
     caller's transaction, or with an ``Engine`` in a second transaction; if that one fails
     the error is a :class:`~qstore.errors.PartialCommitError` whose ``committed`` lists the
     completed pairs followed by the claimed ``ClaimedRuntimeJob``s (committed: work on them)

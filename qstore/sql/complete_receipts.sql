@@ -5,8 +5,8 @@
 ## NOTHING: whoever closes an attempt first wins), a narrow done row built from the receipt
 ## and the job kind the worker carries from its claim (the ready row is not re-read) and
 ## grouped terminal-count deltas. Returns the attempts it completed. A receipt that was
-## materialised (heartbeat, callback) is left to the general path; an unknown slot matches
-## nothing (stale). One statement per claim slot present in the input, each naming its
+## materialised (by a callback, or by a heartbeat of a worker older than revision 0013) is
+## left to the general path; an unknown slot matches nothing (stale). One statement per claim slot present in the input, each naming its
 ## child (see claim_ready.sql for why).
 ##
 ## Template parameters: s (schema), shape (slot counts), counter_buckets.

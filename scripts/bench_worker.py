@@ -580,7 +580,7 @@ def summarise_drain(results: list[dict[str, Any]], jobs: int, classics: list[str
 
     def get(system: str, phase: str, key: str = "jobs_per_s") -> float | None:
         m = out.get(f"{system}/{phase}")
-        return None if m is None else m.get(key)
+        return None if m is None else m[key]
 
     def better(phase: str) -> str | None:
         rated = [(get(c, phase) or 0.0, c) for c in classics if get(c, phase) is not None]
@@ -643,8 +643,8 @@ def print_drain(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     print(format_table(
         ["system/phase", "rounds", "drain j/s", "first job ms", "steady j/s", "WAL B/job",
          "its DB's WAL B/job", "active µs/job", "server CPU µs/job", "client CPU µs/job", "per round"],
-        [[k, m["rounds"], bs.fmt(m["jobs_per_s"]), bs.fmt(m.get("first_job_ms"), ".1f"),
-          bs.fmt(m.get("steady_jobs_per_s")), bs.fmt(m["wal_bytes_per_job"]),
+        [[k, m["rounds"], bs.fmt(m["jobs_per_s"]), bs.fmt(m["first_job_ms"], ".1f"),
+          bs.fmt(m["steady_jobs_per_s"]), bs.fmt(m["wal_bytes_per_job"]),
           bs.fmt(m["wal_db_bytes_per_job"]),
           bs.fmt(m["server_active_us_per_job"]), bs.fmt(m["server_cpu_us_per_job"]),
           bs.fmt(m["client_cpu_us_per_job"]), " ".join(f"{x:,}" for x in m["jobs_per_s_all"])]

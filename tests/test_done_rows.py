@@ -412,6 +412,17 @@ def test_the_locking_lookup_of_a_jobs_failed_rows_reads_indexes_only(engine, wit
     assert _job_id_probes(used, "done_entries") == {f"done_entries_{k}" for k in range(SLOTS)}, used
 
 
+def test_a_lookup_of_terminal_jobs_by_job_id_probes_indexes_only(engine, with_history):
+    """The ``terminal_jobs`` view filtered on ``job_id``: narrow rows through the ready
+    rows' job_id index, wide rows through the partial one, in every slot; no ring child is
+    scanned (a scan of every done row retained, before revision 0018)."""
+    s = with_history
+    used = scans(engine, text(f'SELECT * FROM "{s.schema()}".terminal_jobs WHERE job_id = 1'))
+    assert [u for u in used if not u[3]] == []
+    assert _job_id_probes(used, "ready_entries") == {f"ready_entries_{k}" for k in range(SLOTS)}, used
+    assert _job_id_probes(used, "done_entries") == {f"done_entries_{k}" for k in range(SLOTS)}, used
+
+
 def test_done_rows_index_job_id_only_where_created_at_is_set(engine, st):
     with engine.connect() as c:
         defs = c.execute(text(

@@ -268,6 +268,37 @@ def test_jobs_ended_below_the_wide_done_index_revision_are_found_by_id_after_it(
     assert st.retry_job(engine, ids["cancelled_running"]).state is JobState.AVAILABLE  # type: ignore[union-attr]
 
 
+#: the revision whose ``terminal_jobs`` finds a job's rows by index, and the one below it
+TERMINAL_VIEW_REVISION = "0018"
+BEFORE_TERMINAL_VIEW = REVISIONS[REVISIONS.index(TERMINAL_VIEW_REVISION) - 1]
+
+
+def _terminal_view(engine: Engine, cfg: QueueStorageConfig) -> tuple[list[tuple[Any, ...]], str]:
+    """Every row of ``terminal_jobs`` (ordered) and the view's definition."""
+    with engine.connect() as conn:
+        rows = conn.execute(text(f'SELECT * FROM "{cfg.schema}".terminal_jobs ORDER BY job_id, finalized_at')).all()
+        definition = conn.execute(text("SELECT pg_get_viewdef(CAST(:v AS regclass))"),
+                                  {"v": f'"{cfg.schema}".terminal_jobs'}).scalar_one()
+    return [tuple(r) for r in rows], definition
+
+
+def test_the_terminal_view_revision_keeps_every_row_both_ways(module_engine):
+    """Upgrading to the revision that splits ``terminal_jobs`` into its two kinds of done
+    rows, and downgrading below it, change the view's text and none of its rows (narrow and
+    wide rows alike)."""
+    _url, engine = module_engine
+    cfg = config("terminal_view", "receipts")
+    migrate_to(engine, cfg, BEFORE_TERMINAL_VIEW)
+    _ended_jobs(engine, QueueStorage(cfg))
+    rows, before = _terminal_view(engine, cfg)
+    assert len(rows) == 4 and "UNION ALL" not in before
+    migrate_to(engine, cfg, TERMINAL_VIEW_REVISION)
+    upgraded_rows, after = _terminal_view(engine, cfg)
+    assert upgraded_rows == rows and "UNION ALL" in after
+    migrate_to(engine, cfg, BEFORE_TERMINAL_VIEW)
+    assert _terminal_view(engine, cfg) == (rows, before)
+
+
 def test_terminal_history_reads_a_json_null_payload_as_the_ready_rows(engine, st):
     """An older release's general terminal path wrote JSON ``null`` payloads; reads take
     them for "no payload of its own" and show the job's metadata and tags."""

@@ -1,0 +1,42 @@
+## terminal_jobs: every finished job still retained in the queue ring, with the fields a
+## narrow done row leaves out read from its ready row (a JSON null payload, as an older
+## release's general terminal path wrote it, reads as the ready row's payload).
+##
+## Two branches, one per kind of done row, so that a filter on job_id finds its rows by
+## index: a narrow row (a claimed attempt's) has no job_id index entry of its own and is
+## reached through its ready row's (the join names the job id on both sides, so the filter
+## applies to the ready rows), a wide row through done_entries_wide_job_id_idx. A narrow
+## row always has its ready row: both carry the same lane key in the same ring slot, and a
+## slot is truncated as a whole. A wide row has none.
+##
+## Template parameters: s (schema).
+CREATE OR REPLACE VIEW ${s}.terminal_jobs AS SELECT d.job_id, d.kind, d.queue, d.state, d.priority, d.attempt, d.run_lease,
+       coalesce(d.args, r.args, '{}'::jsonb) AS args,
+       coalesce(d.max_attempts, r.max_attempts, 25::smallint) AS max_attempts,
+       coalesce(d.run_at, r.run_at, d.finalized_at) AS run_at,
+       coalesce(d.created_at, r.created_at, d.finalized_at) AS created_at,
+       d.attempted_at, d.finalized_at,
+       coalesce(d.unique_key, r.unique_key) AS unique_key,
+       coalesce(d.unique_states, r.unique_states) AS unique_states,
+       coalesce(nullif(d.payload, 'null'::jsonb), nullif(r.payload, 'null'::jsonb), '{}'::jsonb) AS payload,
+       d.ready_slot, d.ready_generation, d.lane_seq, d.enqueue_shard
+FROM ${s}.done_entries d
+JOIN ${s}.ready_entries r
+  ON r.ready_slot = d.ready_slot AND r.ready_generation = d.ready_generation
+ AND r.queue = d.queue AND r.priority = d.priority
+ AND r.enqueue_shard = d.enqueue_shard AND r.lane_seq = d.lane_seq
+ AND r.job_id = d.job_id
+WHERE d.created_at IS NULL
+UNION ALL
+SELECT d.job_id, d.kind, d.queue, d.state, d.priority, d.attempt, d.run_lease,
+       coalesce(d.args, '{}'::jsonb),
+       coalesce(d.max_attempts, 25::smallint),
+       coalesce(d.run_at, d.finalized_at),
+       d.created_at,
+       d.attempted_at, d.finalized_at,
+       d.unique_key,
+       d.unique_states,
+       coalesce(nullif(d.payload, 'null'::jsonb), '{}'::jsonb),
+       d.ready_slot, d.ready_generation, d.lane_seq, d.enqueue_shard
+FROM ${s}.done_entries d
+WHERE d.created_at IS NOT NULL

@@ -11,7 +11,9 @@ Modes (``--mode``, default all three):
 ``drain`` — per round, phase (``clean``, then ``pinned``: another session holds an xid
 from before the drain until the dead tuples are counted) and system, N no-op jobs
 (``--jobs``, default 20,000) are loaded with COPY into a fresh schema, then drained with
-``--concurrency`` (16) concurrent handlers:
+``--concurrency`` (16) concurrent handlers. The rows of one COPY share one of a queue's
+lanes, so the worker's backlog lies in one lane unless ``--load-lanes N`` loads it in N
+COPYs (N lanes, at most the queue's eight; each result names its ``lanes``):
 
 * ``classic`` — 16 threads loop claim 10 / no-op handler per job / ``DELETE`` the batch
   over SQLAlchemy (each call one autocommitted statement): the natural loop of
@@ -100,7 +102,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -325,11 +327,15 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
     system.fresh(engine)
     checkpoint(engine)
     prepared = system.convert(bs.workload(n))
+    step = -(-n // max(1, args.load_lanes))  # the rows of one COPY share one lane
     with engine.begin() as conn:
-        system.enqueue_copy(conn, prepared)
+        for i in range(0, n, step):
+            system.enqueue_copy(conn, prepared[i:i + step])
+        lanes = conn.execute(text(f'SELECT count(DISTINCT (queue, priority, enqueue_shard)) '
+                                  f'FROM "{system.schema}".ready_entries')).scalar_one()
     recorder.reset(n)
     res: dict[str, Any] = {"system": worker_name(is_async, cycles, args), "phase": phase, "jobs": n,
-                           "claims_in_flight": cycles}
+                           "claims_in_flight": cycles, "lanes": lanes}
     if trace is not None:
         trace.attach_engine(engine)  # the worker's connections are all new: the pool was disposed
         engine.dispose()
@@ -1225,6 +1231,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--claims-in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[],
                    help="drain and pickup: run the worker with each of these claims_in_flight values "
                         "(comma-separated; the first is the run's worker, the others worker_cN)")
+    p.add_argument("--load-lanes", type=int, default=1,
+                   help="drain: load the worker's jobs in this many COPY calls, each into the next "
+                        "of the queue's lanes (default 1: one COPY, one lane)")
     p.add_argument("--prefetch", type=int, default=None,
                    help="drain and pickup: the workers' prefetch (default: the setting's default)")
     p.add_argument("--claim-ahead", type=int, default=None,

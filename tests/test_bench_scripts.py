@@ -177,6 +177,16 @@ def test_worker_bench_drains_every_job_with_each_variant(fresh_db_url, tmp_path)
     assert data["pickup"]["n"] == 5
 
 
+def test_worker_bench_loads_the_drain_into_as_many_lanes_as_asked(fresh_db_url, tmp_path):
+    out = tmp_path / "worker_lanes.json"
+    proc = run_script("bench_worker.py", "--url", fresh_db_url, "--mode", "drain", "--jobs", "200",
+                      "--concurrency", "4", "--phases", "clean", "--classics", "psycopg", "--skip-storage",
+                      "--account-jobs", "0", "--load-lanes", "4", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [worker] = [r for r in json.loads(out.read_text())["drain"]["results"] if r["system"] == "worker"]
+    assert (worker["lanes"], worker["drain"]["jobs"], worker["problems"]) == (4, 200, [])
+
+
 def test_worker_bench_drains_through_the_worker_beside_both_classic_queues_and_the_storage_loop(
         fresh_db_url, tmp_path):
     out = tmp_path / "worker_vs.json"
@@ -190,6 +200,7 @@ def test_worker_bench_drains_through_the_worker_beside_both_classic_queues_and_t
     assert {(r["system"], r["phase"]) for r in drained} == {
         (s, p) for s in systems for p in ("clean", "pinned")}
     assert all(r["drain"]["jobs"] == 300 and not r["problems"] for r in drained)
+    assert [r["lanes"] for r in drained if r["system"] == "worker"] == [1, 1]  # one COPY, one lane
     for r in drained:  # the server's and the client's cost, per job
         d = r["drain"]
         assert d["wal_bytes_per_job"] > 0 and d["server_xacts_per_job"] > 0, (r["system"], d)

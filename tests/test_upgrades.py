@@ -282,12 +282,13 @@ def _terminal_view(engine: Engine, cfg: QueueStorageConfig) -> tuple[list[tuple[
     return [tuple(r) for r in rows], definition
 
 
-def test_the_terminal_view_revision_keeps_every_row_both_ways(module_engine):
+@pytest.mark.parametrize("mode", MODES)
+def test_the_terminal_view_revision_keeps_every_row_both_ways(module_engine, mode):
     """Upgrading to the revision that splits ``terminal_jobs`` into its two kinds of done
     rows, and downgrading below it, change the view's text and none of its rows (narrow and
     wide rows alike)."""
     _url, engine = module_engine
-    cfg = config("terminal_view", "receipts")
+    cfg = config(f"terminal_view_{mode}", mode)
     migrate_to(engine, cfg, BEFORE_TERMINAL_VIEW)
     _ended_jobs(engine, QueueStorage(cfg))
     rows, before = _terminal_view(engine, cfg)

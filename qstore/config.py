@@ -18,6 +18,7 @@ __all__ = [
     "COUNTER_BUCKETS",
     "DEFAULT_SCHEMA",
     "DEFAULT_SHARDS",
+    "DONE_BLOCK",
     "MAX_CHANNEL_BYTES",
     "MIN_CLAIM_SLOTS",
     "MIN_LEASE_SLOTS",
@@ -66,6 +67,11 @@ READY_SLOT_SEEN = "qstore.ready_slot_seen"
 #: one row per lane per completion batch (instead of one per job); the column stays so a
 #: deployment that wants to spread hot counter rows can raise it (with a counter rebuild).
 COUNTER_BUCKETS = 1
+#: A batch done row (``done_batches``) holds completed attempts of one lane whose positions
+#: fall in one block of ``DONE_BLOCK`` positions (``lane_block = lane_seq / DONE_BLOCK``), so
+#: a job's batch row is found from its ready row's position by one index probe. Fixed per
+#: revision (rows are keyed by it).
+DONE_BLOCK = 1024
 #: The deferred wheel (``deferred_wheel``, ``deferred_wheel_marks``): a job waiting for
 #: ``run_at`` is appended to bucket ``floor(epoch(run_at) / WHEEL_BUCKET_SECONDS)`` (the
 #: current bucket when that is already past), stored in slot ``bucket % WHEEL_SLOTS``. A

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy import (
+    CompoundSelect,
     Connection,
     Integer,
     Select,
@@ -52,11 +53,13 @@ from sqlalchemy import (
     Text,
     bindparam,
     case,
+    cast,
     column,
     func,
     literal,
     select,
     table,
+    union_all,
 )
 
 from qstore.errors import translate_errors
@@ -304,7 +307,7 @@ class _Statements:
     meta: Select[Any]
     deferred: Select[Any]
     dlq: Select[Any]
-    done: Select[Any]
+    done: CompoundSelect
     waiting_external: Select[Any]
     trusted: Select[Any]
     handed_back: Select[Any]
@@ -314,14 +317,18 @@ class _Statements:
 def _statements(sch: StorageSchema) -> _Statements:
     h, m, q = sch.claim_heads, sch.queue_meta, sch.dlq
     df = live_deferred(sch)
-    d, le = sch.done.parent, sch.leases.parent
+    d, db, le = sch.done.parent, sch.done_batches.parent, sch.leases.parent
     n = func.count().label("n")
     return _Statements(
         heads=select(h.c.logical_queue, n).group_by(h.c.logical_queue),
         meta=select(m.c.queue, m.c.paused),
         deferred=select(df.c.queue, df.c.state, n).group_by(df.c.queue, df.c.state),
         dlq=select(q.c.queue, n).group_by(q.c.queue),
-        done=select(d.c.queue, d.c.state, n).group_by(d.c.queue, d.c.state),
+        # a batch done row counts each of its members, all completed (_by_queue sums the two)
+        done=union_all(
+            select(d.c.queue, d.c.state, n).group_by(d.c.queue, d.c.state),
+            select(db.c.queue, cast(literal(JobState.COMPLETED.value), d.c.state.type).label("state"),
+                   func.sum(func.cardinality(db.c.lane_seqs)).label("n")).group_by(db.c.queue)),
         waiting_external=select(le.c.queue, n).where(le.c.state == JobState.WAITING_EXTERNAL).group_by(le.c.queue),
         trusted=select(sch.counter_state.c.terminal_counter_trusted_at.isnot(None)),
         handed_back=_handed_back_statement(df),
@@ -477,7 +484,7 @@ def family_of_tables(sch: StorageSchema) -> dict[str, str]:
     receipts = sch.config.lease_claim_receipts
     members: dict[str, Sequence[Any]] = {
         "queue_ready": (sch.ready, sch.tombstones, sch.claim_ranges),
-        "queue_done": (sch.done, sch.deltas),
+        "queue_done": (sch.done, sch.deltas, sch.done_batches),
         # heartbeat and progress rows live in the ring that holds the attempts
         "lease_ring": (sch.leases,) if receipts else (sch.leases, sch.progress),
         "claim_ring": (sch.claims, sch.closures, sch.progress) if receipts else (sch.claims, sch.closures),

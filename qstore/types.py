@@ -198,12 +198,13 @@ class BusyCounts:
     closures: int = 0
     queue_claim_ranges: int = 0  # qstore addition: claim-range evidence rows of the slot
     progress: int = 0  # qstore addition: heartbeat and progress rows of the slot
+    queue_done_batches: int = 0  # qstore addition: batch done rows (completed attempts) of the slot
 
     def total(self) -> int:
         """Sum of every field (> 0 ⇔ the slot is not empty)."""
         return (self.queue_ready + self.queue_done + self.queue_tombstones
                 + self.queue_terminal_deltas + self.leases + self.claims + self.closures
-                + self.queue_claim_ranges + self.progress)
+                + self.queue_claim_ranges + self.progress + self.queue_done_batches)
 
 
 class SkipReason(str, enum.Enum):

@@ -175,7 +175,7 @@ def test_completed_aged_job_carries_its_lane_priority(engine, storage):
         loaded = storage.load_job(engine, c.job.id)
         assert (loaded.state, loaded.priority, loaded.args) \
             == (JobState.COMPLETED, 4, {"who": c.job.args["who"]})
-        assert count_rows(engine, storage, "done_entries", "job_id = :j AND priority = 4", j=c.job.id) == 1
+        assert count_rows(engine, storage, "terminal_jobs", "job_id = :j AND priority = 4", j=c.job.id) == 1
 
 
 @both_receipt_modes("storage")

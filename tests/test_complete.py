@@ -92,14 +92,14 @@ def test_complete_runtime_batch_returns_completed_pairs_in_input_order(engine, s
 def test_repeated_completion_returns_nothing_and_changes_nothing(engine, storage):
     (a,) = claimed_jobs(engine, storage, 1)
     assert storage.complete_runtime_batch(engine, [a]) == [(a.job.id, 1)]
-    done_before = count_rows(engine, storage, "done_entries")
+    done_before = count_rows(engine, storage, "terminal_jobs")
     closures_before = count_rows(engine, storage, "lease_claim_closures")
 
     assert storage.complete_runtime_batch(engine, [a]) == []
     assert storage.complete_job_batch_by_id(engine, [(a.job.id, 1)]) == []
     assert storage.complete_claimed_batch(engine, [a.claim]) == []
 
-    assert count_rows(engine, storage, "done_entries") == done_before == 1
+    assert count_rows(engine, storage, "terminal_jobs") == done_before == 1
     assert count_rows(engine, storage, "lease_claim_closures") == closures_before == 1
     assert storage.queue_counts(engine, "q").terminal == 1
 
@@ -107,7 +107,7 @@ def test_repeated_completion_returns_nothing_and_changes_nothing(engine, storage
 def test_duplicate_entries_in_one_call_complete_once(engine, storage):
     (a,) = claimed_jobs(engine, storage, 1)
     assert storage.complete_runtime_batch(engine, [a, a]) == [(a.job.id, 1)]
-    assert count_rows(engine, storage, "done_entries") == 1
+    assert count_rows(engine, storage, "terminal_jobs") == 1
 
 
 def test_completion_with_wrong_run_lease_is_rejected_and_attempt_stays_running(engine, storage):
@@ -115,7 +115,7 @@ def test_completion_with_wrong_run_lease_is_rejected_and_attempt_stays_running(e
     for wrong in (0, 2, 99):
         assert storage.complete_job_batch_by_id(engine, [(a.job.id, wrong)]) == []
 
-    assert count_rows(engine, storage, "done_entries") == 0
+    assert count_rows(engine, storage, "terminal_jobs") == 0
     assert storage.queue_counts(engine, "q").running == 1
     loaded = storage.load_job(engine, a.job.id)
     assert (loaded.state, loaded.run_lease) == (JobState.RUNNING, 1)
@@ -130,7 +130,7 @@ def test_stale_completion_after_second_claim_changes_nothing(engine, storage):
 
     assert storage.complete_runtime_batch(engine, [first]) == []
     assert storage.complete_job_batch_by_id(engine, [(first.job.id, 1)]) == []
-    assert count_rows(engine, storage, "done_entries") == 0
+    assert count_rows(engine, storage, "terminal_jobs") == 0
     assert storage.load_job(engine, first.job.id).run_lease == 2
 
     assert storage.complete_runtime_batch(engine, [second]) == [(first.job.id, 2)]
@@ -142,7 +142,7 @@ def test_mixed_batch_completes_only_the_live_attempts(engine, storage):
     a, b = claimed_jobs(engine, storage, 2)
     storage.complete_runtime_batch(engine, [a])
     assert storage.complete_runtime_batch(engine, [a, b]) == [(b.job.id, 1)]
-    assert count_rows(engine, storage, "done_entries") == 2
+    assert count_rows(engine, storage, "terminal_jobs") == 2
 
 
 def test_completion_keeps_payload_on_the_terminal_view(engine, storage):
@@ -292,11 +292,11 @@ def test_engine_completion_finishes_fast_and_heartbeated_attempts_in_one_call(en
     assert storage.complete_runtime_batch(engine, [beating, plain]) == []
 
 
-def test_fast_completion_records_the_kind_the_claim_returned(engine, storage):
+def test_a_fast_completion_shows_the_jobs_kind_in_terminal_history(engine, storage):
     storage.enqueue_params_batch(engine, [InsertParams("mailer.send", {}, InsertOpts(queue="q"))])
     (c,) = storage.claim_runtime_batch(engine, "q", 1)
     assert storage.complete_runtime_batch(engine, [c]) == [(c.job.id, 1)]
-    assert count_rows(engine, storage, "done_entries", "kind = 'mailer.send'") == 1
+    assert count_rows(engine, storage, "terminal_jobs", "kind = 'mailer.send'") == 1
 
 
 @pytest.mark.parametrize("kind", ['say "hi"', "back\\slash", "a,b", "{braces}", "NULL", " spaced ",

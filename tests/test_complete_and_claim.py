@@ -151,7 +151,7 @@ def test_the_same_attempt_twice_completes_once(engine, storage):
     (c,) = storage.claim_runtime_batch(engine, "q", 1)
     got = storage.complete_and_claim(engine, [c, c, (c.job.id, c.job.run_lease)], "q", 1)
     assert got.completed == pairs([c])
-    assert count(engine, storage, "done_entries") == 1
+    assert count(engine, storage, "terminal_jobs") == 1
 
 
 def test_pairs_and_materialised_attempts_take_the_general_path_in_the_same_call(engine, storage):

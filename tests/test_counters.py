@@ -48,8 +48,10 @@ def drain(st: QueueStorage, engine: Engine, queue: str = Q) -> int:
 
 
 def scan_terminal(st: QueueStorage, engine: Engine, queue: str = Q) -> int:
-    """Ground truth: pruned history (rollups and the prune ledger) + every retained done row."""
+    """Ground truth: pruned history (rollups and the prune ledger) + every retained done row
+    and member of a batch done row."""
     t = st.tables
+    b = t.done_batches.parent
     with engine.connect() as conn:
         rolled = conn.execute(select(func.coalesce(func.sum(t.rollups.c.pruned_completed_count), 0))
                               .where(t.rollups.c.queue == queue)).scalar_one()
@@ -57,6 +59,8 @@ def scan_terminal(st: QueueStorage, engine: Engine, queue: str = Q) -> int:
                                .where(t.rollup_ledger.c.queue == queue)).scalar_one()
         done = conn.execute(select(func.count()).select_from(t.done.parent)
                             .where(t.done.parent.c.queue == queue)).scalar_one()
+        done += conn.execute(select(func.coalesce(func.sum(func.cardinality(b.c.lane_seqs)), 0))
+                             .where(b.c.queue == queue)).scalar_one()
     return int(rolled) + int(done)
 
 
@@ -305,6 +309,8 @@ def test_counters_exact_through_rollup_prune_and_rebuild(st: QueueStorage, engin
     t = st.tables
     with engine.connect() as conn:
         retained = conn.execute(select(func.count()).select_from(t.done.parent)).scalar_one()
+        retained += conn.execute(select(func.coalesce(func.sum(func.cardinality(t.done_batches.parent.c.lane_seqs)), 0))
+                                 ).scalar_one()
         rolled = conn.execute(select(func.coalesce(func.sum(t.rollups.c.pruned_completed_count), 0))).scalar_one()
         rolled += conn.execute(select(func.coalesce(func.sum(t.rollup_ledger.c.pruned_count), 0))).scalar_one()
     assert live + deltas == retained

@@ -24,6 +24,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.dialects import postgresql
 
 from qstore import QueueStorage, QueueStorageConfig, UniqueOpts
+from qstore.config import DONE_BLOCK
 from qstore.schema import storage_schema
 from qstore.storage.planes import queue as queue_plane
 from qstore.types import JobState
@@ -60,9 +61,34 @@ def scanned_by_job(engine: Engine, s: QueueStorage, job_id: int) -> list[tuple[A
             f'SELECT {_KEY} FROM "{s.schema()}".done_entries d WHERE d.job_id = :j'), {"j": job_id}))
 
 
+def batch_members(engine: Engine, s: QueueStorage) -> list[Any]:
+    """Every member of a batch done row: its job, its lane key, whether its row's block is
+    its position's, and the job of the ready row sharing its lane key (None when none)."""
+    with engine.connect() as c:
+        return c.execute(text(f"""
+            SELECT m.job_id, b.ready_slot, b.ready_generation, b.queue, b.priority, b.enqueue_shard,
+                   m.lane_seq, b.lane_block = m.lane_seq / {DONE_BLOCK} AS in_block, r.job_id AS ready_job
+            FROM "{s.schema()}".done_batches b
+            CROSS JOIN LATERAL unnest(b.lane_seqs, b.job_ids) AS m(lane_seq, job_id)
+            LEFT JOIN "{s.schema()}".ready_entries r
+              ON r.ready_slot = b.ready_slot AND r.ready_generation = b.ready_generation
+             AND r.queue = b.queue AND r.priority = b.priority
+             AND r.enqueue_shard = b.enqueue_shard AND r.lane_seq = m.lane_seq""")).all()
+
+
+def batch_found_by_job(engine: Engine, s: QueueStorage, job_id: int) -> list[tuple[Any, ...]]:
+    """The lane keys of ``select_batch_done_of_job``'s rows for ``job_id``."""
+    with engine.connect() as c:
+        rows = c.execute(queue_plane.select_batch_done_of_job(storage_schema(s.config), job_id)).all()
+    assert all(r.state == "completed" for r in rows), rows
+    return sorted((r.ready_slot, r.ready_generation, r.queue, r.priority, r.enqueue_shard, r.lane_seq) for r in rows)
+
+
 def assert_done_rows_sound(engine: Engine, s: QueueStorage) -> list[Any]:
     """Each done row is wide exactly when no ready row shares its lane key (a narrow row's
-    ready row is its own job's), and the lookup by job id finds exactly each job's rows."""
+    ready row is its own job's), and the lookup by job id finds exactly each job's rows.
+    Each member of a batch done row has its own job's ready row at its lane key, lies in
+    its row's block, and is found by the batch lookup by job id. Returns the done rows."""
     rows = done_rows(engine, s)
     for r in rows:
         assert r.wide == (r.ready_job is None), r
@@ -70,6 +96,13 @@ def assert_done_rows_sound(engine: Engine, s: QueueStorage) -> list[Any]:
         assert r.wide == (r.lane_seq < 0), r
     for job_id in {r.job_id for r in rows}:
         assert found_by_job(engine, s, job_id) == scanned_by_job(engine, s, job_id), job_id
+    members = batch_members(engine, s)
+    for m in members:
+        assert m.ready_job == m.job_id and m.in_block, m
+    for job_id in {m.job_id for m in members}:
+        assert batch_found_by_job(engine, s, job_id) == sorted(
+            (m.ready_slot, m.ready_generation, m.queue, m.priority, m.enqueue_shard, m.lane_seq)
+            for m in members if m.job_id == job_id), job_id
     return rows
 
 
@@ -288,10 +321,43 @@ def test_each_way_of_ending_a_job_writes_a_done_row_wide_exactly_without_a_ready
     assert_done_rows_sound(engine, mode_storage)
 
 
-def test_a_claimed_attempts_completion_writes_a_narrow_row(engine, mode_storage):
+def test_a_claimed_attempts_completion_alone_writes_a_narrow_row(engine, mode_storage):
+    """One attempt completed alone: a narrow row, on the fast path (receipts on: a batch row
+    of one member would cost more) and on the general path (every attempt a lease)."""
     _complete_fast(engine, mode_storage)
     [row] = assert_done_rows_sound(engine, mode_storage)
-    assert (row.wide, row.state) == (False, "completed")
+    assert (row.wide, row.state, batch_members(engine, mode_storage)) == (False, "completed", [])
+
+
+def test_one_fast_completion_writes_a_batch_row_per_lane_holding_two_or_more_and_narrow_rows_else(engine, st):
+    """Three jobs of a one-lane queue and two jobs in lanes of their own completed in one
+    call: one batch row holding the three in position order, and two narrow rows."""
+    lone = [running(engine, st) for _ in range(2)]  # one enqueue call each: a lane each
+    st.set_queue_options(engine, "q2", enqueue_shards=1)
+    st.enqueue_params_batch(engine, [params(queue="q2") for _ in range(3)])
+    batch = st.claim_runtime_batch(engine, "q2", 3)
+    assert len(st.complete_runtime_batch(engine, [*lone, *batch])) == 5
+    with engine.connect() as c:
+        [row] = c.execute(text(f'SELECT queue, lane_seqs, job_ids FROM "{st.schema()}".done_batches')).all()
+    assert (row.queue, list(row.job_ids)) == ("q2", [j.job.id for j in batch])
+    assert list(row.lane_seqs) == sorted(row.lane_seqs)
+    narrow = assert_done_rows_sound(engine, st)
+    assert sorted(r.job_id for r in narrow) == sorted(j.job.id for j in lone)
+    assert all(not r.wide and r.state == "completed" for r in narrow)
+
+
+def test_members_of_one_lane_in_two_blocks_of_positions_make_two_batch_rows(engine, st):
+    n = DONE_BLOCK + 5  # positions 1 .. DONE_BLOCK + 5 of one lane
+    st.set_queue_options(engine, "q2", enqueue_shards=1)
+    st.enqueue_params_batch(engine, [params(queue="q2") for _ in range(n)])
+    jobs = st.claim_runtime_batch(engine, "q2", n)
+    assert len(st.complete_runtime_batch(engine, jobs)) == n
+    with engine.connect() as c:
+        rows = c.execute(text(f'SELECT lane_block, cardinality(lane_seqs) AS n FROM "{st.schema()}".done_batches '
+                              "ORDER BY lane_block")).all()
+    assert [(r.lane_block, r.n) for r in rows] == [(0, DONE_BLOCK - 1), (1, 6)]
+    assert_done_rows_sound(engine, st)
+    assert st.queue_counts(engine, "q2").terminal == n
 
 
 @pytest.mark.parametrize("state", ["scheduled", "scheduled_far", "retryable"])
@@ -338,14 +404,16 @@ SLOTS = 4
 
 
 def history(engine: Engine, s: QueueStorage, completed: int = 1500, failed: int = 20, cancelled: int = 50) -> None:
-    """Terminal history of every kind in every queue slot, analysed: completed and failed
-    attempts (narrow rows) and cancelled scheduled jobs (wide rows), the ring turned after
-    each slot's share (but the last)."""
+    """Terminal history of every kind in every queue slot, analysed: completed attempts
+    (half through the fast path: batch members; half through the general path: narrow
+    rows), failed attempts (narrow rows) and cancelled scheduled jobs (wide rows), the ring
+    turned after each slot's share (but the last)."""
     later = datetime.now(timezone.utc) + FAR
     for k in range(s.config.queue_slot_count):
         s.enqueue_params_batch(engine, [params(args={"n": i}) for i in range(completed + failed)])
         jobs = s.claim_runtime_batch(engine, "q", completed + failed)
-        s.complete_runtime_batch(engine, jobs[:completed])
+        s.complete_runtime_batch(engine, jobs[:completed // 2])
+        s.complete_job_batch_by_id(engine, [(j.job.id, j.job.run_lease) for j in jobs[completed // 2:completed]])
         for j in jobs[completed:]:
             s.fail_terminal(engine, j.job.id, j.job.run_lease, "boom")
         s.enqueue_params_batch(engine, [params(args={"c": i}, run_at=later) for i in range(cancelled)])
@@ -356,18 +424,28 @@ def history(engine: Engine, s: QueueStorage, completed: int = 1500, failed: int 
             assert s.rotate(engine).kind == "rotated"
     with engine.connect() as c:
         c.execution_options(isolation_level="AUTOCOMMIT").execute(text(
-            f'ANALYZE "{s.schema()}".done_entries, "{s.schema()}".ready_entries'))
+            f'ANALYZE "{s.schema()}".done_entries, "{s.schema()}".ready_entries, "{s.schema()}".done_batches'))
 
 
 def scans(engine: Engine, statement: Any) -> list[tuple[str, str, str, bool]]:
     """``(relation, node type, index, probe)`` of each scan in the plan of ``statement``;
     ``probe`` is False for a scan without an index condition (a sequential scan, or an
-    index read whole)."""
+    index read whole). Planned with whole reads priced out (sequential scans, and hash,
+    merge and materialised joins, which read a side whole), so a scan without an index
+    condition means no index can serve it, not that a table of a test's size is cheaper
+    to read whole."""
     sql = str(statement.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     with engine.connect() as c:
+        for setting in ("enable_seqscan", "enable_hashjoin", "enable_mergejoin", "enable_material"):
+            c.execute(text(f"SET LOCAL {setting} = off"))
         [plan] = c.execute(text(f"EXPLAIN (FORMAT JSON) {sql}")).scalar_one()
     return [(n["Relation Name"], n["Node Type"], n.get("Index Name", ""), "Index Cond" in n or "Recheck Cond" in n)
             for n in _plan_nodes(plan["Plan"]) if "Relation Name" in n]
+
+
+def _probed(used: list[tuple[str, str, str, bool]], table: str) -> set[str]:
+    """The children of ``table`` read through an index condition."""
+    return {rel for rel, _, _, probe in used if rel.startswith(f"{table}_") and probe}
 
 
 def _job_id_probes(used: list[tuple[str, str, str, bool]], table: str) -> set[str]:
@@ -421,6 +499,16 @@ def test_a_lookup_of_terminal_jobs_by_job_id_probes_indexes_only(engine, with_hi
     assert [u for u in used if not u[3]] == []
     assert _job_id_probes(used, "ready_entries") == {f"ready_entries_{k}" for k in range(SLOTS)}, used
     assert _job_id_probes(used, "done_entries") == {f"done_entries_{k}" for k in range(SLOTS)}, used
+    assert _probed(used, "done_batches") == {f"done_batches_{k}" for k in range(SLOTS)}, used
+
+
+def test_the_lookup_of_a_jobs_batch_members_probes_indexes_only(engine, with_history):
+    """The ready rows' job_id index, then each slot's batch rows by lane and block."""
+    s = with_history
+    used = scans(engine, queue_plane.select_batch_done_of_job(storage_schema(s.config), 1))
+    assert [u for u in used if not u[3]] == []
+    assert _job_id_probes(used, "ready_entries") == {f"ready_entries_{k}" for k in range(SLOTS)}, used
+    assert _probed(used, "done_batches") == {f"done_batches_{k}" for k in range(SLOTS)}, used
 
 
 def test_done_rows_index_job_id_only_where_created_at_is_set(engine, st):

@@ -127,6 +127,18 @@ def test_queue_rotation_moves_only_into_empty_slots(small: QueueStorage, engine:
     assert out.busy.queue_terminal_deltas >= 1
 
 
+def test_a_slot_holding_batch_done_rows_is_busy_for_rotation(small: QueueStorage, engine: Engine) -> None:
+    enqueue(small, engine, 3)  # one call: one lane
+    assert drain(small, engine) == 3  # one completion call: one batch done row
+    for _ in range(3):  # into slots 1, 2 and 3
+        enqueue(small, engine)
+        assert small.rotate(engine).kind == "rotated"
+    enqueue(small, engine)
+    out = small.rotate(engine)
+    assert out.kind == "skipped_busy" and out.slot == 0 and out.busy is not None
+    assert (out.busy.queue_done_batches, out.busy.queue_done) == (1, 0)
+
+
 def test_prune_reports_a_backlog_from_the_ends_of_its_lanes(small: QueueStorage, engine: Engine) -> None:
     # a backlog is found among the last TAIL_PROBE rows of its lane, without a full count
     small.set_queue_options(engine, Q, enqueue_shards=1)

@@ -300,6 +300,58 @@ def test_the_terminal_view_revision_keeps_every_row_both_ways(module_engine, mod
     assert _terminal_view(engine, cfg) == (rows, before)
 
 
+#: the revision that writes the fast path's completions as batch done rows, and the one below it
+BATCH_DONE_REVISION = "0019"
+BEFORE_BATCH_DONE = REVISIONS[REVISIONS.index(BATCH_DONE_REVISION) - 1]
+
+
+def _retained(engine: Engine, cfg: QueueStorageConfig) -> tuple[int, int]:
+    """(done rows, members of batch done rows; 0 where the table does not exist)."""
+    with engine.connect() as conn:
+        rows = conn.execute(text(f'SELECT count(*) FROM "{cfg.schema}".done_entries')).scalar_one()
+        exists = conn.execute(text("SELECT to_regclass(:t) IS NOT NULL"),
+                              {"t": f'"{cfg.schema}".done_batches'}).scalar_one()
+        members = conn.execute(text(
+            f'SELECT coalesce(sum(cardinality(lane_seqs)), 0) FROM "{cfg.schema}".done_batches')).scalar_one() \
+            if exists else 0
+    return int(rows), int(members)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_batch_done_revision_keeps_every_terminal_row_both_ways(module_engine, mode):
+    """Jobs ended below the revision (narrow and wide done rows) and completed above it
+    (batch members with receipts on, narrow rows without) read the same through
+    ``terminal_jobs`` after the upgrade, after the downgrade (which moves every member back
+    into a narrow done row) and after upgrading again; ``load_job`` and the exact counts
+    agree above it."""
+    _url, engine = module_engine
+    cfg = config(f"batch_done_{mode}", mode)
+    migrate_to(engine, cfg, BEFORE_BATCH_DONE)
+    st = QueueStorage(cfg)
+    ended = _ended_jobs(engine, st)
+    before, _ = _terminal_view(engine, cfg)
+    migrate_to(engine, cfg, BATCH_DONE_REVISION)
+    assert _terminal_view(engine, cfg)[0] == before
+    from jobtools import params
+
+    st.enqueue_params_batch(engine, [params(args={"n": i}, queue=Q) for i in range(5)])
+    completed = st.claim_runtime_batch(engine, Q, 5)
+    assert len(st.complete_runtime_batch(engine, completed)) == 5
+    rows, _ = _terminal_view(engine, cfg)
+    assert len(rows) == len(before) + 5
+    retained = _retained(engine, cfg)
+    assert retained == ((len(before), 5) if mode == "receipts" else (len(before) + 5, 0))
+    assert st.queue_counts(engine, Q).terminal == len(rows)
+    assert {st.load_job(engine, c.job.id).state for c in completed} == {JobState.COMPLETED}  # type: ignore[union-attr]
+    assert st.load_job(engine, ended["completed"]).state is JobState.COMPLETED  # type: ignore[union-attr]
+    migrate_to(engine, cfg, BEFORE_BATCH_DONE)
+    assert _terminal_view(engine, cfg)[0] == rows
+    assert _retained(engine, cfg) == (len(rows), 0)
+    migrate_to(engine, cfg, BATCH_DONE_REVISION)
+    assert _terminal_view(engine, cfg)[0] == rows
+    assert st.queue_counts(engine, Q).terminal == len(rows)
+
+
 def test_terminal_history_reads_a_json_null_payload_as_the_ready_rows(engine, st):
     """An older release's general terminal path wrote JSON ``null`` payloads; reads take
     them for "no payload of its own" and show the job's metadata and tags."""
@@ -359,6 +411,8 @@ def test_downgrade_to_every_revision_and_back_loses_no_row(module_engine):
         st.rotate(engine)
     st.prune_oldest(engine)
     before_rows = table_rows(engine, cfg.schema)
+    _, members = _retained(engine, cfg)  # the fast path's completions, as batch members
+    assert members == 3
     before_states = {j.job.id: st.load_job(engine, j.job.id) for j in jobs}
     before_counts = st.queue_counts(engine, Q)
     with engine.connect() as conn:
@@ -371,12 +425,17 @@ def test_downgrade_to_every_revision_and_back_loses_no_row(module_engine):
                 # below the progress revision the heartbeated attempt's latest report is
                 # its attempt_state row again
                 moved = 1 if table == "attempt_state" and rev < PROGRESS_REVISION else 0
+                # below the batch done revision each batch member is a narrow done row
+                moved += members if table == "done_entries" and rev < BATCH_DONE_REVISION else 0
                 assert now[table] == n + moved, (rev, table)
     migrate_to(engine, cfg, "heads")
     after_rows = table_rows(engine, cfg.schema)
-    # the prune ledger was folded into the rollups on the way down: same sums, other rows
-    assert {t: n for t, n in after_rows.items() if "rollup" not in t} == {
-        t: n for t, n in before_rows.items() if "rollup" not in t}
+    # the prune ledger was folded into the rollups on the way down: same sums, other rows;
+    # the batch members came back up as the narrow done rows the downgrade made of them
+    expected = {t: n for t, n in before_rows.items() if "rollup" not in t}
+    expected["done_entries"] += members
+    expected["done_batches"] = 0
+    assert {t: n for t, n in after_rows.items() if "rollup" not in t} == expected
     assert {j.job.id: st.load_job(engine, j.job.id) for j in jobs} == before_states
     assert st.queue_counts(engine, Q) == before_counts
     with engine.connect() as conn:

@@ -85,6 +85,8 @@ class StorageSchema:
     claim_ranges: RingFamily
     done: RingFamily
     deltas: RingFamily
+    #: completed attempts of the completion fast path, one row per call, lane and block
+    done_batches: RingFamily
     leases: RingFamily
     claims: RingFamily
     closures: RingFamily
@@ -154,6 +156,7 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     claim_ranges = queue_plane.declare_claim_ranges(md, config)
     done = queue_plane.declare_done_entries(md, config, state)
     deltas = queue_plane.declare_terminal_deltas(md, config)
+    done_batches = queue_plane.declare_done_batches(md, config)
     deferred = queue_plane.declare_deferred_jobs(md, config, state)
     wheel_entry_seq, wheel, wheel_marks = queue_plane.declare_deferred_wheel(md, config, state)
     dlq = queue_plane.declare_dlq_entries(md, config, state)
@@ -166,7 +169,7 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     record("execution")
     cursors = {r: control_plane.declare_ring_cursor(md, config, r) for r in ("queue", "lease", "claim")}
     families: dict[str, tuple[RingFamily, ...]] = {
-        "queue": (ready, tombstones, claim_ranges, done, deltas), "lease": (leases,),
+        "queue": (ready, tombstones, claim_ranges, done, deltas, done_batches), "lease": (leases,),
         "claim": (claims, closures)}
     families[execution_plane.progress_ring(config)] += (progress,)
     rings = {r: Ring(r, cursors[r][0], cursors[r][1], families[r]) for r in families}
@@ -182,7 +185,8 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     views = declare_views(config)
     sch = StorageSchema(
         config=config, metadata=md, ready=ready, tombstones=tombstones,
-        claim_ranges=claim_ranges, done=done, deltas=deltas, leases=leases, claims=claims,
+        claim_ranges=claim_ranges, done=done, deltas=deltas, done_batches=done_batches, leases=leases,
+        claims=claims,
         closures=closures, deferred=deferred, wheel=wheel, wheel_marks=wheel_marks, dlq=dlq,
         attempt_state=attempt_state, progress=progress, progress_seq=progress_seq,
         queue_ring=rings["queue"], lease_ring=rings["lease"], claim_ring=rings["claim"],

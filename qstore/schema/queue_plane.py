@@ -7,21 +7,41 @@ import enum
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     CheckConstraint,
     Column,
     Index,
     MetaData,
     PrimaryKeyConstraint,
     Sequence,
+    SmallInteger,
     Table,
+    column,
+    func,
+    select,
     text,
+    true,
 )
+from sqlalchemy.dialects.postgresql import TIMESTAMP
 from sqlalchemy.sql.schema import SchemaItem
 from sqlalchemy.types import TypeEngine
 
 from qstore.config import WHEEL_SLOTS, QueueStorageConfig
 from qstore.schema.rings import RingFamily, ring_table
-from qstore.schema.types import BIGINT, BYTES, INT, JSON, NOW, OPTIONAL_JSON, SMALLINT, TEXT, TS
+from qstore.schema.types import (
+    BIGINT,
+    BIGINTS,
+    BYTES,
+    INT,
+    JSON,
+    NOW,
+    OPTIONAL_JSON,
+    SMALLINT,
+    SMALLINTS,
+    TEXT,
+    TS,
+    TSS,
+)
 
 LANE = ("queue", "priority", "enqueue_shard")
 # Primary keys lead with the lane position and end with the partition key: inside one slot
@@ -147,6 +167,48 @@ def declare_done_entries(md: MetaData, cfg: QueueStorageConfig, state_type: Type
         Index("done_entries_wide_job_id_idx", "job_id", postgresql_where=text(WIDE_DONE_ROW)),
         Index("done_entries_failed_idx", "queue", postgresql_where=text("state = 'failed'")),
     )
+
+
+def declare_done_batches(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
+    """Terminal facts of completed attempts, written by the completion fast path: one row per
+    completion call, lane and block of lane positions (``lane_block = lane_seq /
+    DONE_BLOCK``), its members' positions, job ids, run leases, attempts and start times as
+    arrays in position order. Every member is ``completed``; the rest of a member's fields
+    are its ready row's (same lane position, same ring slot). Never updated or deleted row
+    by row; no primary key (a member's exactly-once is its closure's). A job's row is found
+    from its ready row through ``done_batches_lane_idx``."""
+    return _ring(
+        md, cfg, "done_batches",
+        Column("ready_slot", INT, nullable=False),
+        Column("ready_generation", BIGINT, nullable=False),
+        Column("queue", TEXT, nullable=False),
+        Column("priority", SMALLINT, nullable=False),
+        Column("enqueue_shard", SMALLINT, nullable=False),
+        Column("lane_block", BIGINT, nullable=False),
+        Column("lane_seqs", BIGINTS, nullable=False),
+        Column("job_ids", BIGINTS, nullable=False),
+        Column("run_leases", BIGINTS, nullable=False),
+        Column("attempts", SMALLINTS, nullable=False),
+        Column("attempted_ats", TSS, nullable=False),
+        Column("finalized_at", TS, nullable=False, server_default=NOW),
+        Index("done_batches_lane_idx", *LANE, "lane_block", "ready_slot"),
+    )
+
+
+def done_members(batches: Any, name: str = "members") -> Any:
+    """One row per member of the batch done rows of ``batches`` (``done_batches``, a child
+    or an alias of it), as a subquery named ``name``: the row's lane, slot and generation,
+    the member's ``lane_seq``, ``job_id``, ``run_lease``, ``attempt`` and ``attempted_at``,
+    and the row's ``finalized_at``. Every member is a completed attempt."""
+    b = batches
+    u = func.unnest(b.c.lane_seqs, b.c.job_ids, b.c.run_leases, b.c.attempts, b.c.attempted_ats).table_valued(
+        column("lane_seq", BigInteger()), column("job_id", BigInteger()), column("run_lease", BigInteger()),
+        column("attempt", SmallInteger()), column("attempted_at", TIMESTAMP(timezone=True)),
+    ).render_derived(name=f"{name}_u", with_types=False)
+    return select(
+        b.c.ready_slot, b.c.ready_generation, b.c.queue, b.c.priority, b.c.enqueue_shard, b.c.lane_block,
+        u.c.lane_seq, u.c.job_id, u.c.run_lease, u.c.attempt, u.c.attempted_at, b.c.finalized_at,
+    ).select_from(b.join(u, true())).subquery(name)
 
 
 def declare_terminal_deltas(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:

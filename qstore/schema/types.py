@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import BigInteger, Enum, Integer, SmallInteger, Text, text
-from sqlalchemy.dialects.postgresql import BYTEA, JSONB, REGCLASS, TIMESTAMP, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, BYTEA, JSONB, REGCLASS, TIMESTAMP, UUID
 
 from qstore.types import JobState
 
 __all__ = [
     "BIGINT",
+    "BIGINTS",
     "BYTES",
     "INT",
     "JOB_STATES",
@@ -18,8 +19,10 @@ __all__ = [
     "NOW",
     "REGCLASS",
     "SMALLINT",
+    "SMALLINTS",
     "TEXT",
     "TS",
+    "TSS",
     "UUIDT",
     "WARM",
     "job_state_enum",
@@ -35,6 +38,9 @@ JSON = JSONB()
 OPTIONAL_JSON = JSONB(none_as_null=True)
 BYTES = BYTEA()
 TS = TIMESTAMP(timezone=True)
+BIGINTS = ARRAY(BigInteger())
+SMALLINTS = ARRAY(SmallInteger())
+TSS = ARRAY(TIMESTAMP(timezone=True))
 UUIDT = UUID(as_uuid=True)
 NOW = text("clock_timestamp()")
 

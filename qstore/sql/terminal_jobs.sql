@@ -2,14 +2,16 @@
 ## narrow done row leaves out read from its ready row (a JSON null payload, as an older
 ## release's general terminal path wrote it, reads as the ready row's payload).
 ##
-## Two branches, one per kind of done row, so that a filter on job_id finds its rows by
-## index: a narrow row (a claimed attempt's) has no job_id index entry of its own and is
-## reached through its ready row's (the join names the job id on both sides, so the filter
-## applies to the ready rows), a wide row through done_entries_wide_job_id_idx. A narrow
-## row always has its ready row: both carry the same lane key in the same ring slot, and a
-## slot is truncated as a whole. A wide row has none.
+## Three branches, one per kind of terminal fact, so that a filter on job_id finds its rows
+## by index: a narrow done row (a claimed attempt's) has no job_id index entry of its own and
+## is reached through its ready row's (the join names the job id on both sides, so the filter
+## applies to the ready rows); a wide done row through done_entries_wide_job_id_idx; a member
+## of a batch done row (done_batches: completed attempts of the completion fast path) through
+## its ready row's job_id index and then done_batches_lane_idx on the row's lane and block of
+## positions. A narrow row and a batch member always have their ready row: they carry its
+## lane key in the same ring slot, and a slot is truncated as a whole. A wide row has none.
 ##
-## Template parameters: s (schema).
+## Template parameters: s (schema), done_block.
 CREATE OR REPLACE VIEW ${s}.terminal_jobs AS SELECT d.job_id, d.kind, d.queue, d.state, d.priority, d.attempt, d.run_lease,
        coalesce(d.args, r.args, '{}'::jsonb) AS args,
        coalesce(d.max_attempts, r.max_attempts, 25::smallint) AS max_attempts,
@@ -40,3 +42,22 @@ SELECT d.job_id, d.kind, d.queue, d.state, d.priority, d.attempt, d.run_lease,
        d.ready_slot, d.ready_generation, d.lane_seq, d.enqueue_shard
 FROM ${s}.done_entries d
 WHERE d.created_at IS NOT NULL
+UNION ALL
+SELECT m.job_id, r.kind, b.queue, 'completed'::${s}.job_state, b.priority, m.attempt, m.run_lease,
+       coalesce(r.args, '{}'::jsonb),
+       coalesce(r.max_attempts, 25::smallint),
+       coalesce(r.run_at, b.finalized_at),
+       coalesce(r.created_at, b.finalized_at),
+       m.attempted_at, b.finalized_at,
+       r.unique_key,
+       r.unique_states,
+       coalesce(nullif(r.payload, 'null'::jsonb), '{}'::jsonb),
+       b.ready_slot, b.ready_generation, m.lane_seq, b.enqueue_shard
+FROM ${s}.done_batches b
+CROSS JOIN LATERAL unnest(b.lane_seqs, b.job_ids, b.run_leases, b.attempts, b.attempted_ats)
+     AS m(lane_seq, job_id, run_lease, attempt, attempted_at)
+JOIN ${s}.ready_entries r
+  ON r.ready_slot = b.ready_slot AND r.ready_generation = b.ready_generation
+ AND r.queue = b.queue AND r.priority = b.priority AND r.enqueue_shard = b.enqueue_shard
+ AND b.lane_block = r.lane_seq / ${done_block} AND r.lane_seq = m.lane_seq
+ AND r.job_id = m.job_id

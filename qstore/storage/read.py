@@ -64,6 +64,7 @@ class ReadStatements:
     leases: Select[Any]
     open_claims: Select[Any]
     terminal: Select[Any]
+    terminal_batches: Select[Any]
     counts: Select[Any]
     fast_counts: Select[Any]
     scheduled: Select[Any]
@@ -101,7 +102,10 @@ def _statements(sch: StorageSchema) -> ReadStatements:
     pruned = total(sch.rollups.c.pruned_completed_count) + total(sch.rollup_ledger.c.pruned_count)
     live = total(sch.live_counts.c.live_terminal_count)
     deltas = total(sch.deltas.parent.c.terminal_delta)
-    scanned = count(select(sch.done.parent.c.job_id).where(sch.done.parent.c.queue.in_(queues)))
+    db = sch.done_batches.parent
+    scanned = (count(select(sch.done.parent.c.job_id).where(sch.done.parent.c.queue.in_(queues)))
+               + func.coalesce(select(func.sum(func.cardinality(db.c.lane_seqs))).where(db.c.queue.in_(queues))
+                               .scalar_subquery(), 0))
     trusted = select(sch.counter_state.c.terminal_counter_trusted_at.isnot(None)).scalar_subquery()
     last = lambda seq: func.coalesce(func.pg_sequence_last_value(seq), 0)  # noqa: E731
     return ReadStatements(
@@ -122,6 +126,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
         .where(c.c.job_id == job, ~closed, ~leased),
         # done rows of the job, hydrated from their ready rows as the terminal_jobs view does
         terminal=queue_plane.select_done_of_job(sch, job, lock=False),
+        terminal_batches=queue_plane.select_batch_done_of_job(sch, job),
         # one statement, so the three counts come from one snapshot
         counts=select(
             count(select(r.c.job_id).where(r.c.queue.in_(queues), ~tombstoned, ~claimed)),
@@ -184,8 +189,9 @@ def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | Non
                          callback_timeout_at=getattr(x, "callback_timeout_at", None) if is_lease else None,
                          **fields)
             cands.append(((x.run_lease, hb or attempted or body.run_at, 4), row))
-    for d in conn.execute(s.terminal, arg):
-        cands.append(((d.run_lease, d.finalized_at, 1), snapshot_row(d)))
+    for terminal in (s.terminal, s.terminal_batches):
+        for d in conn.execute(terminal, arg):
+            cands.append(((d.run_lease, d.finalized_at, 1), snapshot_row(d)))
     for d in conn.execute(s.dlq, arg):
         cands.append(((d.run_lease, d.dlq_at, 1), snapshot_row(d)))
     if not cands:

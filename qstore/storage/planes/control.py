@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Connection,
     Delete,
     Insert,
@@ -44,6 +45,7 @@ from sqlalchemy import (
     select,
     text,
     tuple_,
+    union_all,
     update,
 )
 from sqlalchemy.dialects import postgresql
@@ -55,6 +57,7 @@ from sqlalchemy.sql.dml import Update
 from qstore.config import COUNTER_BUCKETS
 from qstore.errors import UniqueConflictError, ValidationError
 from qstore.schema import StorageSchema
+from qstore.schema.queue_plane import done_members
 from qstore.storage.jobs import holds_key
 from qstore.storage.statements import packed_array_param, schema_func
 from qstore.types import JobState, QueueClaimerLease
@@ -117,8 +120,15 @@ def statements(sch: StorageSchema) -> ControlStatements:
     last = lambda seq: func.coalesce(func.pg_sequence_last_value(seq), 0)  # noqa: E731
     cs, d, live = sch.counter_state, sch.done.parent, sch.live_counts
     rollups, ledger = sch.rollups, sch.rollup_ledger
-    bucket = (d.c.job_id % COUNTER_BUCKETS).cast(SmallInteger)
-    group = (d.c.ready_slot, d.c.queue, d.c.priority, d.c.enqueue_shard, bucket)
+    # every done row counts once, every member of a batch done row once
+    members = done_members(sch.done_batches.parent)
+    done_keys = union_all(
+        select(d.c.ready_slot, d.c.queue, d.c.priority, d.c.enqueue_shard, d.c.job_id),
+        select(members.c.ready_slot, members.c.queue, members.c.priority, members.c.enqueue_shard,
+               members.c.job_id),
+    ).subquery("done_keys")
+    bucket = (done_keys.c.job_id % COUNTER_BUCKETS).cast(SmallInteger)
+    group = (done_keys.c.ready_slot, done_keys.c.queue, done_keys.c.priority, done_keys.c.enqueue_shard, bucket)
     moved = delete(ledger).returning(ledger.c.queue, ledger.c.priority, ledger.c.pruned_count).cte("moved")
     total = func.sum(moved.c.pruned_count)
     fold = pg_insert(rollups).from_select(
@@ -483,26 +493,37 @@ class SlotStatements:
 
 @functools.lru_cache(maxsize=4096)
 def slot_statements(sch: StorageSchema, k: int) -> SlotStatements:
-    r, _t, _cr, d, dl = sch.queue_ring.children(k)
+    r, _t, _cr, d, dl, db = sch.queue_ring.children(k)
     ledger, live, u = sch.rollup_ledger, sch.live_counts, sch.unique_claims
-    # ground truth of the slot's terminal history, appended to the ledger (no row updated)
-    n = func.count()
+    # ground truth of the slot's terminal history, appended to the ledger (no row updated):
+    # its done rows and the members of its batch done rows
+    per = union_all(
+        select(d.c.queue, d.c.priority, func.count().label("n")).group_by(d.c.queue, d.c.priority),
+        select(db.c.queue, db.c.priority, func.sum(func.cardinality(db.c.lane_seqs)).cast(BigInteger).label("n"))
+        .group_by(db.c.queue, db.c.priority),
+    ).subquery("per")
+    n = func.sum(per.c.n)
     ledger_append = insert(ledger).from_select(
         ["queue", "priority", "pruned_count"],
-        select(d.c.queue, d.c.priority, n).group_by(d.c.queue, d.c.priority).having(n > 0)
-        .order_by(d.c.queue, d.c.priority),
+        select(per.c.queue, per.c.priority, n.cast(BigInteger)).group_by(per.c.queue, per.c.priority)
+        .having(n > 0).order_by(per.c.queue, per.c.priority),
     )
-    # the jobs of the slot's done rows and the keys they hold (a narrow done row's key is
-    # its ready row's)
+    # the jobs of the slot's done rows and batch members and the keys they hold (a narrow
+    # done row's key, and a member's, is its ready row's)
     key = func.coalesce(d.c.unique_key, r.c.unique_key)
-    owners = (
+    m = done_members(db)
+    owners = union_all(
         select(key.label("unique_key"), d.c.job_id)
         .select_from(d.outerjoin(r, and_(
             r.c.ready_slot == d.c.ready_slot, r.c.queue == d.c.queue, r.c.priority == d.c.priority,
             r.c.enqueue_shard == d.c.enqueue_shard, r.c.lane_seq == d.c.lane_seq)))
-        .where(key.isnot(None))
-        .subquery("owners")
-    )
+        .where(key.isnot(None)),
+        select(r.c.unique_key, m.c.job_id)
+        .select_from(m.join(r, and_(
+            r.c.ready_slot == m.c.ready_slot, r.c.queue == m.c.queue, r.c.priority == m.c.priority,
+            r.c.enqueue_shard == m.c.enqueue_shard, r.c.lane_seq == m.c.lane_seq)))
+        .where(r.c.unique_key.isnot(None)),
+    ).subquery("owners")
     total = func.sum(dl.c.terminal_delta)
     grouped = (
         select(*(dl.c[c] for c in _COUNTER_KEY), total.label("delta"))

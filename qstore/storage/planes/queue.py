@@ -56,9 +56,15 @@ from sqlalchemy.sql.dml import ReturningDelete
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util.concurrency import await_
 
-from qstore.config import COUNTER_BUCKETS, WHEEL_BUCKET_SECONDS, WHEEL_GUARD_SLOTS, WHEEL_SLOTS
+from qstore.config import (
+    COUNTER_BUCKETS,
+    DONE_BLOCK,
+    WHEEL_BUCKET_SECONDS,
+    WHEEL_GUARD_SLOTS,
+    WHEEL_SLOTS,
+)
 from qstore.schema import StorageSchema
-from qstore.schema.queue_plane import WheelResolution, wide_done_row
+from qstore.schema.queue_plane import WheelResolution, done_members, wide_done_row
 from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage.bodies import Body
 from qstore.storage.columns import body_values
@@ -77,6 +83,7 @@ __all__ = [
     "lock_wheel_slot",
     "notify",
     "notify_queues",
+    "select_batch_done_of_job",
     "select_done",
     "select_done_of_job",
     "statements",
@@ -395,6 +402,26 @@ def select_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any], *wh
     if limit is not None:
         stmt = stmt.limit(limit)
     return stmt.with_for_update(of=d, skip_locked=True) if lock else stmt
+
+
+def select_batch_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any]) -> Select[Any]:
+    """Job ``job_id``'s members of batch done rows (``done_batches``: completed attempts
+    of the completion fast path), with :func:`select_done_of_job`'s columns and names, its
+    body read from its ready rows. Found through the ready rows' ``job_id`` index and, per
+    ready row, ``done_batches_lane_idx`` on the row's lane and block of positions. Not
+    locked: a batch row is never updated or deleted."""
+    r = sch.ready.parent
+    m = done_members(sch.done_batches.parent, "m")
+    on = and_(m.c.ready_slot == r.c.ready_slot, m.c.ready_generation == r.c.ready_generation,
+              m.c.queue == r.c.queue, m.c.priority == r.c.priority, m.c.enqueue_shard == r.c.enqueue_shard,
+              m.c.lane_block == r.c.lane_seq // DONE_BLOCK, m.c.lane_seq == r.c.lane_seq,
+              m.c.job_id == r.c.job_id)
+    return select(
+        m.c.ready_slot, m.c.ready_generation, m.c.job_id, r.c.kind, m.c.queue,
+        literal(JobState.COMPLETED.value).label("state"), m.c.priority, m.c.attempt, m.c.run_lease,
+        m.c.lane_seq, m.c.enqueue_shard, m.c.attempted_at, m.c.finalized_at,
+        *(func.nullif(r.c[c], _JSON_NULL).label(c) if c == "payload" else r.c[c] for c in _HYDRATED),
+    ).select_from(r.join(m, on)).where(r.c.job_id == job_id)
 
 
 def delete_done(conn: Connection, sch: StorageSchema, rows: Sequence[Any]) -> None:

@@ -59,6 +59,7 @@ _BUSY_FIELD = {
     "ready_claim_ranges": "queue_claim_ranges",
     "done_entries": "queue_done",
     "queue_terminal_count_deltas": "queue_terminal_deltas",
+    "done_batches": "queue_done_batches",
     "leases": "leases",
     "lease_claims": "claims",
     "lease_claim_closures": "closures",

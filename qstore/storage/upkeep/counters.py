@@ -238,7 +238,7 @@ def rebuild_terminal_counters(ctx: StorageContext, conn: Connection) -> int:
     trusted; returns the number of counter rows written.
 
     Under the transaction advisory lock ``qstore.rebuild_terminal_counters:<schema>`` and
-    the queue-ring lock, ``done_entries``, the delta ledger and the live counts are locked
+    the queue-ring lock, ``done_entries``, ``done_batches``, the delta ledger and the live counts are locked
     ``ACCESS EXCLUSIVE`` (no timeout: completions wait until the rebuild commits), the live
     counts and every delta child are truncated and the live counts re-aggregated. Pruned
     history (rollups, ledger) is left as it is."""
@@ -246,7 +246,7 @@ def rebuild_terminal_counters(ctx: StorageContext, conn: Connection) -> int:
     key = f"{REBUILD_LOCK_PREFIX}{sch.config.schema}"
     conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
     ring_plane.lock_ring(conn, sch, sch.queue_ring)
-    ring_plane.lock_exclusive(conn, [sch.done.parent, sch.deltas.parent, sch.live_counts])
+    ring_plane.lock_exclusive(conn, [sch.done.parent, sch.done_batches.parent, sch.deltas.parent, sch.live_counts])
     ring_plane.truncate_family(conn, sch.deltas)
     return control.rebuild_live_counts(conn, sch)
 

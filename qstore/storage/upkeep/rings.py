@@ -116,7 +116,7 @@ class QueueGates:
 
 @functools.lru_cache(maxsize=4096)
 def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
-    r, t, crk, _d, _dl = sch.queue_ring.children(k)
+    r, t, crk, *_ = sch.queue_ring.children(k)
     crp = sch.claim_ranges.parent
     le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
 

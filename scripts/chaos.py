@@ -1698,7 +1698,7 @@ def qualified_names(s: QueueStorage) -> dict[str, str]:
     sch = s.tables
     tables = {"ready": sch.ready.parent, "tombstones": sch.tombstones.parent,
               "claim_ranges": sch.claim_ranges.parent, "done": sch.done.parent,
-              "deltas": sch.deltas.parent, "claims": sch.claims.parent,
+              "done_batches": sch.done_batches.parent, "deltas": sch.deltas.parent, "claims": sch.claims.parent,
               "closures": sch.closures.parent, "deferred": sch.deferred, "dlq": sch.dlq,
               "rollups": sch.rollups, "live_counts": sch.live_counts}
     names = {k: f'"{v.schema}"."{v.name}"' for k, v in tables.items()}
@@ -2030,13 +2030,15 @@ def server_fault_recovery(ctl: Controller, events: list[dict[str, Any]]) -> dict
 
 def diagnose_counts(eng: Engine, s: QueueStorage) -> dict[str, Any]:
     """Where exact counts come from, when they disagree with the books: per queue, the done
-    rows and the terminal counter tables, and the ready rows counted as available (neither
+    rows, the members of batch done rows and the terminal counter tables, and the ready rows counted as available (neither
     tombstoned nor covered by a claim range) with their jobs' outcome rows. Best effort: a
     probe that fails (say, a table another revision does not have) is reported, not raised."""
     sch = s.tables
     t = qualified_names(s)
     probes = {
         "done_rows": f"SELECT queue, count(*) FROM {t['done']} GROUP BY 1 ORDER BY 1",
+        "done_batch_members": f"SELECT queue, sum(cardinality(lane_seqs)) FROM {t['done_batches']} "
+                              "GROUP BY 1 ORDER BY 1",
         "rollups": f"SELECT queue, sum(pruned_completed_count) FROM {t['rollups']} GROUP BY 1 ORDER BY 1",
         "live_counts": f"SELECT queue, sum(live_terminal_count) FROM {t['live_counts']} GROUP BY 1 ORDER BY 1",
         "deltas": f"SELECT queue, sum(terminal_delta) FROM {t['deltas']} GROUP BY 1 ORDER BY 1",

@@ -101,7 +101,7 @@ def state(engine, s, job_id: int) -> JobState:
 
 def census(engine, s) -> dict[str, int]:
     return {t: count(engine, s, t) for t in (
-        "ready_entries", "ready_tombstones", BACKLOG, "done_entries", "dlq_entries",
+        "ready_entries", "ready_tombstones", BACKLOG, "done_entries", "done_batches", "dlq_entries",
         "leases", "lease_claims", "lease_claim_closures", "attempt_state")}
 
 

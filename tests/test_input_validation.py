@@ -33,7 +33,8 @@ from qstore import (
 from qstore.config import MAX_CHANNEL_BYTES, channel_name
 from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
 
-NOTHING = dict.fromkeys(("ready_entries", "ready_tombstones", BACKLOG, "done_entries", "dlq_entries",
+NOTHING = dict.fromkeys(("ready_entries", "ready_tombstones", BACKLOG, "done_entries", "done_batches",
+                         "dlq_entries",
                          "leases", "lease_claims", "lease_claim_closures", "attempt_state"), 0)
 
 

@@ -233,7 +233,7 @@ def _job_tables(ctx: StorageContext) -> tuple[Table, ...]:
     # what load_job reads of the rings (its done rows are found through and hydrated from ready rows), in
     # the rings' order, as prune locks them
     rings = {sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent, sch.done.parent,
-             sch.leases.parent, sch.claims.parent, sch.closures.parent, sch.progress.parent}
+             sch.done_batches.parent, sch.leases.parent, sch.claims.parent, sch.closures.parent, sch.progress.parent}
     return (*(f.parent for ring in sch.rings for f in ring.families if f.parent in rings),
             sch.wheel.parent, sch.wheel_marks.parent)
 

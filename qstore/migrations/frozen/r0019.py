@@ -2,20 +2,23 @@
 as batch done rows.
 
 The fast completion (``complete_receipts``) appended one narrow ``done_entries`` row per
-completed attempt, with its primary-key entry: about 240 bytes of WAL per job, a third of a
-drained job's. It now appends one ``done_batches`` row per call, lane and block of
-``DONE_BLOCK`` (1024) lane positions that holds two or more of its attempts, holding the
-members' positions, job ids, run leases, attempts and start times as arrays in position
-order; the body stays on the ready rows. A lane and block that holds one attempt still
-gets a narrow ``done_entries`` row, which costs less than a batch row of one. ``done_batches`` is a queue-ring family (one child per queue slot, truncated
-with the slot) indexed on its lane and block, so a job's row is found from its ready row.
-Every member is ``completed``, and no path locks, updates or deletes a completed done row,
-so batch rows are append-only like the rest of the ring. ``terminal_jobs`` gains a third
+completed attempt, with its primary-key entry: about 240 bytes of WAL per job, a third of
+a drained job's. It now appends one ``done_batches`` row per call, claim slot, lane and
+block of ``DONE_BLOCK`` (1024) lane positions that holds two or more of its attempts,
+holding the members' positions, job ids, run leases, attempts and start times as arrays in
+position order; the body stays on the ready rows. A lane and block that holds one attempt
+still gets a narrow ``done_entries`` row, which costs less than a batch row of one.
+``done_batches`` is a queue-ring family (one child per queue slot, truncated with the
+slot) indexed on its lane and block, so a job's row is found from its ready row. Every
+member is ``completed``, and no path locks, updates or deletes a completed done row, so
+batch rows are append-only like the rest of the ring. ``terminal_jobs`` gains a third
 branch for them. Rows written before this revision stay in ``done_entries``; readers read
-both. The downgrade moves every member back into a narrow ``done_entries`` row, drops the
-table and restores the texts of revisions 0010 (``complete_receipts``) and 0018
-(``terminal_jobs``). The new texts are in the ``r0019`` folder next to this module. Never
-edited after landing (see :mod:`qstore.migrations.frozen.r0001`).
+both; code from before this revision does not, so its maintainers must not run beside it
+(``docs/deploying.md``). The downgrade moves every member back into a narrow
+``done_entries`` row, drops the table and restores the texts of revisions 0010
+(``complete_receipts``) and 0018 (``terminal_jobs``). The new texts are in the ``r0019``
+folder next to this module. Never edited after landing (see
+:mod:`qstore.migrations.frozen.r0001`).
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ class StorageSchema:
     claim_ranges: RingFamily
     done: RingFamily
     deltas: RingFamily
-    #: completed attempts of the completion fast path, one row per call, lane and block
+    #: completed attempts of the completion fast path, one row per call, claim slot, lane and
+    #: block that holds two or more of them
     done_batches: RingFamily
     leases: RingFamily
     claims: RingFamily

@@ -171,9 +171,10 @@ def declare_done_entries(md: MetaData, cfg: QueueStorageConfig, state_type: Type
 
 def declare_done_batches(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
     """Terminal facts of completed attempts, written by the completion fast path: one row per
-    completion call, lane and block of lane positions (``lane_block = lane_seq /
-    DONE_BLOCK``), its members' positions, job ids, run leases, attempts and start times as
-    arrays in position order. Every member is ``completed``; the rest of a member's fields
+    completion call, claim slot, lane and block of lane positions (``lane_block = lane_seq /
+    DONE_BLOCK``) that holds two or more completed attempts (a lone one gets a narrow
+    ``done_entries`` row), its members' positions, job ids, run leases, attempts and start
+    times as arrays in position order. Every member is ``completed``; the rest of a member's fields
     are its ready row's (same lane position, same ring slot). Never updated or deleted row
     by row; no primary key (a member's exactly-once is its closure's). A job's row is found
     from its ready row through ``done_batches_lane_idx``."""

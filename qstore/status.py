@@ -64,6 +64,7 @@ from sqlalchemy import (
 
 from qstore.errors import translate_errors
 from qstore.schema import Ring, StorageSchema
+from qstore.schema.queue_plane import batch_member_total
 from qstore.storage import QueueStorage
 from qstore.storage.jobs import logical_queue
 from qstore.storage.planes.rings import regclass, slot_generation
@@ -328,7 +329,7 @@ def _statements(sch: StorageSchema) -> _Statements:
         done=union_all(
             select(d.c.queue, d.c.state, n).group_by(d.c.queue, d.c.state),
             select(db.c.queue, cast(literal(JobState.COMPLETED.value), d.c.state.type).label("state"),
-                   func.sum(func.cardinality(db.c.lane_seqs)).label("n")).group_by(db.c.queue)),
+                   batch_member_total(db).label("n")).group_by(db.c.queue)),
         waiting_external=select(le.c.queue, n).where(le.c.state == JobState.WAITING_EXTERNAL).group_by(le.c.queue),
         trusted=select(sch.counter_state.c.terminal_counter_trusted_at.isnot(None)),
         handed_back=_handed_back_statement(df),

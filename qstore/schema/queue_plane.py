@@ -16,6 +16,7 @@ from sqlalchemy import (
     Sequence,
     SmallInteger,
     Table,
+    and_,
     column,
     func,
     select,
@@ -210,6 +211,19 @@ def done_members(batches: Any, name: str = "members") -> Any:
         b.c.ready_slot, b.c.ready_generation, b.c.queue, b.c.priority, b.c.enqueue_shard, b.c.lane_block,
         u.c.lane_seq, u.c.job_id, u.c.run_lease, u.c.attempt, u.c.attempted_at, b.c.finalized_at,
     ).select_from(b.join(u, true())).subquery(name)
+
+
+def batch_member_total(batches: Any) -> Any:
+    """How many members the batch done rows of ``batches`` hold, as an aggregate (one per
+    array element; NULL over no rows): every count of terminal jobs counts them so."""
+    return func.sum(func.cardinality(batches.c.lane_seqs))
+
+
+def at_lane_position(a: Any, b: Any) -> Any:
+    """``a`` and ``b`` (ready rows, done rows, batch members, …) name the same lane position
+    in the same queue slot: slot, lane and ``lane_seq`` equal."""
+    return and_(a.c.ready_slot == b.c.ready_slot, a.c.queue == b.c.queue, a.c.priority == b.c.priority,
+                a.c.enqueue_shard == b.c.enqueue_shard, a.c.lane_seq == b.c.lane_seq)
 
 
 def declare_terminal_deltas(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:

@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    CompoundSelect,
     Connection,
     Select,
     Table,
@@ -25,10 +26,12 @@ from sqlalchemy import (
     func,
     select,
     true,
+    union_all,
 )
 from sqlalchemy.types import BigInteger, Text
 
 from qstore.schema import StorageSchema
+from qstore.schema.queue_plane import batch_member_total
 from qstore.storage.columns import ORIGINAL_PRIORITY_KEY, body_job, payload_fields
 from qstore.storage.context import StorageContext
 from qstore.storage.jobs import stripes_for
@@ -63,8 +66,7 @@ class ReadStatements:
     dlq: Select[Any]
     leases: Select[Any]
     open_claims: Select[Any]
-    terminal: Select[Any]
-    terminal_batches: Select[Any]
+    terminal: CompoundSelect
     counts: Select[Any]
     fast_counts: Select[Any]
     scheduled: Select[Any]
@@ -104,8 +106,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
     deltas = total(sch.deltas.parent.c.terminal_delta)
     db = sch.done_batches.parent
     scanned = (count(select(sch.done.parent.c.job_id).where(sch.done.parent.c.queue.in_(queues)))
-               + func.coalesce(select(func.sum(func.cardinality(db.c.lane_seqs))).where(db.c.queue.in_(queues))
-                               .scalar_subquery(), 0))
+               + func.coalesce(select(batch_member_total(db)).where(db.c.queue.in_(queues)).scalar_subquery(), 0))
     trusted = select(sch.counter_state.c.terminal_counter_trusted_at.isnot(None)).scalar_subquery()
     last = lambda seq: func.coalesce(func.pg_sequence_last_value(seq), 0)  # noqa: E731
     return ReadStatements(
@@ -125,8 +126,9 @@ def _statements(sch: StorageSchema) -> ReadStatements:
                      .outerjoin(cp, true()))
         .where(c.c.job_id == job, ~closed, ~leased),
         # done rows of the job, hydrated from their ready rows as the terminal_jobs view does
-        terminal=queue_plane.select_done_of_job(sch, job, lock=False),
-        terminal_batches=queue_plane.select_batch_done_of_job(sch, job),
+        # and the job's members of batch done rows, in the same statement
+        terminal=union_all(queue_plane.select_done_of_job(sch, job, lock=False),
+                           queue_plane.select_batch_done_of_job(sch, job)),
         # one statement, so the three counts come from one snapshot
         counts=select(
             count(select(r.c.job_id).where(r.c.queue.in_(queues), ~tombstoned, ~claimed)),
@@ -189,9 +191,8 @@ def load_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | Non
                          callback_timeout_at=getattr(x, "callback_timeout_at", None) if is_lease else None,
                          **fields)
             cands.append(((x.run_lease, hb or attempted or body.run_at, 4), row))
-    for terminal in (s.terminal, s.terminal_batches):
-        for d in conn.execute(terminal, arg):
-            cands.append(((d.run_lease, d.finalized_at, 1), snapshot_row(d)))
+    for d in conn.execute(s.terminal, arg):
+        cands.append(((d.run_lease, d.finalized_at, 1), snapshot_row(d)))
     for d in conn.execute(s.dlq, arg):
         cands.append(((d.run_lease, d.dlq_at, 1), snapshot_row(d)))
     if not cands:

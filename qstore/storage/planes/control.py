@@ -34,7 +34,6 @@ from sqlalchemy import (
     Select,
     SmallInteger,
     Text,
-    and_,
     bindparam,
     case,
     delete,
@@ -57,7 +56,7 @@ from sqlalchemy.sql.dml import Update
 from qstore.config import COUNTER_BUCKETS
 from qstore.errors import UniqueConflictError, ValidationError
 from qstore.schema import StorageSchema
-from qstore.schema.queue_plane import done_members
+from qstore.schema.queue_plane import at_lane_position, batch_member_total, done_members
 from qstore.storage.jobs import holds_key
 from qstore.storage.statements import packed_array_param, schema_func
 from qstore.types import JobState, QueueClaimerLease
@@ -499,7 +498,7 @@ def slot_statements(sch: StorageSchema, k: int) -> SlotStatements:
     # its done rows and the members of its batch done rows
     per = union_all(
         select(d.c.queue, d.c.priority, func.count().label("n")).group_by(d.c.queue, d.c.priority),
-        select(db.c.queue, db.c.priority, func.sum(func.cardinality(db.c.lane_seqs)).cast(BigInteger).label("n"))
+        select(db.c.queue, db.c.priority, batch_member_total(db).cast(BigInteger).label("n"))
         .group_by(db.c.queue, db.c.priority),
     ).subquery("per")
     n = func.sum(per.c.n)
@@ -514,14 +513,10 @@ def slot_statements(sch: StorageSchema, k: int) -> SlotStatements:
     m = done_members(db)
     owners = union_all(
         select(key.label("unique_key"), d.c.job_id)
-        .select_from(d.outerjoin(r, and_(
-            r.c.ready_slot == d.c.ready_slot, r.c.queue == d.c.queue, r.c.priority == d.c.priority,
-            r.c.enqueue_shard == d.c.enqueue_shard, r.c.lane_seq == d.c.lane_seq)))
+        .select_from(d.outerjoin(r, at_lane_position(r, d)))
         .where(key.isnot(None)),
         select(r.c.unique_key, m.c.job_id)
-        .select_from(m.join(r, and_(
-            r.c.ready_slot == m.c.ready_slot, r.c.queue == m.c.queue, r.c.priority == m.c.priority,
-            r.c.enqueue_shard == m.c.enqueue_shard, r.c.lane_seq == m.c.lane_seq)))
+        .select_from(m.join(r, at_lane_position(r, m)))
         .where(r.c.unique_key.isnot(None)),
     ).subquery("owners")
     total = func.sum(dl.c.terminal_delta)

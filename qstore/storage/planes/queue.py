@@ -38,6 +38,7 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    cast,
     func,
     insert,
     literal,
@@ -64,7 +65,7 @@ from qstore.config import (
     WHEEL_SLOTS,
 )
 from qstore.schema import StorageSchema
-from qstore.schema.queue_plane import WheelResolution, done_members, wide_done_row
+from qstore.schema.queue_plane import WheelResolution, at_lane_position, done_members, wide_done_row
 from qstore.schema.types import OPTIONAL_JSON
 from qstore.storage.bodies import Body
 from qstore.storage.columns import body_values
@@ -412,13 +413,12 @@ def select_batch_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any
     locked: a batch row is never updated or deleted."""
     r = sch.ready.parent
     m = done_members(sch.done_batches.parent, "m")
-    on = and_(m.c.ready_slot == r.c.ready_slot, m.c.ready_generation == r.c.ready_generation,
-              m.c.queue == r.c.queue, m.c.priority == r.c.priority, m.c.enqueue_shard == r.c.enqueue_shard,
-              m.c.lane_block == r.c.lane_seq // DONE_BLOCK, m.c.lane_seq == r.c.lane_seq,
-              m.c.job_id == r.c.job_id)
+    on = and_(at_lane_position(m, r), m.c.ready_generation == r.c.ready_generation,
+              m.c.lane_block == r.c.lane_seq // DONE_BLOCK, m.c.job_id == r.c.job_id)
+    completed = cast(literal(JobState.COMPLETED.value), sch.done.parent.c.state.type)  # done rows' type
     return select(
         m.c.ready_slot, m.c.ready_generation, m.c.job_id, r.c.kind, m.c.queue,
-        literal(JobState.COMPLETED.value).label("state"), m.c.priority, m.c.attempt, m.c.run_lease,
+        completed.label("state"), m.c.priority, m.c.attempt, m.c.run_lease,
         m.c.lane_seq, m.c.enqueue_shard, m.c.attempted_at, m.c.finalized_at,
         *(func.nullif(r.c[c], _JSON_NULL).label(c) if c == "payload" else r.c[c] for c in _HYDRATED),
     ).select_from(r.join(m, on)).where(r.c.job_id == job_id)

@@ -72,6 +72,13 @@ COUNTER_BUCKETS = 1
 #: a job's batch row is found from its ready row's position by one index probe. Fixed per
 #: revision (rows are keyed by it).
 DONE_BLOCK = 1024
+#: A batch closure (``lease_claim_closure_batches``) holds attempts of one claim slot whose
+#: job ids fall in one block of ``CLOSURE_BLOCK`` ids (``job_block = job_id /
+#: CLOSURE_BLOCK``), so whether a receipt is closed is found from its job id by one index
+#: probe, which reads every batch row of the block: small blocks keep that to a few rows
+#: (a claim batch's ids are mostly consecutive, so a completion writes one or two rows per
+#: claim batch it closes). Fixed per revision (rows are keyed by it).
+CLOSURE_BLOCK = 64
 #: The deferred wheel (``deferred_wheel``, ``deferred_wheel_marks``): a job waiting for
 #: ``run_at`` is appended to bucket ``floor(epoch(run_at) / WHEEL_BUCKET_SECONDS)`` (the
 #: current bucket when that is already past), stored in slot ``bucket % WHEEL_SLOTS``. A

@@ -488,7 +488,8 @@ def family_of_tables(sch: StorageSchema) -> dict[str, str]:
         "queue_done": (sch.done, sch.deltas, sch.done_batches),
         # heartbeat and progress rows live in the ring that holds the attempts
         "lease_ring": (sch.leases,) if receipts else (sch.leases, sch.progress),
-        "claim_ring": (sch.claims, sch.closures, sch.progress) if receipts else (sch.claims, sch.closures),
+        "claim_ring": ((sch.claims, sch.closures, sch.closure_batches, sch.progress) if receipts
+                       else (sch.claims, sch.closures, sch.closure_batches)),
         "hot": (sch.lanes, sch.enqueue_heads, sch.claim_heads, sch.attempt_state,
                 sch.claimer_leases, sch.claimer_state),
         "counters": (sch.live_counts, sch.rollups, sch.rollup_ledger, sch.counter_state),

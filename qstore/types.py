@@ -199,12 +199,13 @@ class BusyCounts:
     queue_claim_ranges: int = 0  # qstore addition: claim-range evidence rows of the slot
     progress: int = 0  # qstore addition: heartbeat and progress rows of the slot
     queue_done_batches: int = 0  # qstore addition: batch done rows (completed attempts) of the slot
+    closure_batches: int = 0  # qstore addition: batch closures (completed attempts) of the claim slot
 
     def total(self) -> int:
         """Sum of every field (> 0 ⇔ the slot is not empty)."""
         return (self.queue_ready + self.queue_done + self.queue_tombstones
                 + self.queue_terminal_deltas + self.leases + self.claims + self.closures
-                + self.queue_claim_ranges + self.progress + self.queue_done_batches)
+                + self.queue_claim_ranges + self.progress + self.queue_done_batches + self.closure_batches)
 
 
 class SkipReason(str, enum.Enum):

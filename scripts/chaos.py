@@ -1699,7 +1699,8 @@ def qualified_names(s: QueueStorage) -> dict[str, str]:
     tables = {"ready": sch.ready.parent, "tombstones": sch.tombstones.parent,
               "claim_ranges": sch.claim_ranges.parent, "done": sch.done.parent,
               "done_batches": sch.done_batches.parent, "deltas": sch.deltas.parent, "claims": sch.claims.parent,
-              "closures": sch.closures.parent, "deferred": sch.deferred, "dlq": sch.dlq,
+              "closures": sch.closures.parent, "closure_batches": sch.closure_batches.parent,
+              "deferred": sch.deferred, "dlq": sch.dlq,
               "rollups": sch.rollups, "live_counts": sch.live_counts}
     names = {k: f'"{v.schema}"."{v.name}"' for k, v in tables.items()}
     names["deferred"] = backlog_sql(s)
@@ -1736,7 +1737,11 @@ def live_seqs(eng: Engine, s: QueueStorage, seqs: Sequence[int]) -> dict[int, st
               AND r.priority = c.priority AND r.enqueue_shard = c.enqueue_shard AND r.lane_seq = c.lane_seq
             WHERE (r.args->>'s')::int = ANY(:seqs)
               AND NOT EXISTS (SELECT 1 FROM {t['closures']} cl WHERE cl.claim_slot = c.claim_slot
-                    AND cl.job_id = c.job_id AND cl.run_lease = c.run_lease)"""),
+                    AND cl.job_id = c.job_id AND cl.run_lease = c.run_lease)
+              AND NOT EXISTS (SELECT 1 FROM {t['closure_batches']} cb
+                    CROSS JOIN LATERAL unnest(cb.job_ids, cb.run_leases) AS m(job_id, run_lease)
+                    WHERE cb.claim_slot = c.claim_slot AND m.job_id = c.job_id
+                      AND m.run_lease = c.run_lease)"""),
             {"seqs": list(seqs)}).all()
     return {int(r.seq): str(r.how) for r in rows}
 

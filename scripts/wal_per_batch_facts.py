@@ -7,9 +7,10 @@ For each claim batch size of ``--batches`` (on one database, one after the other
 * **qstore**: a fresh install, ``--jobs`` jobs loaded with COPY (before the measured
   stretch), then ``complete_and_claim`` calls of ``batch`` jobs on one kept connection until
   every job was claimed and completed: each call completes the batch the previous one
-  claimed and claims the next, as a worker's cycle does. Per job it writes a receipt, a
-  closure and a done row, each with its key, and the receipt's lock at completion; per
-  call a claim range and the terminal-count deltas.
+  claimed and claims the next, as a worker's cycle does. Per job it writes a receipt with
+  its key and the receipt's lock at completion; per call a claim range, a batch closure
+  per block of job ids and a batch done row per lane and block of positions (a lone
+  attempt gets narrow ones), and the terminal-count deltas.
 * **per batch**: the same work as a sketch with one row per batch for each fact, in tables
   of its own: a claim row holding the batch's job ids, run leases and attempts (in place of
   a receipt per job), the completion's lock on that row, one closure row holding the

@@ -5,13 +5,15 @@ a census of every table family, and run a test in both receipt modes."""
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from typing import Any
 
 import pytest
 from sqlalchemy import event, text
 
 from qstore import InsertOpts, InsertParams
-from qstore.config import READY_SLOT_SEEN
+from qstore.config import CLOSURE_BLOCK, READY_SLOT_SEEN
 from qstore.types import ClaimedRuntimeJob, JobState
 
 #: The pseudo-table of the live deferred backlog for :func:`relation`: overflow rows
@@ -20,21 +22,35 @@ BACKLOG = "deferred_backlog"
 #: The pseudo-table of the owned unique keys for :func:`relation`: claims that no release
 #: names (a released claim stays a row until the maintainer purges it).
 LIVE_KEYS = "live_unique_claims"
+#: The pseudo-table of every closed attempt for :func:`relation`: the rows of
+#: ``lease_claim_closures`` and the members of ``lease_claim_closure_batches`` (the fast
+#: completion's form), with ``claim_slot``, ``job_id``, ``run_lease`` and ``outcome``.
+CLOSED = "closed_attempts"
 _SNAPSHOT = ("job_id, kind, queue, args, state, priority, attempt, run_lease, max_attempts, run_at, "
              "attempted_at, finalized_at, created_at, unique_key, unique_states, payload")
 
 
 def relation(schema: str, table: str) -> str:
     """``"schema".table`` as SQL, for :data:`BACKLOG` the live deferred backlog as a
-    subquery with the overflow's columns, for :data:`LIVE_KEYS` the owned keys."""
+    subquery with the overflow's columns, for :data:`LIVE_KEYS` the owned keys, for
+    :data:`CLOSED` every closed attempt."""
     if table == LIVE_KEYS:
         return (f'(SELECT c.* FROM "{schema}".job_unique_claims c WHERE NOT EXISTS (SELECT 1 FROM '
                 f'"{schema}".job_unique_releases r WHERE r.claim_id = c.claim_id)) AS {LIVE_KEYS}')
+    if table == CLOSED:
+        return closed_attempts(schema)
     if table != BACKLOG:
         return f'"{schema}".{table}'
     return (f'(SELECT {_SNAPSHOT} FROM "{schema}".deferred_jobs UNION ALL SELECT {_SNAPSHOT} '
             f'FROM "{schema}".deferred_wheel w WHERE NOT EXISTS (SELECT 1 FROM "{schema}".deferred_wheel_marks m '
             f'WHERE m.entry_id = w.entry_id AND m.wheel_slot = w.wheel_slot)) AS {BACKLOG}')
+
+
+def closed_attempts(schema: str) -> str:
+    """:data:`CLOSED` as a subquery of install ``schema``."""
+    return (f'(SELECT claim_slot, job_id, run_lease, outcome FROM "{schema}".lease_claim_closures UNION ALL '
+            f"SELECT b.claim_slot, m.job_id, m.run_lease, 'completed' FROM \"{schema}\".lease_claim_closure_batches b "
+            f"CROSS JOIN LATERAL unnest(b.job_ids, b.run_leases) AS m(job_id, run_lease)) AS {CLOSED}")
 
 
 def both_receipt_modes(fixture: str = "st") -> pytest.MarkDecorator:
@@ -102,7 +118,7 @@ def state(engine, s, job_id: int) -> JobState:
 def census(engine, s) -> dict[str, int]:
     return {t: count(engine, s, t) for t in (
         "ready_entries", "ready_tombstones", BACKLOG, "done_entries", "done_batches", "dlq_entries",
-        "leases", "lease_claims", "lease_claim_closures", "attempt_state")}
+        "leases", "lease_claims", "lease_claim_closures", "lease_claim_closure_batches", "attempt_state")}
 
 
 def requeue(engine, s, claimed: ClaimedRuntimeJob) -> None:
@@ -156,3 +172,54 @@ def checkouts_of(pool: Any, thread_prefix: str = "") -> list[int]:
 
     event.listen(pool, "checkout", checkout)
     return seen
+
+
+def blocked_by(engine, pid: int, done: threading.Event, timeout: float = 20) -> bool:
+    """Wait until some backend waits on a lock ``pid`` holds (True) or ``done`` is set
+    first (False)."""
+    deadline = time.monotonic() + timeout
+    with engine.connect() as c:
+        while time.monotonic() < deadline and not done.is_set():
+            if c.execute(text("SELECT count(*) FROM pg_stat_activity "
+                              "WHERE :p = ANY(pg_blocking_pids(pid))"), {"p": pid}).scalar():
+                return True
+            c.rollback()
+            time.sleep(0.01)
+    return False
+
+
+def closures(engine, s) -> list[Any]:
+    """Every closure of both forms: its attempt, its form, whether its batch row's block
+    and slot are its own, and whether its receipt is in the same claim slot."""
+    q = f'"{s.schema()}"'
+    with engine.connect() as c:
+        return c.execute(text(f"""
+            SELECT x.claim_slot, x.job_id, x.run_lease, x.form, x.in_block,
+                   EXISTS (SELECT 1 FROM {q}.lease_claims r WHERE r.claim_slot = x.claim_slot
+                           AND r.job_id = x.job_id AND r.run_lease = x.run_lease) AS has_receipt
+            FROM (SELECT claim_slot, job_id, run_lease, 'narrow' AS form, true AS in_block
+                  FROM {q}.lease_claim_closures
+                  UNION ALL
+                  SELECT b.claim_slot, m.job_id, m.run_lease, 'batch', b.job_block = m.job_id / {CLOSURE_BLOCK}
+                  FROM {q}.lease_claim_closure_batches b
+                  CROSS JOIN LATERAL unnest(b.job_ids, b.run_leases) AS m(job_id, run_lease)) x""")).all()
+
+
+def batch_rows(engine, s) -> list[Any]:
+    with engine.connect() as c:
+        return c.execute(text(f'SELECT claim_slot, job_block, job_ids, run_leases FROM "{s.schema()}".'
+                              "lease_claim_closure_batches ORDER BY job_block, claim_slot")).all()
+
+
+def assert_closures_sound(engine, s) -> list[Any]:
+    """No attempt has two closures (of either form); every closure has its receipt in its
+    claim slot; every batch member lies in its row's block; a batch row holds two or more
+    members in job-id order. Returns the closures."""
+    rows = closures(engine, s)
+    twice = [k for k, n in Counter((r.job_id, r.run_lease) for r in rows).items() if n > 1]
+    assert twice == [], twice
+    assert all(r.has_receipt and r.in_block for r in rows), rows
+    for b in batch_rows(engine, s):
+        assert len(b.job_ids) == len(b.run_leases) >= 2, b
+        assert list(zip(b.job_ids, b.run_leases, strict=True)) == sorted(zip(b.job_ids, b.run_leases, strict=True)), b
+    return rows

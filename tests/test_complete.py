@@ -4,7 +4,7 @@ nothing and are absent from the result; every completion path; the caller's tran
 from __future__ import annotations
 
 import pytest
-from jobtools import relation_locks, requeue
+from jobtools import CLOSED, count, relation_locks, requeue
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -93,14 +93,14 @@ def test_repeated_completion_returns_nothing_and_changes_nothing(engine, storage
     (a,) = claimed_jobs(engine, storage, 1)
     assert storage.complete_runtime_batch(engine, [a]) == [(a.job.id, 1)]
     done_before = count_rows(engine, storage, "terminal_jobs")
-    closures_before = count_rows(engine, storage, "lease_claim_closures")
+    closures_before = count(engine, storage, CLOSED)
 
     assert storage.complete_runtime_batch(engine, [a]) == []
     assert storage.complete_job_batch_by_id(engine, [(a.job.id, 1)]) == []
     assert storage.complete_claimed_batch(engine, [a.claim]) == []
 
     assert count_rows(engine, storage, "terminal_jobs") == done_before == 1
-    assert count_rows(engine, storage, "lease_claim_closures") == closures_before == 1
+    assert count(engine, storage, CLOSED) == closures_before == 1
     assert storage.queue_counts(engine, "q").terminal == 1
 
 

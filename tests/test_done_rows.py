@@ -18,7 +18,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from jobtools import add, claim, params, running
+from jobtools import add, assert_closures_sound, claim, params, running
 from operation_cases import CASES
 from sqlalchemy import Engine, text
 from sqlalchemy.dialects import postgresql
@@ -126,13 +126,15 @@ OPERATION_RUNS = [
 
 
 @pytest.mark.parametrize(("name", "mode"), OPERATION_RUNS)
-def test_every_operation_leaves_done_rows_wide_exactly_when_they_have_no_ready_row(engine, make_storage,
-                                                                                    name, mode):
+def test_every_operation_leaves_sound_done_rows_and_closures(engine, make_storage, name, mode):
+    """Done rows are wide exactly when they have no ready row, and no attempt has two
+    closures (see ``tests/test_closures.py``), after each operation."""
     case = CASES[name]
     s = make_storage(**{"lease_claim_receipts": MODES[mode], **case.shape})
     given = case.setup(engine, s)
     case.call(s, engine, given)
     assert_done_rows_sound(engine, s)
+    assert_closures_sound(engine, s)
 
 
 # -- the other ways a done row is written --------------------------------------------------

@@ -14,7 +14,7 @@ import time
 from datetime import timezone
 
 import pytest
-from jobtools import attempt_table, claim, count, running, state
+from jobtools import attempt_table, blocked_by, claim, count, running, state
 from sqlalchemy import text
 
 from qstore.types import JobState
@@ -289,20 +289,6 @@ def overdue(engine, s):
         conn.execute(text(f'UPDATE "{s.schema()}".{attempt_table(s)} '
                           "SET deadline_at = now() - interval '1 hour'"))
     return c
-
-
-def blocked_by(engine, pid: int, done: threading.Event, timeout: float = 20) -> bool:
-    """Wait until some backend waits on a lock ``pid`` holds (True) or ``done`` is set
-    first (False)."""
-    deadline = time.monotonic() + timeout
-    with engine.connect() as c:
-        while time.monotonic() < deadline and not done.is_set():
-            if c.execute(text("SELECT count(*) FROM pg_stat_activity "
-                              "WHERE :p = ANY(pg_blocking_pids(pid))"), {"p": pid}).scalar():
-                return True
-            c.rollback()
-            time.sleep(0.01)
-    return False
 
 
 @pytest.mark.parametrize("beat", sorted(BEATS))

@@ -35,7 +35,8 @@ from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
 
 NOTHING = dict.fromkeys(("ready_entries", "ready_tombstones", BACKLOG, "done_entries", "done_batches",
                          "dlq_entries",
-                         "leases", "lease_claims", "lease_claim_closures", "attempt_state"), 0)
+                         "leases", "lease_claims", "lease_claim_closures", "lease_claim_closure_batches",
+                         "attempt_state"), 0)
 
 
 def job(kind: str = "k", args: Any = None, **opts: Any) -> InsertParams:

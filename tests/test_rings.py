@@ -479,7 +479,7 @@ def test_claim_ring_outcomes(small: QueueStorage, engine: Engine) -> None:
     assert out.kind == "skipped_busy" and out.busy == BusyCounts(claims=1, closures=1)
     assert small.prune_oldest_claims(engine) == PruneOutcome.pruned(0)
     assert rows_in(small, engine, "lease_claims_0") == 0
-    assert rows_in(small, engine, "lease_claim_closures_0") == 0
+    assert rows_in(small, engine, "lease_claim_closures_0") == rows_in(small, engine, "lease_claim_closure_batches_0") == 0
     assert small.prune_oldest_claims(engine) == PruneOutcome.noop()
     assert small.rotate_claims(engine) == RotateOutcome.rotated(0, 2)
     assert small.prune_oldest_claims(engine) == PruneOutcome.skipped_active(1, SkipReason.CLAIM_OPEN, 2)

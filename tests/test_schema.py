@@ -43,7 +43,7 @@ def test_lease_ring_has_one_child_per_lease_slot(shaped):
     assert "leases_3" not in names
 
 
-@pytest.mark.parametrize("parent", ["lease_claims", "lease_claim_closures"])
+@pytest.mark.parametrize("parent", ["lease_claims", "lease_claim_closures", "lease_claim_closure_batches"])
 def test_claim_ring_families_have_one_child_per_claim_slot(shaped, parent):
     names = _tables(shaped)
     assert {parent, f"{parent}_0", f"{parent}_1"} <= names
@@ -106,7 +106,8 @@ def test_storage_schema_bundle_exposes_ring_families_with_configured_counts():
     assert len(sch.claims.children) == len(sch.closures.children) == 2
     assert [(r.name, r.slot_count) for r in sch.rings] == [("queue", 5), ("lease", 3), ("claim", 2)]
     # heartbeat and progress rows go with the ring that holds the attempts
-    assert [f.name for f in sch.claim_ring.families] == ["lease_claims", "lease_claim_closures", "attempt_progress"]
+    assert [f.name for f in sch.claim_ring.families] == ["lease_claims", "lease_claim_closures",
+                                                         "lease_claim_closure_batches", "attempt_progress"]
     assert [f.name for f in sch.lease_ring.families] == ["leases"]
     assert len(sch.progress.children) == 2
 
@@ -114,7 +115,8 @@ def test_storage_schema_bundle_exposes_ring_families_with_configured_counts():
 def test_without_receipts_progress_rows_go_with_the_lease_ring():
     sch = storage_schema(QueueStorageConfig(**{**SHAPE, "lease_claim_receipts": False}))
     assert [f.name for f in sch.lease_ring.families] == ["leases", "attempt_progress"]
-    assert [f.name for f in sch.claim_ring.families] == ["lease_claims", "lease_claim_closures"]
+    assert [f.name for f in sch.claim_ring.families] == ["lease_claims", "lease_claim_closures",
+                                                         "lease_claim_closure_batches"]
     assert len(sch.progress.children) == 3
 
 

@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from jobtools import BACKLOG, relation
+from jobtools import BACKLOG, CLOSED, relation
 from sqlalchemy import text
 
 from qstore import InsertOpts, InsertParams, QueueStorage
@@ -48,7 +48,7 @@ def census(conn, schema: str) -> Counter:
 
     tombs = {tuple(r) for r in q('SELECT ready_slot, queue, priority, enqueue_shard, lane_seq FROM "{s}".ready_tombstones')}
     ranges = q('SELECT queue, priority, enqueue_shard, first_seq, last_seq FROM "{s}".ready_claim_ranges')
-    closed = {tuple(r) for r in q('SELECT claim_slot, job_id, run_lease FROM "{s}".lease_claim_closures')}
+    closed = {tuple(r) for r in q(f"SELECT claim_slot, job_id, run_lease FROM {relation(schema, CLOSED)}")}
     leases = q('SELECT job_id, run_lease FROM "{s}".leases')
     leased = {tuple(r) for r in leases}
     live: Counter = Counter()

@@ -233,6 +233,16 @@ def _ended_jobs(engine: Engine, st: QueueStorage) -> dict[str, int]:
             "cancelled_scheduled": scheduled}
 
 
+def _ended_below(engine: Engine, cfg: QueueStorageConfig, revision: str) -> dict[str, int]:
+    """:func:`_ended_jobs` on a new install of ``cfg`` at the head, then downgraded to
+    ``revision``: the jobs' rows in the forms that revision writes (this release's code
+    runs only against the head's schema)."""
+    migrate_to(engine, cfg, "heads")
+    ids = _ended_jobs(engine, QueueStorage(cfg))
+    migrate_to(engine, cfg, revision)
+    return ids
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_previous_release_finds_ended_jobs_by_id_without_the_full_done_index(module_engine, previous_release,
                                                                                 mode):
@@ -254,9 +264,8 @@ def test_jobs_ended_below_the_wide_done_index_revision_are_found_by_id_after_it(
     release's lookup after it, and again after a downgrade and upgrade."""
     _url, engine = module_engine
     cfg = config("wide_done_upgrade", "receipts")
-    migrate_to(engine, cfg, BEFORE_WIDE_DONE)
+    ids = _ended_below(engine, cfg, BEFORE_WIDE_DONE)
     st = QueueStorage(cfg)
-    ids = _ended_jobs(engine, st)
     migrate_to(engine, cfg, "heads")
     states = {name: st.load_job(engine, job_id).state for name, job_id in ids.items()}  # type: ignore[union-attr]
     assert states == {"completed": JobState.COMPLETED, "failed": JobState.FAILED,
@@ -289,8 +298,7 @@ def test_the_terminal_view_revision_keeps_every_row_both_ways(module_engine, mod
     wide rows alike)."""
     _url, engine = module_engine
     cfg = config(f"terminal_view_{mode}", mode)
-    migrate_to(engine, cfg, BEFORE_TERMINAL_VIEW)
-    _ended_jobs(engine, QueueStorage(cfg))
+    _ended_below(engine, cfg, BEFORE_TERMINAL_VIEW)
     rows, before = _terminal_view(engine, cfg)
     assert len(rows) == 4 and "UNION ALL" not in before
     migrate_to(engine, cfg, TERMINAL_VIEW_REVISION)
@@ -326,9 +334,8 @@ def test_the_batch_done_revision_keeps_every_terminal_row_both_ways(module_engin
     agree above it."""
     _url, engine = module_engine
     cfg = config(f"batch_done_{mode}", mode)
-    migrate_to(engine, cfg, BEFORE_BATCH_DONE)
+    ended = _ended_below(engine, cfg, BEFORE_BATCH_DONE)
     st = QueueStorage(cfg)
-    ended = _ended_jobs(engine, st)
     before, _ = _terminal_view(engine, cfg)
     migrate_to(engine, cfg, BATCH_DONE_REVISION)
     assert _terminal_view(engine, cfg)[0] == before
@@ -341,15 +348,65 @@ def test_the_batch_done_revision_keeps_every_terminal_row_both_ways(module_engin
     assert len(rows) == len(before) + 5
     retained = _retained(engine, cfg)
     assert retained == ((len(before), 5) if mode == "receipts" else (len(before) + 5, 0))
-    assert st.queue_counts(engine, Q).terminal == len(rows)
-    assert {st.load_job(engine, c.job.id).state for c in completed} == {JobState.COMPLETED}  # type: ignore[union-attr]
-    assert st.load_job(engine, ended["completed"]).state is JobState.COMPLETED  # type: ignore[union-attr]
     migrate_to(engine, cfg, BEFORE_BATCH_DONE)
     assert _terminal_view(engine, cfg)[0] == rows
     assert _retained(engine, cfg) == (len(rows), 0)
     migrate_to(engine, cfg, BATCH_DONE_REVISION)
     assert _terminal_view(engine, cfg)[0] == rows
+    migrate_to(engine, cfg, "heads")  # this release's reads need the head's schema
     assert st.queue_counts(engine, Q).terminal == len(rows)
+    assert {st.load_job(engine, c.job.id).state for c in completed} == {JobState.COMPLETED}  # type: ignore[union-attr]
+    assert st.load_job(engine, ended["completed"]).state is JobState.COMPLETED  # type: ignore[union-attr]
+
+
+#: the revision that closes the fast path's completions with batch closures, and the one below it
+BATCH_CLOSURE_REVISION = "0020"
+BEFORE_BATCH_CLOSURE = REVISIONS[REVISIONS.index(BATCH_CLOSURE_REVISION) - 1]
+
+
+def _closed(engine: Engine, cfg: QueueStorageConfig) -> tuple[list[tuple[Any, ...]], int]:
+    """Every closed attempt (claim slot, job, run lease, outcome), ordered, from both
+    forms, and how many of them are batch members (0 where the table does not exist)."""
+    s = f'"{cfg.schema}"'
+    with engine.connect() as conn:
+        narrow = conn.execute(text(f"SELECT claim_slot, job_id, run_lease, outcome FROM {s}.lease_claim_closures")).all()
+        exists = conn.execute(text("SELECT to_regclass(:t) IS NOT NULL"),
+                              {"t": f"{s}.lease_claim_closure_batches"}).scalar_one()
+        members = conn.execute(text(
+            f"SELECT b.claim_slot, m.job_id, m.run_lease, 'completed' FROM {s}.lease_claim_closure_batches b "
+            "CROSS JOIN LATERAL unnest(b.job_ids, b.run_leases) AS m(job_id, run_lease)")).all() if exists else []
+    return sorted(tuple(r) for r in [*narrow, *members]), len(members)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_batch_closure_revision_keeps_every_closure_both_ways(module_engine, mode):
+    """Attempts closed by batch closures (receipts on) and narrow ones, beside attempts
+    still open, keep their closures through a downgrade (which moves every member into a
+    narrow closure) and an upgrade; counts, states and rescue agree after each."""
+    from jobtools import params
+
+    _url, engine = module_engine
+    cfg = config(f"batch_closures_{mode}", mode)
+    migrate_to(engine, cfg, "heads")
+    st = QueueStorage(cfg)
+    _ended_jobs(engine, st)
+    st.enqueue_params_batch(engine, [params(args={"n": i}, queue=Q) for i in range(5)])
+    claimed = st.claim_runtime_batch(engine, Q, 5)
+    assert len(st.complete_runtime_batch(engine, claimed[:3])) == 3
+    closed, members = _closed(engine, cfg)
+    assert members == (3 if mode == "receipts" else 0)
+    counts = st.queue_counts(engine, Q)
+    assert (counts.running, counts.terminal) == (2, 7)
+    states = {c.job.id: st.load_job(engine, c.job.id).state for c in claimed}  # type: ignore[union-attr]
+    migrate_to(engine, cfg, BEFORE_BATCH_CLOSURE)
+    assert _closed(engine, cfg) == (closed, 0)
+    migrate_to(engine, cfg, BATCH_CLOSURE_REVISION)
+    assert _closed(engine, cfg) == (closed, 0)
+    assert st.queue_counts(engine, Q) == counts
+    assert {c.job.id: st.load_job(engine, c.job.id).state for c in claimed} == states  # type: ignore[union-attr]
+    assert st.rescue_expired_deadlines(engine) == []
+    assert len(st.complete_runtime_batch(engine, claimed)) == 2
+    assert st.queue_counts(engine, Q).terminal == 9
 
 
 def test_terminal_history_reads_a_json_null_payload_as_the_ready_rows(engine, st):

@@ -91,6 +91,9 @@ class StorageSchema:
     leases: RingFamily
     claims: RingFamily
     closures: RingFamily
+    #: closures of attempts completed on the fast path, one row per call, claim slot and
+    #: block of job ids
+    closure_batches: RingFamily
     deferred: Table
     wheel: RingFamily
     wheel_marks: RingFamily
@@ -165,13 +168,14 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
     leases = execution_plane.declare_leases(md, config, state)
     claims = execution_plane.declare_lease_claims(md, config)
     closures = execution_plane.declare_lease_claim_closures(md, config)
+    closure_batches = execution_plane.declare_lease_claim_closure_batches(md, config)
     attempt_state = execution_plane.declare_attempt_state(md, config)
     progress, progress_seq = execution_plane.declare_attempt_progress(md, config)
     record("execution")
     cursors = {r: control_plane.declare_ring_cursor(md, config, r) for r in ("queue", "lease", "claim")}
     families: dict[str, tuple[RingFamily, ...]] = {
         "queue": (ready, tombstones, claim_ranges, done, deltas, done_batches), "lease": (leases,),
-        "claim": (claims, closures)}
+        "claim": (claims, closures, closure_batches)}
     families[execution_plane.progress_ring(config)] += (progress,)
     rings = {r: Ring(r, cursors[r][0], cursors[r][1], families[r]) for r in families}
     lanes, enqueue_heads, claim_heads = control_plane.declare_lanes(md, config)
@@ -188,7 +192,7 @@ def _build(config: QueueStorageConfig) -> StorageSchema:
         config=config, metadata=md, ready=ready, tombstones=tombstones,
         claim_ranges=claim_ranges, done=done, deltas=deltas, done_batches=done_batches, leases=leases,
         claims=claims,
-        closures=closures, deferred=deferred, wheel=wheel, wheel_marks=wheel_marks, dlq=dlq,
+        closures=closures, closure_batches=closure_batches, deferred=deferred, wheel=wheel, wheel_marks=wheel_marks, dlq=dlq,
         attempt_state=attempt_state, progress=progress, progress_seq=progress_seq,
         queue_ring=rings["queue"], lease_ring=rings["lease"], claim_ring=rings["claim"],
         lanes=lanes, enqueue_heads=enqueue_heads, claim_heads=claim_heads,

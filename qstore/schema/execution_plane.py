@@ -8,7 +8,7 @@ from sqlalchemy.types import TypeEngine
 
 from qstore.config import QueueStorageConfig
 from qstore.schema.rings import RingFamily, ring_table
-from qstore.schema.types import BIGINT, INT, JSON, NOW, SMALLINT, TEXT, TS, UUIDT, warm
+from qstore.schema.types import BIGINT, BIGINTS, INT, JSON, NOW, SMALLINT, TEXT, TS, UUIDT, warm
 
 LANE = ("queue", "priority", "enqueue_shard")
 
@@ -103,6 +103,26 @@ def declare_lease_claim_closures(md: MetaData, cfg: QueueStorageConfig) -> RingF
         Column("closed_at", TS, nullable=False, server_default=NOW),
         PrimaryKeyConstraint("job_id", "run_lease", "claim_slot",
                              name="lease_claim_closures_pkey"),
+        schema=cfg.schema,
+    )
+
+
+def declare_lease_claim_closure_batches(md: MetaData, cfg: QueueStorageConfig) -> RingFamily:
+    """Closures of completed attempts, written by the completion fast path: one row per
+    completion call, claim slot and block of job ids (``job_block = job_id /
+    CLOSURE_BLOCK``), its members' job ids and run leases as arrays in job-id order. A
+    member is closed exactly like a receipt with a row in ``lease_claim_closures``; an
+    attempt has at most one closure of either form, because every closer locks the receipt
+    first and checks both forms in a later statement. Never updated or deleted row by row;
+    no primary key. Found from a receipt through ``lease_claim_closure_batches_block_idx``."""
+    return ring_table(
+        md, "lease_claim_closure_batches", "claim_slot", cfg.claim_slot_count,
+        Column("claim_slot", INT, nullable=False),
+        Column("job_block", BIGINT, nullable=False),
+        Column("job_ids", BIGINTS, nullable=False),
+        Column("run_leases", BIGINTS, nullable=False),
+        Column("closed_at", TS, nullable=False, server_default=NOW),
+        Index("lease_claim_closure_batches_block_idx", "job_block", "claim_slot"),
         schema=cfg.schema,
     )
 

@@ -24,6 +24,7 @@ from mako.template import Template
 from qstore.config import (
     CLAIM_WAIT,
     CLAIMED_IN_XACT,
+    CLOSURE_BLOCK,
     COUNTER_BUCKETS,
     DEFAULT_SHARDS,
     DONE_BLOCK,
@@ -57,7 +58,7 @@ def render(name: str, cfg: QueueStorageConfig, **extra: Any) -> str:
     of ``cfg``: one complete ``CREATE OR REPLACE`` statement, without trailing whitespace."""
     params = dict(s=cfg.schema, shape=cfg, claim_wait=CLAIM_WAIT, claimed_in_xact=CLAIMED_IN_XACT,
                   ready_slot_seen=READY_SLOT_SEEN, counter_buckets=COUNTER_BUCKETS, default_shards=DEFAULT_SHARDS,
-                  done_block=DONE_BLOCK,
+                  done_block=DONE_BLOCK, closure_block=CLOSURE_BLOCK,
                   wheel_seconds=WHEEL_BUCKET_SECONDS, wheel_slots=WHEEL_SLOTS,
                   wheel_span=WHEEL_SLOTS - WHEEL_GUARD_SLOTS, **extra)
     return str(_template(name).render(**params)).strip()

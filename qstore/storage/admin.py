@@ -26,7 +26,7 @@ from qstore.storage.decide import Decision, Destination
 from qstore.storage.jobs import is_stripe, logical_queue
 from qstore.storage.planes import control, execution, queue
 from qstore.storage.planes.execution import LIVE, Closure
-from qstore.storage.statements import live_deferred, receipt_closed
+from qstore.storage.statements import live_deferred, receipt_open
 from qstore.types import JobRow, JobState
 
 __all__ = [
@@ -57,7 +57,7 @@ class AdminReads:
 @functools.lru_cache(maxsize=64)
 def _reads(sch: StorageSchema) -> AdminReads:
     r, t, cr = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent
-    c, cl, le = sch.claims.parent, sch.closures.parent, sch.leases.parent
+    c, le = sch.claims.parent, sch.leases.parent
     d = live_deferred(sch)
     job = bindparam("b_job", type_=BigInteger())
     tombstoned = select(t.c.job_id).where(
@@ -66,7 +66,7 @@ def _reads(sch: StorageSchema) -> AdminReads:
     claimed = select(cr.c.first_seq).where(
         cr.c.queue == r.c.queue, cr.c.priority == r.c.priority, cr.c.enqueue_shard == r.c.enqueue_shard,
         cr.c.first_seq <= r.c.lane_seq, cr.c.last_seq >= r.c.lane_seq).exists()
-    closed = receipt_closed(cl, c)
+    is_open = receipt_open(sch.closures.parent, sch.closure_batches.parent, c)
     key = (r.c.ready_slot == bindparam("k_slot"), r.c.queue == bindparam("k_queue"),
            r.c.priority == bindparam("k_priority"), r.c.enqueue_shard == bindparam("k_shard"),
            r.c.lane_seq == bindparam("k_seq"))
@@ -75,7 +75,7 @@ def _reads(sch: StorageSchema) -> AdminReads:
         ready_candidates=select(r).where(r.c.job_id == job, ~tombstoned).order_by(r.c.lane_seq.desc()),
         still_unclaimed=select(r.c.job_id).where(*key, ~tombstoned, ~claimed),
         live_attempts=select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state.in_(LIVE))
-        .union(select(c.c.job_id, c.c.run_lease).where(c.c.job_id == job, ~closed)),
+        .union(select(c.c.job_id, c.c.run_lease).where(c.c.job_id == job, is_open)),
         waiting=select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state == JobState.WAITING_EXTERNAL),
         scheduled=select(d).where(d.c.job_id == job, d.c.state == JobState.SCHEDULED),
         aging_candidates=select(r).where(r.c.priority > 1, r.c.run_at <= now - bindparam("interval"),

@@ -1,9 +1,11 @@
 """Completion: close attempts successfully, guarded by ``(job_id, run_lease)``.
 
 Fast path (``complete_runtime_batch`` for plain receipt-only attempts): one call of the
-server function ``complete_receipts`` locks the receipts, appends closures (``ON CONFLICT DO
-NOTHING`` — a rescue or cancel that closed first wins), narrow done rows from the claim-time
-receipt and kind, and grouped count deltas. Everything else (leases, receipts
+server function ``complete_receipts`` locks the receipts and then, in its next statement
+(which sees every closure committed before the locks: a rescue or cancel that closed first
+wins), closes those still open with batch closures per block of job ids, writes batch done
+rows per lane (narrow ones from the claim-time receipt and kind for a lone attempt), and
+grouped count deltas. Everything else (leases, receipts
 materialised by a callback, unique-key transitions) takes the general path: take → decide →
 write. Stale attempts are absent from results.
 """

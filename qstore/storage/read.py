@@ -41,7 +41,7 @@ from qstore.storage.statements import (
     attempt_leased,
     attempt_progress,
     live_deferred,
-    receipt_closed,
+    receipt_open,
 )
 from qstore.storage.targets import holding
 from qstore.types import JobRow, JobState, QueueCounts
@@ -75,7 +75,7 @@ class ReadStatements:
 @functools.lru_cache(maxsize=64)
 def _statements(sch: StorageSchema) -> ReadStatements:
     r, t, cr = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent
-    c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
+    c, le, st = sch.claims.parent, sch.leases.parent, sch.attempt_state
     job = bindparam("job_id", type_=BigInteger())
     queues = bindparam("queues", type_=Text(), expanding=True)
     waiting = live_deferred(sch)
@@ -86,7 +86,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
         cr.c.queue == r.c.queue, cr.c.priority == r.c.priority,
         cr.c.enqueue_shard == r.c.enqueue_shard, cr.c.first_seq <= r.c.lane_seq,
         cr.c.last_seq >= r.c.lane_seq).exists()
-    closed = receipt_closed(cl, c)
+    is_open = receipt_open(sch.closures.parent, sch.closure_batches.parent, c)
     leased = attempt_leased(le, c)
     h = sch.claim_heads
     receipts = sch.config.lease_claim_receipts
@@ -124,7 +124,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
                            claim_progress.heartbeat_at.label("state_heartbeat_at"))
         .select_from(c.outerjoin(st, and_(st.c.job_id == c.c.job_id, st.c.run_lease == c.c.run_lease))
                      .outerjoin(cp, true()))
-        .where(c.c.job_id == job, ~closed, ~leased),
+        .where(c.c.job_id == job, is_open, ~leased),
         # done rows of the job, hydrated from their ready rows as the terminal_jobs view does
         # and the job's members of batch done rows, in the same statement
         terminal=union_all(queue_plane.select_done_of_job(sch, job, lock=False),
@@ -133,7 +133,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
         counts=select(
             count(select(r.c.job_id).where(r.c.queue.in_(queues), ~tombstoned, ~claimed)),
             count(select(le.c.job_id).where(le.c.queue.in_(queues), le.c.state == JobState.RUNNING))
-            + count(select(c.c.job_id).where(c.c.queue.in_(queues), ~closed, ~leased)),
+            + count(select(c.c.job_id).where(c.c.queue.in_(queues), is_open, ~leased)),
             case((func.coalesce(trusted, False), pruned + live + deltas), else_=pruned + scanned),
         ),
         scheduled=select(func.count()).select_from(waiting).where(waiting.c.queue.in_(queues)),
@@ -234,7 +234,8 @@ def _job_tables(ctx: StorageContext) -> tuple[Table, ...]:
     # what load_job reads of the rings (its done rows are found through and hydrated from ready rows), in
     # the rings' order, as prune locks them
     rings = {sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent, sch.done.parent,
-             sch.done_batches.parent, sch.leases.parent, sch.claims.parent, sch.closures.parent, sch.progress.parent}
+             sch.done_batches.parent, sch.leases.parent, sch.claims.parent, sch.closures.parent,
+             sch.closure_batches.parent, sch.progress.parent}
     return (*(f.parent for ring in sch.rings for f in ring.families if f.parent in rings),
             sch.wheel.parent, sch.wheel_marks.parent)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Exists,
@@ -22,6 +23,8 @@ from sqlalchemy import (
     Numeric,
     String,
     Text,
+    and_,
+    any_,
     bindparam,
     cast,
     column,
@@ -34,11 +37,23 @@ from sqlalchemy.sql.elements import BindParameter, ColumnElement
 from sqlalchemy.sql.functions import Function
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from qstore.config import CLOSURE_BLOCK
 from qstore.schema import StorageSchema
 
-__all__ = ["AttemptProgress", "HotStatement", "array_param", "attempt_leased", "attempt_progress",
-           "live_deferred", "packed_array_param", "receipt_closed", "schema_func", "unnest_rows",
-           "wheel_entry_live"]
+__all__ = [
+    "AttemptProgress",
+    "HotStatement",
+    "array_param",
+    "attempt_leased",
+    "attempt_progress",
+    "closed_in_batch",
+    "live_deferred",
+    "packed_array_param",
+    "receipt_open",
+    "schema_func",
+    "unnest_rows",
+    "wheel_entry_live",
+]
 
 
 def array_param(name: str, item_type: TypeEngine[Any]) -> BindParameter[Any]:
@@ -171,12 +186,32 @@ def schema_func(sch: StorageSchema, name: str, *args: Any) -> Function[Any]:
     return getattr(getattr(func, sch.config.schema), name)(*args)
 
 
-def receipt_closed(closures: FromClause, claims: FromClause) -> Exists:
-    """``EXISTS`` a closure of the receipt row of ``claims`` (same claim slot, job and run
-    lease): the one definition of a closed receipt. An open receipt is ``~receipt_closed``."""
+def receipt_open(closures: FromClause, batches: FromClause, claims: FromClause) -> ColumnElement[bool]:
+    """No closure of either form names the receipt row of ``claims`` (same claim slot, job
+    and run lease): neither a row of ``closures`` (``lease_claim_closures``) nor a member of
+    a row of ``batches`` (``lease_claim_closure_batches``, found by the receipt's block of
+    job ids). The one definition of an open receipt; ``closures``, ``batches`` and
+    ``claims`` are parents, children or aliases of the three families."""
     cl, c = closures.c, claims.c
-    return select(cl.job_id).where(cl.claim_slot == c.claim_slot, cl.job_id == c.job_id,
-                                   cl.run_lease == c.run_lease).exists()
+    narrow = select(cl.job_id).where(cl.claim_slot == c.claim_slot, cl.job_id == c.job_id,
+                                     cl.run_lease == c.run_lease).exists()
+    return and_(~narrow, ~closed_in_batch(batches, c.claim_slot, c.job_id, c.run_lease))
+
+
+def closed_in_batch(batches: FromClause, claim_slot: Any, job_id: Any, run_lease: Any) -> Exists:
+    """``EXISTS`` a row of ``batches`` (``lease_claim_closure_batches``) with the attempt
+    ``(job_id, run_lease)`` of claim slot ``claim_slot`` among its members: one probe of the
+    block index; ``= ANY`` picks the row and the member's own run lease is then compared (a
+    job id alone does not name an attempt)."""
+    b = batches.c
+    m = func.unnest(b.job_ids, b.run_leases).table_valued(
+        column("job_id", BigInteger()), column("run_lease", BigInteger())).render_derived(name="m", with_types=False)
+    # correlated past the batch row to the receipt's own query (two levels up)
+    member = (select(m.c.job_id).select_from(m).where(m.c.job_id == job_id, m.c.run_lease == run_lease)
+              .correlate_except(m).exists())
+    return select(b.job_block).where(
+        b.claim_slot == claim_slot, b.job_block == job_id // CLOSURE_BLOCK, job_id == any_(b.job_ids), member,
+    ).exists()
 
 
 def attempt_leased(leases: FromClause, claims: FromClause) -> Exists:

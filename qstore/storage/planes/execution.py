@@ -6,8 +6,13 @@ Every way of ending an attempt (complete, retry, snooze, cancel, fail, DLQ, resc
 resolution) goes through :func:`take_attempts`. Order of locks: claim rows (``FOR UPDATE``,
 sorted) → leases → closures. A materialised lease is found and deleted by ``(job_id,
 run_lease)``; every lease deletion closes the attempt's receipt in the same transaction, and
-a receipt is closed without a lease only when no lease exists for the attempt. The closure
-primary key makes finishing an attempt at-most-once; anything stale is simply not returned.
+a receipt is closed without a lease only when no lease exists for the attempt. Finishing an
+attempt is at-most-once: every closer (this module and the server's ``complete_receipts``)
+locks the receipt first and checks, in a later statement that therefore sees every closure
+committed before the lock was granted, that no closure of either form (a
+``lease_claim_closures`` row, or a member of a ``lease_claim_closure_batches`` row) names
+the attempt; the narrow closure's primary key guards narrow closers besides. Anything stale
+is simply not returned.
 
 A heartbeat or progress report appends one ``attempt_progress`` row in the ring slot that
 holds its attempt (the receipt's claim slot, or the lease's slot on a receipts-off install):
@@ -56,7 +61,7 @@ from qstore.errors import InvariantError
 from qstore.schema import StorageSchema
 from qstore.storage.bodies import Body, ReadyKey, Taken
 from qstore.storage.columns import payload_fields
-from qstore.storage.statements import attempt_leased, receipt_closed, unnest_rows
+from qstore.storage.statements import attempt_leased, closed_in_batch, receipt_open, unnest_rows
 from qstore.types import JobRow, JobState
 
 __all__ = ["Closure", "ExecutionStatements", "statements", "take_attempts"]
@@ -121,7 +126,10 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
                     enqueue_shard=SmallInteger(), lane_seq=BigInteger())
     hp = unnest_rows("p", job_id=BigInteger(), run_lease=BigInteger(), progress=JSONB())
     on_c = and_(c.c.job_id == hp.c.job_id, c.c.run_lease == hp.c.run_lease)
-    closed = receipt_closed(cl, c)
+    is_open = receipt_open(cl, sch.closure_batches.parent, c)
+    # a batch closure (the fast path's) beside the narrow closure's key: checked by the
+    # statement after lock_claims, so it sees every closure committed before the lock
+    in_batch = closed_in_batch(sch.closure_batches.parent, c.c.claim_slot, c.c.job_id, c.c.run_lease)
     has_lease = attempt_leased(le, c)
     now = func.clock_timestamp()
     job, lease = bindparam("b_job", type_=BigInteger()), bindparam("b_lease", type_=BigInteger())
@@ -137,7 +145,7 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
         close=pg_insert(cl).from_select(
             ["claim_slot", "job_id", "run_lease", "outcome"],
             select(c.c.claim_slot, c.c.job_id, c.c.run_lease, bindparam("outcome", type_=Text()))
-            .select_from(c.join(p, on_pair(c))).where(no_lease),
+            .select_from(c.join(p, on_pair(c))).where(no_lease, ~in_batch),
         ).on_conflict_do_nothing().returning(cl.c.job_id, cl.c.run_lease),
         bodies=select(r).select_from(r.join(k, and_(
             r.c.ready_slot == k.c.ready_slot, r.c.queue == k.c.queue, r.c.priority == k.c.priority,
@@ -149,8 +157,8 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
         .order_by(ap.c.job_id, ap.c.run_lease, ap.c.seq.desc()).ext(distinct_on(ap.c.job_id, ap.c.run_lease)),
         # lock open receipts first, so the later statements see every committed closure
         hb_lock=select(c.c.claim_slot, c.c.job_id, c.c.run_lease)
-        .select_from(c.join(hp, on_c)).where(~closed).order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),
-        hb_open=select(c.c.job_id, c.c.run_lease).select_from(c.join(hp, on_c)).where(~closed),
+        .select_from(c.join(hp, on_c)).where(is_open).order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),
+        hb_open=select(c.c.job_id, c.c.run_lease).select_from(c.join(hp, on_c)).where(is_open),
         # Shared key lock on the leases, after the receipts (the order take_attempts locks
         # them in): a transaction ending the attempt deletes its lease, so the heartbeat waits
         # for it and then finds the lease gone; updates of the lease's other columns
@@ -166,7 +174,7 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
             c.c.attempt, c.c.run_lease, c.c.max_attempts, c.c.lane_seq, c.c.enqueue_shard, c.c.claim_slot,
             now, c.c.deadline_at, c.c.claimed_at,
         ).select_from(c.join(lrs, literal(True))).where(
-            c.c.job_id == job, c.c.run_lease == lease, ~closed, ~has_lease)),
+            c.c.job_id == job, c.c.run_lease == lease, is_open, ~has_lease)),
         cb_mark_materialized=update(c).where(c.c.job_id == job, c.c.run_lease == lease,
                                              c.c.materialized_at.is_(None)).values(materialized_at=now),
         cb_set_token=update(le).where(le.c.job_id == job, le.c.run_lease == lease, le.c.state == JobState.RUNNING)

@@ -63,6 +63,7 @@ _BUSY_FIELD = {
     "leases": "leases",
     "lease_claims": "claims",
     "lease_claim_closures": "closures",
+    "lease_claim_closure_batches": "closure_batches",
     "attempt_progress": "progress",
 }
 _PG = postgresql.dialect()

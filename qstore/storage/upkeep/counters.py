@@ -49,7 +49,7 @@ from qstore.storage.context import StorageContext
 from qstore.storage.planes import control
 from qstore.storage.planes import rings as ring_plane
 from qstore.storage.planes.rings import slot_generation
-from qstore.storage.statements import receipt_closed
+from qstore.storage.statements import receipt_open
 from qstore.storage.targets import Blocked, Transactions, guarded
 from qstore.types import TerminalDeltaRollupOutcome
 
@@ -108,12 +108,13 @@ class SlotRollup:
 @functools.lru_cache(maxsize=4096)
 def _slot_rollup(sch: StorageSchema, k: int) -> SlotRollup:
     dl = sch.deltas.children[k]
-    le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
+    le, c = sch.leases.parent, sch.claims.parent
     return SlotRollup(
         has_deltas=select(select(literal(1)).select_from(dl).exists()),
         active=select(or_(
             select(literal(1)).select_from(le).where(le.c.ready_slot == k).exists(),
-            select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~receipt_closed(cl, c)).exists(),
+            select(literal(1)).select_from(c).where(
+                c.c.ready_slot == k, receipt_open(sch.closures.parent, sch.closure_batches.parent, c)).exists(),
         )),
     )
 

@@ -32,7 +32,7 @@ from qstore.storage.statements import (
     AttemptProgress,
     attempt_leased,
     attempt_progress,
-    receipt_closed,
+    receipt_open,
 )
 from qstore.storage.targets import Runner, Transactions
 from qstore.types import JobRow, JobState
@@ -54,12 +54,12 @@ class RescueStatements:
 
 @functools.lru_cache(maxsize=64)
 def _statements(sch: StorageSchema) -> RescueStatements:
-    c, cl, le, st = sch.claims.parent, sch.closures.parent, sch.leases.parent, sch.attempt_state
+    c, le, st = sch.claims.parent, sch.leases.parent, sch.attempt_state
     # the statement's start, a stable value: the deadline and timeout bounds below are then
     # index conditions (a volatile clock_timestamp() would make them filters over every row)
     now = func.statement_timestamp()
     cutoff = now - bindparam("staleness", type_=INTERVAL())
-    closed = receipt_closed(cl, c)
+    is_open = receipt_open(sch.closures.parent, sch.closure_batches.parent, c)
     leased = attempt_leased(le, c)
     st_c = st.alias("st_c")
     st_l = st.alias("st_l")
@@ -79,11 +79,11 @@ def _statements(sch: StorageSchema) -> RescueStatements:
         stale_claims=select(c.c.job_id, c.c.run_lease).select_from(
             c.outerjoin(st_c, and_(st_c.c.job_id == c.c.job_id, st_c.c.run_lease == c.c.run_lease))
             .outerjoin(cp, true()))
-        .where(~closed, ~leased, func.coalesce(claim_beat, c.c.claimed_at) < cutoff)
+        .where(is_open, ~leased, func.coalesce(claim_beat, c.c.claimed_at) < cutoff)
         .limit(limit).with_for_update(of=c, skip_locked=True),
         overdue_leases=select(le.c.job_id, le.c.run_lease).where(le.c.state == JobState.RUNNING, le.c.deadline_at < now)
         .limit(limit).with_for_update(skip_locked=True),
-        overdue_claims=select(c.c.job_id, c.c.run_lease).where(~closed, ~leased, c.c.deadline_at < now)
+        overdue_claims=select(c.c.job_id, c.c.run_lease).where(is_open, ~leased, c.c.deadline_at < now)
         .limit(limit).with_for_update(of=c, skip_locked=True),
         timed_out=select(le.c.job_id, le.c.run_lease).where(
             le.c.state == JobState.WAITING_EXTERNAL, le.c.callback_timeout_at < now)

@@ -89,7 +89,7 @@ from qstore.storage.context import StorageContext
 from qstore.storage.planes import control
 from qstore.storage.planes import rings as ring_plane
 from qstore.storage.planes.rings import bounded_count
-from qstore.storage.statements import receipt_closed
+from qstore.storage.statements import receipt_open
 from qstore.storage.targets import Blocked, guarded
 from qstore.types import PruneOutcome, RotateOutcome, SkipReason
 
@@ -118,7 +118,7 @@ class QueueGates:
 def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
     r, t, crk, *_ = sch.queue_ring.children(k)
     crp = sch.claim_ranges.parent
-    le, c, cl = sch.leases.parent, sch.claims.parent, sch.closures.parent
+    le, c = sch.leases.parent, sch.claims.parent
 
     def same_lane(x: Any, row: Any = r) -> Any:
         return and_(x.c.queue == row.c.queue, x.c.priority == row.c.priority,
@@ -138,7 +138,7 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
         tombstoned = select(t.c.lane_seq).where(same_lane(t, row), t.c.lane_seq == row.c.lane_seq).exists()
         return and_(~tombstoned, ~covered(crk, row), ~covered(crp, row))
 
-    closed = receipt_closed(cl, c)
+    is_open = receipt_open(sch.closures.parent, sch.closure_batches.parent, c)
     pending = select(literal(1)).select_from(r).where(is_pending(r))
     # Claims consume a lane in position order, so a slot that still holds a backlog has
     # pending rows at the end of its lanes: probing the last few rows of every lane finds
@@ -160,7 +160,7 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
         lanes_past_cursor=lanes_past_cursor,
         tail_pending=tail_pending,
         pending_ready=bounded_count(pending),
-        open_claims=bounded_count(select(literal(1)).select_from(c).where(c.c.ready_slot == k, ~closed)),
+        open_claims=bounded_count(select(literal(1)).select_from(c).where(c.c.ready_slot == k, is_open)),
         ready_rows=select(func.count()).select_from(r),
     )
 
@@ -171,8 +171,8 @@ def _derived_gate(sch: StorageSchema, ring_name: str, k: int) -> Select[Any]:
     closure in the same slot."""
     if ring_name == "lease":
         return bounded_count(select(literal(1)).select_from(sch.leases.children[k]))
-    c, cl = sch.claims.children[k], sch.closures.children[k]
-    return bounded_count(select(literal(1)).select_from(c).where(~receipt_closed(cl, c)))
+    c, cl, cb = sch.claims.children[k], sch.closures.children[k], sch.closure_batches.children[k]
+    return bounded_count(select(literal(1)).select_from(c).where(receipt_open(cl, cb, c)))
 
 
 # -- rotate ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ __all__ = [
     "CallerTransactionRefusedError",
     "DatabaseError",
     "InvariantError",
+    "IsolationLevelError",
     "PartialCommitError",
     "QueueStorageError",
     "SchemaNotInstalledError",
@@ -108,6 +109,26 @@ class ShapeMismatchError(ValidationError):
                   f"supported: install another schema with the new shape")
         super().__init__(first, conflicts[first][1], reason)
         self.args = (f"asked for {asked}, but {reason}",)
+
+
+#: SQLSTATE the server functions raise for :class:`IsolationLevelError` (class QS: qstore's own).
+ISOLATION_SQLSTATE = "QS001"
+
+
+class IsolationLevelError(QueueStorageError):
+    """An operation that ends an attempt (completion, retry, cancel, failure, rescue) or
+    hands it to a callback ran in a transaction whose isolation is not READ COMMITTED.
+
+    Ending an attempt exactly once rests on each closer locking the attempt's receipt and
+    then checking, in a later statement, that no closure names it yet: only READ COMMITTED
+    gives that later statement a snapshot that sees a closure committed while the lock was
+    awaited. The operation wrote nothing; the caller's transaction should be rolled back.
+    ``isolation`` is the transaction's, as PostgreSQL names it."""
+
+    def __init__(self, isolation: str) -> None:
+        self.isolation = isolation
+        super().__init__(f"qstore ends attempts only in READ COMMITTED transactions; this one is {isolation}: "
+                         "run the operation on an Engine or in a READ COMMITTED transaction")
 
 
 class UniqueConflictError(QueueStorageError):
@@ -348,6 +369,8 @@ def wrap_driver_error(err: BaseException) -> QueueStorageError:
     if isinstance(err, QueueStorageError):
         return err
     state = _sqlstate(err)
+    if state == ISOLATION_SQLSTATE:
+        return IsolationLevelError(_server_message(err).rpartition("this one is ")[2])
     if state == "23505":
         orig = getattr(err, "orig", err)
         diag = getattr(orig, "diag", None)

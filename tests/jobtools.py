@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -223,3 +224,31 @@ def assert_closures_sound(engine, s) -> list[Any]:
         assert len(b.job_ids) == len(b.run_leases) >= 2, b
         assert list(zip(b.job_ids, b.run_leases, strict=True)) == sorted(zip(b.job_ids, b.run_leases, strict=True)), b
     return rows
+
+
+def race(engine, first: Callable[[Any], Any], second: Callable[[], Any]) -> Any:
+    """Run ``first`` on a connection whose transaction stays open until ``second``, started
+    on another thread, waits on a lock it holds; commit; return ``second``'s result."""
+    with engine.connect() as holder:
+        holder.begin()
+        first(holder)
+        pid = holder.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        done, result, errors = threading.Event(), [], []
+
+        def run() -> None:
+            try:
+                result.append(second())
+            except Exception as err:  # surfaces below
+                errors.append(err)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        try:
+            assert blocked_by(engine, pid, done), f"the second call did not wait: {result} {errors}"
+        finally:
+            holder.commit()
+            thread.join(30)
+    assert errors == [], errors
+    return result[0]

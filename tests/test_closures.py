@@ -24,17 +24,17 @@ from jobtools import (
     add,
     assert_closures_sound,
     batch_rows,
-    blocked_by,
     claim,
     closures,
     count,
+    race,
     relation,
     running,
     state,
 )
 from sqlalchemy import Engine, literal, select, text
 
-from qstore import PruneOutcome, QueueStorage, RotateOutcome, SkipReason
+from qstore import IsolationLevelError, PruneOutcome, QueueStorage, RotateOutcome, SkipReason
 from qstore.config import CLOSURE_BLOCK
 from qstore.schema import storage_schema
 from qstore.storage.statements import receipt_open
@@ -177,34 +177,6 @@ GENERAL = {"cancel": (_cancel, JobState.CANCELLED), "retry_after": (_retry, JobS
            "stale rescue": (_rescue, JobState.RETRYABLE)}
 
 
-def race(engine: Engine, first: Callable[[Any], Any], second: Callable[[], Any]) -> Any:
-    """Run ``first`` on a connection whose transaction stays open until ``second``, started
-    on another thread, waits on a lock it holds; commit; return ``second``'s result."""
-    with engine.connect() as holder:
-        holder.begin()
-        first(holder)
-        pid = holder.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        done, result, errors = threading.Event(), [], []
-
-        def run() -> None:
-            try:
-                result.append(second())
-            except Exception as err:  # surfaces below
-                errors.append(err)
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        try:
-            assert blocked_by(engine, pid, done), f"the second closer did not wait: {result} {errors}"
-        finally:
-            holder.commit()
-            thread.join(30)
-    assert errors == [], errors
-    return result[0]
-
-
 @pytest.mark.parametrize("closer", sorted(GENERAL))
 def test_a_fast_completion_waiting_for_a_general_closer_leaves_its_attempt_alone(engine, st, closer):
     close, final = GENERAL[closer]
@@ -251,7 +223,7 @@ def test_a_rescue_beside_an_uncommitted_fast_completion_skips_its_attempts_and_t
 def test_two_fast_completions_of_the_same_attempts_close_them_once(engine, st):
     jobs = claimed(engine, st, 3)
     again = race(engine, lambda conn: st.complete_runtime_batch(conn, jobs),
-                 lambda: st.complete_job_batch_by_id(engine, pairs(jobs)))
+                 lambda: st.complete_runtime_batch(engine, jobs))
     assert again == []
     assert len(batch_rows(engine, st)) == 1
     assert st.queue_counts(engine, "q").terminal == 3
@@ -261,11 +233,15 @@ def test_two_fast_completions_of_the_same_attempts_close_them_once(engine, st):
 def test_many_threads_completing_overlapping_batches_close_each_attempt_once(engine, st):
     jobs = claimed(engine, st, 40)
     results: list[list[tuple[int, int]]] = []
+    errors: list[BaseException] = []
     barrier = threading.Barrier(6)
 
     def complete(part: list[ClaimedRuntimeJob]) -> None:
-        barrier.wait()
-        results.append(st.complete_runtime_batch(engine, part))
+        try:
+            barrier.wait()
+            results.append(st.complete_runtime_batch(engine, part))
+        except BaseException as err:  # a deadlock or a key violation would land here
+            errors.append(err)
 
     parts = [jobs[i::3] + jobs[:10] for i in range(3)] + [jobs[::-1], jobs[5:25], jobs[20:]]
     threads = [threading.Thread(target=complete, args=(p,)) for p in parts]
@@ -273,6 +249,8 @@ def test_many_threads_completing_overlapping_batches_close_each_attempt_once(eng
         t.start()
     for t in threads:
         t.join(60)
+    assert errors == [] and not any(t.is_alive() for t in threads), errors
+    assert len(results) == len(parts)
     done = [p for r in results for p in r]
     assert sorted(done) == sorted(pairs(jobs))
     assert st.queue_counts(engine, "q").terminal == 40
@@ -294,18 +272,18 @@ def test_the_batch_closure_lookup_of_a_receipt_probes_the_block_index(engine, st
             conn.execute(text(f"SET enable_{off} = off"))
         compiled = stmt.compile(conn, compile_kwargs={"literal_binds": True})
         plan = conn.execute(text(f"EXPLAIN (FORMAT JSON) {compiled}")).scalar_one()
-    scanned = set()
+    scanned: dict[str, tuple[str, str]] = {}
 
     def walk(node: dict[str, Any]) -> None:
         if "Relation Name" in node:
-            scanned.add((node["Relation Name"], node["Node Type"], node.get("Index Name", "")))
+            scanned[node["Relation Name"]] = (node["Node Type"], node.get("Index Cond", ""))
         for child in node.get("Plans", []):
             walk(child)
 
     walk(plan[0]["Plan"])
-    batches = {x for x in scanned if x[0].startswith("lease_claim_closure_batches")}
-    assert batches and all(t in ("Index Scan", "Index Only Scan") for _, t, _ in batches), scanned
-    assert all("job_block" in i for *_, i in batches), scanned
+    batches = {name: x for name, x in scanned.items() if name.startswith("lease_claim_closure_batches")}
+    assert batches and all(t in ("Index Scan", "Index Only Scan") for t, _ in batches.values()), scanned
+    assert all("job_block" in cond for _, cond in batches.values()), scanned
 
 
 def test_a_heartbeat_of_a_batch_member_counts_nothing(engine, st):
@@ -323,4 +301,49 @@ def test_an_open_receipt_is_still_rescued_by_deadline_beside_batch_members(engin
     with engine.begin() as conn:
         conn.execute(text(f'UPDATE {relation(st.schema(), "lease_claims")} SET deadline_at = now() - interval \'1 hour\''))
     assert [r.id for r in st.rescue_expired_deadlines(engine)] == [b.job.id]
+    assert_closures_sound(engine, st)
+
+
+# -- only in READ COMMITTED ----------------------------------------------------------------
+
+
+def in_repeatable_read(engine: Engine, act: Callable[[Any], Any]) -> IsolationLevelError:
+    """What ``act`` raises on a REPEATABLE READ transaction of a caller (rolled back)."""
+    with engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="REPEATABLE READ")
+        with conn.begin():
+            with pytest.raises(IsolationLevelError) as raised:
+                act(conn)
+            conn.rollback()
+    return raised.value
+
+
+#: every way of ending an attempt or handing it to a callback, on a caller's connection
+REFUSED: dict[str, Callable[[QueueStorage, Any, ClaimedRuntimeJob], Any]] = {
+    "fast completion": lambda s, conn, c: s.complete_runtime_batch(conn, [c]),
+    "cancel": lambda s, conn, c: s.cancel_job(conn, c.job.id),
+    "retry_after": lambda s, conn, c: s.retry_after(conn, c.job.id, c.job.run_lease, 60),
+    "fail": lambda s, conn, c: s.fail_terminal(conn, c.job.id, c.job.run_lease, "boom"),
+    "register_callback": lambda s, conn, c: s.register_callback(conn, c.job.id, c.job.run_lease, 60),
+}
+
+
+@pytest.mark.parametrize("way", sorted(REFUSED))
+def test_ending_an_attempt_outside_read_committed_is_refused_and_writes_nothing(engine, st, way):
+    (c,) = claimed(engine, st, 1)
+    err = in_repeatable_read(engine, lambda conn: REFUSED[way](st, conn, c))
+    assert err.isolation == "repeatable read" and "READ COMMITTED" in str(err)
+    assert state(engine, st, c.job.id) == JobState.RUNNING
+    assert closures(engine, st) == [] and count(engine, st, "leases") == 0
+    assert st.complete_runtime_batch(engine, [c]) == pairs([c])
+
+
+def test_an_engine_whose_default_is_repeatable_read_still_ends_attempts(engine, st):
+    """qstore's own transactions on an Engine are READ COMMITTED whatever the engine's
+    default isolation."""
+    rr = engine.execution_options(isolation_level="REPEATABLE READ")
+    a, b = claimed(engine, st, 2)
+    assert st.cancel_job(rr, a.job.id) is not None
+    assert st.retry_after(rr, b.job.id, b.job.run_lease, 60) is not None
+    assert [state(engine, st, c.job.id) for c in (a, b)] == [JobState.CANCELLED, JobState.RETRYABLE]
     assert_closures_sound(engine, st)

@@ -121,6 +121,7 @@ def test_parent_relname_helpers_name_the_execution_plane_tables():
     assert QueueStorage.leases_relname() == "leases"
     assert QueueStorage.lease_claims_relname() == "lease_claims"
     assert QueueStorage.lease_claim_closures_relname() == "lease_claim_closures"
+    assert QueueStorage.lease_claim_closure_batches_relname() == "lease_claim_closure_batches"
     assert QueueStorage.attempt_state_relname() == "attempt_state"
 
 

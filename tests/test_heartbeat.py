@@ -14,7 +14,7 @@ import time
 from datetime import timezone
 
 import pytest
-from jobtools import attempt_table, blocked_by, claim, count, running, state
+from jobtools import attempt_table, blocked_by, claim, count, race, running, state
 from sqlalchemy import text
 
 from qstore.types import JobState
@@ -299,26 +299,8 @@ def test_a_heartbeat_waits_for_the_transaction_ending_its_attempt_and_then_write
     end, final = ENDERS[ender]
     c = overdue(engine, st)
     pair = (c.job.id, c.job.run_lease)
-    with engine.connect() as ending:
-        ending.begin()
-        end(st, ending, c)
-        pid = ending.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        done, result = threading.Event(), []
-
-        def heartbeat() -> None:
-            try:
-                result.append(BEATS[beat](st, engine, *pair))
-            finally:
-                done.set()
-
-        worker = threading.Thread(target=heartbeat)
-        worker.start()
-        try:
-            assert blocked_by(engine, pid, done), f"{beat} did not wait for the {ender}: {result}"
-        finally:
-            ending.commit()
-            worker.join(30)
-    assert result == [None if beat == "flush_progress" else 0]
+    result = race(engine, lambda ending: end(st, ending, c), lambda: BEATS[beat](st, engine, *pair))
+    assert result == (None if beat == "flush_progress" else 0)
     assert reports(engine, st, c.job.id) == []
     assert state(engine, st, c.job.id) == final
 

@@ -470,6 +470,8 @@ def test_downgrade_to_every_revision_and_back_loses_no_row(module_engine):
     before_rows = table_rows(engine, cfg.schema)
     _, members = _retained(engine, cfg)  # the fast path's completions, as batch members
     assert members == 3
+    closed_members = _closed(engine, cfg)[1]  # and their batch closures' members
+    assert closed_members == 3
     before_states = {j.job.id: st.load_job(engine, j.job.id) for j in jobs}
     before_counts = st.queue_counts(engine, Q)
     with engine.connect() as conn:
@@ -484,6 +486,8 @@ def test_downgrade_to_every_revision_and_back_loses_no_row(module_engine):
                 moved = 1 if table == "attempt_state" and rev < PROGRESS_REVISION else 0
                 # below the batch done revision each batch member is a narrow done row
                 moved += members if table == "done_entries" and rev < BATCH_DONE_REVISION else 0
+                # below the batch closure revision each member is a narrow closure
+                moved += closed_members if table == "lease_claim_closures" and rev < BATCH_CLOSURE_REVISION else 0
                 assert now[table] == n + moved, (rev, table)
     migrate_to(engine, cfg, "heads")
     after_rows = table_rows(engine, cfg.schema)
@@ -492,6 +496,8 @@ def test_downgrade_to_every_revision_and_back_loses_no_row(module_engine):
     expected = {t: n for t, n in before_rows.items() if "rollup" not in t}
     expected["done_entries"] += members
     expected["done_batches"] = 0
+    expected["lease_claim_closures"] += closed_members
+    expected["lease_claim_closure_batches"] = 0
     assert {t: n for t, n in after_rows.items() if "rollup" not in t} == expected
     assert {j.job.id: st.load_job(engine, j.job.id) for j in jobs} == before_states
     assert st.queue_counts(engine, Q) == before_counts
@@ -523,13 +529,14 @@ def test_the_progress_revision_moves_live_heartbeats_and_progress_and_its_downgr
         module_engine, mode):
     _url, engine = module_engine
     cfg = config(f"progress_{mode}", mode)
-    migrate_to(engine, cfg, BEFORE_PROGRESS)
+    migrate_to(engine, cfg, "heads")  # this release's code runs against the head's schema only
     st = QueueStorage(cfg)
     from jobtools import params
 
     st.enqueue_params_batch(engine, [params(args={"n": i}, queue=Q) for i in range(4)])
     reporting, beating, resumed, quiet = (j.job.id for j in st.claim_runtime_batch(engine, Q, 4))
     st.register_callback(engine, resumed, 1, 3600)
+    migrate_to(engine, cfg, BEFORE_PROGRESS)
     write_attempt_state(engine, cfg.schema, reporting, {"pct": 10})
     write_attempt_state(engine, cfg.schema, beating, None)
     write_attempt_state(engine, cfg.schema, resumed, {"pct": 20})

@@ -34,6 +34,7 @@ from qstore.config import (
     WHEEL_SLOTS,
     QueueStorageConfig,
 )
+from qstore.errors import ISOLATION_SQLSTATE
 
 __all__ = ["FUNCTIONS", "RINGS", "VIEWS", "function_texts", "render", "view_texts"]
 
@@ -59,6 +60,7 @@ def render(name: str, cfg: QueueStorageConfig, **extra: Any) -> str:
     params = dict(s=cfg.schema, shape=cfg, claim_wait=CLAIM_WAIT, claimed_in_xact=CLAIMED_IN_XACT,
                   ready_slot_seen=READY_SLOT_SEEN, counter_buckets=COUNTER_BUCKETS, default_shards=DEFAULT_SHARDS,
                   done_block=DONE_BLOCK, closure_block=CLOSURE_BLOCK,
+                  isolation_sqlstate=ISOLATION_SQLSTATE,
                   wheel_seconds=WHEEL_BUCKET_SECONDS, wheel_slots=WHEEL_SLOTS,
                   wheel_span=WHEEL_SLOTS - WHEEL_GUARD_SLOTS, **extra)
     return str(_template(name).render(**params)).strip()

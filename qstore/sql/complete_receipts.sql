@@ -19,8 +19,12 @@
 ## claim_ready.sql for why). p_kinds (the kind each worker got from its claim) goes into
 ## the narrow rows.
 ##
+## Only in READ COMMITTED: in REPEATABLE READ or SERIALIZABLE every statement would read
+## the transaction's first snapshot, and a closure committed while the lock was awaited
+## would go unseen; the function raises isolation_sqlstate there, before it locks anything.
+##
 ## Template parameters: s (schema), shape (slot counts), counter_buckets, done_block,
-## closure_block.
+## closure_block, isolation_sqlstate.
 CREATE OR REPLACE FUNCTION ${s}.complete_receipts(p_claim_slots integer[], p_job_ids bigint[], p_run_leases bigint[], p_kinds text[]) RETURNS TABLE(job_id bigint, run_lease bigint) LANGUAGE plpgsql VOLATILE
 SET jit = off SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
@@ -29,6 +33,12 @@ DECLARE
   v_leases bigint[];
   v_kinds text[];
 BEGIN
+  -- the check after the locks needs a fresh snapshot per statement (see above)
+  IF current_setting('transaction_isolation') <> 'read committed' THEN
+    RAISE EXCEPTION USING ERRCODE = '${isolation_sqlstate}',
+      MESSAGE = 'qstore ends attempts only in READ COMMITTED transactions; this one is '
+                || current_setting('transaction_isolation');
+  END IF;
   FOREACH v_slot IN ARRAY ARRAY(SELECT DISTINCT x FROM unnest(p_claim_slots) x ORDER BY 1) LOOP
 % for k in range(shape.claim_slot_count):
     ${'IF' if loop.first else 'ELSIF'} v_slot = ${k} THEN

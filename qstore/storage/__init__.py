@@ -292,6 +292,12 @@ class Naming:
         return "lease_claim_closures"
 
     @staticmethod
+    def lease_claim_closure_batches_relname() -> str:
+        """The fast completion's closures (one row per call, claim slot and block of job
+        ids; see ``lease_claim_closures_relname`` for the others)."""
+        return "lease_claim_closure_batches"
+
+    @staticmethod
     def attempt_state_relname() -> str:
         return "attempt_state"
 

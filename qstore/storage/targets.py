@@ -202,8 +202,12 @@ def _callers_connection(target: Connection | Session) -> Connection:
 
 @contextmanager
 def _own_transaction(engine: Engine) -> Iterator[Connection]:
-    with engine.begin() as conn:
-        yield conn.execution_options(**{OWNED: True})
+    # READ COMMITTED whatever the engine's default: ending an attempt needs a new snapshot
+    # per statement (see IsolationLevelError); psycopg sends the level with the BEGIN
+    with engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="READ COMMITTED", **{OWNED: True})
+        with conn.begin():
+            yield conn
 
 
 @contextmanager

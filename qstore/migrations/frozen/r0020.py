@@ -5,7 +5,7 @@ The fast completion (``complete_receipts``) appended one ``lease_claim_closures`
 completed attempt, with its primary-key entry and the confirmation record of its
 ``ON CONFLICT``: about 230 bytes of WAL per job, the largest share of what a drained job
 still wrote. It now appends one ``lease_claim_closure_batches`` row per call, claim slot
-and block of ``CLOSURE_BLOCK`` (1024) job ids, holding the members' job ids and run leases
+and block of ``CLOSURE_BLOCK`` (64) job ids, holding the members' job ids and run leases
 as arrays in job-id order. The table is a claim-ring family (one child per claim slot,
 truncated with the slot) indexed on its block and slot, so whether a receipt is closed is
 found from its job id by one index probe.
@@ -15,7 +15,9 @@ alone, because a batch closure has no key per member. Every closer already locke
 receipt before closing it. The fast path now does that in one statement and, in a later
 one (which sees every closure committed before the lock was granted), closes only the
 receipts that no closure of either form names. The general path's closing statement,
-which follows its own lock statement, checks the batch form as well.
+which follows its own lock statement, checks the batch form as well. That later snapshot
+exists only in READ COMMITTED, so the function raises SQLSTATE ``QS001`` in any other
+isolation.
 
 Rows written before this revision stay in ``lease_claim_closures``; readers read both.
 Code from before this revision reads only the narrow form: it would count completed
@@ -34,6 +36,8 @@ from qstore.migrations.frozen.r0019 import DONE_BLOCK
 
 #: Job ids per block of a batch closure.
 CLOSURE_BLOCK = 64
+#: SQLSTATE of ``complete_receipts`` outside READ COMMITTED.
+ISOLATION_SQLSTATE = "QS001"
 
 
 def upgrade(shape: Shape) -> list[str]:
@@ -51,7 +55,8 @@ def upgrade(shape: Shape) -> list[str]:
     out += [
         f"CREATE INDEX lease_claim_closure_batches_block_idx ON {s}.lease_claim_closure_batches "
         "(job_block, claim_slot)",
-        r0010.render("r0020", "complete_receipts", shape, done_block=DONE_BLOCK, closure_block=CLOSURE_BLOCK),
+        r0010.render("r0020", "complete_receipts", shape, done_block=DONE_BLOCK, closure_block=CLOSURE_BLOCK,
+                      isolation_sqlstate=ISOLATION_SQLSTATE),
     ]
     return out
 

@@ -57,7 +57,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.postgresql.dml import Insert as PgInsert
 from sqlalchemy.sql.dml import ReturningDelete, Update
 
-from qstore.errors import InvariantError
+from qstore.errors import InvariantError, IsolationLevelError
 from qstore.schema import StorageSchema
 from qstore.storage.bodies import Body, ReadyKey, Taken
 from qstore.storage.columns import payload_fields
@@ -132,13 +132,15 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
     in_batch = closed_in_batch(sch.closure_batches.parent, c.c.claim_slot, c.c.job_id, c.c.run_lease)
     has_lease = attempt_leased(le, c)
     now = func.clock_timestamp()
+    # the transaction's isolation, read with the locks (see ended_in_read_committed)
+    isolation = func.current_setting("transaction_isolation", type_=Text()).label("isolation")
     job, lease = bindparam("b_job", type_=BigInteger()), bindparam("b_lease", type_=BigInteger())
     token: BindParameter[Any] = bindparam("b_token")
     lease_cols = ["lease_slot", "lease_generation", "ready_slot", "ready_generation", "job_id", "queue",
                   "state", "priority", "effective_priority", "attempt", "run_lease", "max_attempts",
                   "lane_seq", "enqueue_shard", "claim_slot", "heartbeat_at", "deadline_at", "attempted_at"]
     return ExecutionStatements(
-        lock_claims=select(c).select_from(c.join(p, on_pair(c)))
+        lock_claims=select(c, isolation).select_from(c.join(p, on_pair(c)))
         .order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),
         delete_leases=delete(le).where(on_pair(le), le.c.state.in_(bindparam("states", expanding=True)))
         .returning(*le.c),
@@ -167,7 +169,7 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
             le.join(hp, and_(le.c.job_id == hp.c.job_id, le.c.run_lease == hp.c.run_lease)))
         .where(le.c.state.in_(bindparam("states", expanding=True)))
         .order_by(le.c.job_id, le.c.run_lease).with_for_update(of=le, read=True, key_share=True),
-        cb_lock_claim=select(c).where(c.c.job_id == job, c.c.run_lease == lease).with_for_update(),
+        cb_lock_claim=select(c, isolation).where(c.c.job_id == job, c.c.run_lease == lease).with_for_update(),
         cb_insert_lease=pg_insert(le).from_select(lease_cols, select(
             lrs.c.current_slot, lrs.c.generation, c.c.ready_slot, c.c.ready_generation, c.c.job_id,
             c.c.queue, literal(JobState.RUNNING.value).cast(le.c.state.type), c.c.priority, c.c.effective_priority,
@@ -208,6 +210,19 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
 
 
 # -- taking attempts out of running -------------------------------------------------------------
+def ended_in_read_committed(locked: Any) -> None:
+    """Raise :class:`~qstore.errors.IsolationLevelError` unless the receipts just locked
+    (rows of ``lock_claims`` or ``cb_lock_claim``, which carry the transaction's isolation)
+    were locked in READ COMMITTED: the statements after the lock must see every closure
+    committed while it was awaited, and only READ COMMITTED takes a new snapshot per
+    statement. Nothing has been written when it raises."""
+    for row in locked:
+        if row.isolation != "read committed":
+            raise IsolationLevelError(row.isolation)
+        return
+
+
+
 def take_attempts(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[int, int]], outcome: Closure,
                   lease_states: Sequence[JobState] = (JobState.RUNNING,)) -> list[Taken]:
     """End the live attempts among ``pairs`` (others are stale and skipped): close each
@@ -219,6 +234,7 @@ def take_attempts(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[in
     s = statements(sch)
     arg = {"job_id": [j for j, _ in pairs], "run_lease": [r for _, r in pairs]}
     claims = {(row.job_id, row.run_lease): row for row in conn.execute(s.lock_claims, arg)}
+    ended_in_read_committed(claims.values())
     leases = {(row.job_id, row.run_lease): row
               for row in conn.execute(s.delete_leases, {**arg, "states": list(lease_states)})}
     closed: set[tuple[int, int]] = set()
@@ -343,8 +359,10 @@ def materialize(conn: Connection, sch: StorageSchema, job_id: int, run_lease: in
     closed or absent). The receipt stays open until the lease leaves."""
     s = statements(sch)
     arg = {"b_job": job_id, "b_lease": run_lease}
-    if conn.execute(s.cb_lock_claim, arg).first() is None:
+    locked = conn.execute(s.cb_lock_claim, arg).first()
+    if locked is None:
         return
+    ended_in_read_committed([locked])
     if conn.execute(s.cb_insert_lease, arg).rowcount:
         conn.execute(s.cb_mark_materialized, arg)
 

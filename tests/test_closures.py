@@ -24,6 +24,7 @@ from jobtools import (
     add,
     assert_closures_sound,
     batch_rows,
+    blocked_by,
     claim,
     closures,
     count,
@@ -347,3 +348,42 @@ def test_an_engine_whose_default_is_repeatable_read_still_ends_attempts(engine, 
     assert st.retry_after(rr, b.job.id, b.job.run_lease, 60) is not None
     assert [state(engine, st, c.job.id) for c in (a, b)] == [JobState.CANCELLED, JobState.RETRYABLE]
     assert_closures_sound(engine, st)
+
+
+def test_closers_over_two_claim_slots_lock_in_one_order(engine, make_storage):
+    """Attempt x (lower job id) in claim slot 1, y in slot 0: a fast completion locks slot
+    by slot (y, then x), and a heartbeat of both, which waits for y, holds nothing
+    meanwhile, so the completion's later lock on x does not deadlock with it."""
+    s = make_storage(claim_slot_count=2)
+    (z,) = claimed(engine, s, 1)
+    assert s.complete_runtime_batch(engine, [z]) == pairs([z])
+    assert s.rotate_claims(engine) == RotateOutcome.rotated(1, 1)
+    assert s.prune_oldest_claims(engine) == PruneOutcome.pruned(0)
+    (x,) = claimed(engine, s, 1)
+    assert s.rotate_claims(engine).kind == "rotated"
+    (y,) = claimed(engine, s, 1)
+    assert (x.claim.claim_slot, y.claim.claim_slot) == (1, 0) and x.job.id < y.job.id
+    with engine.connect() as holder:
+        holder.begin()
+        assert s.complete_runtime_batch(holder, [y]) == pairs([y])
+        pid = holder.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        done, result, errors = threading.Event(), [], []
+
+        def beat() -> None:
+            try:
+                result.append(s.heartbeat_batch(engine, pairs([x, y])))
+            except Exception as err:  # a deadlock would surface here
+                errors.append(err)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=beat)
+        thread.start()
+        try:
+            assert blocked_by(engine, pid, done), (result, errors)
+            assert s.complete_runtime_batch(holder, [x]) == pairs([x])
+        finally:
+            holder.commit()
+            thread.join(30)
+    assert errors == [] and result == [0]
+    assert_closures_sound(engine, s)

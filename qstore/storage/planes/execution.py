@@ -4,7 +4,7 @@ attempts' heartbeats and progress (``attempt_progress``) and their callback stat
 
 Every way of ending an attempt (complete, retry, snooze, cancel, fail, DLQ, rescue, callback
 resolution) goes through :func:`take_attempts`. Order of locks: claim rows (``FOR UPDATE``,
-sorted) → leases → closures. A materialised lease is found and deleted by ``(job_id,
+sorted by claim slot, job and run lease) → leases → closures. A materialised lease is found and deleted by ``(job_id,
 run_lease)``; every lease deletion closes the attempt's receipt in the same transaction, and
 a receipt is closed without a lease only when no lease exists for the attempt. Finishing an
 attempt is at-most-once: every closer (this module and the server's ``complete_receipts``)
@@ -140,8 +140,10 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
                   "state", "priority", "effective_priority", "attempt", "run_lease", "max_attempts",
                   "lane_seq", "enqueue_shard", "claim_slot", "heartbeat_at", "deadline_at", "attempted_at"]
     return ExecutionStatements(
+        # receipts are locked in (claim slot, job, run lease) order, the order complete_receipts
+        # takes them in (slot by slot), so no two closers wait on each other across slots
         lock_claims=select(c, isolation).select_from(c.join(p, on_pair(c)))
-        .order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),
+        .order_by(c.c.claim_slot, c.c.job_id, c.c.run_lease).with_for_update(of=c),
         delete_leases=delete(le).where(on_pair(le), le.c.state.in_(bindparam("states", expanding=True)))
         .returning(*le.c),
         close=pg_insert(cl).from_select(
@@ -159,7 +161,8 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
         .order_by(ap.c.job_id, ap.c.run_lease, ap.c.seq.desc()).ext(distinct_on(ap.c.job_id, ap.c.run_lease)),
         # lock open receipts first, so the later statements see every committed closure
         hb_lock=select(c.c.claim_slot, c.c.job_id, c.c.run_lease)
-        .select_from(c.join(hp, on_c)).where(is_open).order_by(c.c.job_id, c.c.run_lease).with_for_update(of=c),
+        .select_from(c.join(hp, on_c)).where(is_open).order_by(c.c.claim_slot, c.c.job_id, c.c.run_lease)
+        .with_for_update(of=c),
         hb_open=select(c.c.job_id, c.c.run_lease).select_from(c.join(hp, on_c)).where(is_open),
         # Shared key lock on the leases, after the receipts (the order take_attempts locks
         # them in): a transaction ending the attempt deletes its lease, so the heartbeat waits

@@ -226,9 +226,11 @@ def assert_closures_sound(engine, s) -> list[Any]:
     return rows
 
 
-def race(engine, first: Callable[[Any], Any], second: Callable[[], Any]) -> Any:
+def race(engine, first: Callable[[Any], Any], second: Callable[[], Any],
+         meanwhile: Callable[[Any], Any] | None = None) -> Any:
     """Run ``first`` on a connection whose transaction stays open until ``second``, started
-    on another thread, waits on a lock it holds; commit; return ``second``'s result."""
+    on another thread, waits on a lock it holds; then ``meanwhile`` (if given) on the same
+    transaction; commit; return ``second``'s result."""
     with engine.connect() as holder:
         holder.begin()
         first(holder)
@@ -247,6 +249,8 @@ def race(engine, first: Callable[[Any], Any], second: Callable[[], Any]) -> Any:
         thread.start()
         try:
             assert blocked_by(engine, pid, done), f"the second call did not wait: {result} {errors}"
+            if meanwhile is not None:
+                meanwhile(holder)
         finally:
             holder.commit()
             thread.join(30)

@@ -24,7 +24,6 @@ from jobtools import (
     add,
     assert_closures_sound,
     batch_rows,
-    blocked_by,
     claim,
     closures,
     count,
@@ -129,7 +128,7 @@ def test_a_member_closes_its_own_run_lease_only(engine, st):
     assert (again.job.id, again.job.run_lease, again.claim.claim_slot) == (a.job.id, 2, a.claim.claim_slot)
     sch = storage_schema(st.config)
     c = sch.claims.parent
-    is_open = receipt_open(sch.closures.parent, sch.closure_batches.parent, c)
+    is_open = receipt_open(sch, c)
     with engine.connect() as conn:
         # no path writes this row (attempt 1 already has its narrow closure): it stands for
         # a batch row that names the job's other attempt
@@ -267,7 +266,7 @@ def test_the_batch_closure_lookup_of_a_receipt_probes_the_block_index(engine, st
     sch = storage_schema(st.config)
     c = sch.claims.parent
     stmt = select(literal(1)).select_from(c).where(
-        c.c.job_id == jobs[-1].job.id, receipt_open(sch.closures.parent, sch.closure_batches.parent, c))
+        c.c.job_id == jobs[-1].job.id, receipt_open(sch, c))
     with engine.connect() as conn:
         for off in ("seqscan", "bitmapscan"):
             conn.execute(text(f"SET enable_{off} = off"))
@@ -363,27 +362,12 @@ def test_closers_over_two_claim_slots_lock_in_one_order(engine, make_storage):
     assert s.rotate_claims(engine).kind == "rotated"
     (y,) = claimed(engine, s, 1)
     assert (x.claim.claim_slot, y.claim.claim_slot) == (1, 0) and x.job.id < y.job.id
-    with engine.connect() as holder:
-        holder.begin()
+    def complete_y(holder: Any) -> None:
         assert s.complete_runtime_batch(holder, [y]) == pairs([y])
-        pid = holder.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        done, result, errors = threading.Event(), [], []
 
-        def beat() -> None:
-            try:
-                result.append(s.heartbeat_batch(engine, pairs([x, y])))
-            except Exception as err:  # a deadlock would surface here
-                errors.append(err)
-            finally:
-                done.set()
+    def then_x(holder: Any) -> None:  # would deadlock if the heartbeat held x
+        assert s.complete_runtime_batch(holder, [x]) == pairs([x])
 
-        thread = threading.Thread(target=beat)
-        thread.start()
-        try:
-            assert blocked_by(engine, pid, done), (result, errors)
-            assert s.complete_runtime_batch(holder, [x]) == pairs([x])
-        finally:
-            holder.commit()
-            thread.join(30)
-    assert errors == [] and result == [0]
+    beats = race(engine, complete_y, lambda: s.heartbeat_batch(engine, pairs([x, y])), meanwhile=then_x)
+    assert beats == 0
     assert_closures_sound(engine, s)

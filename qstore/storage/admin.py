@@ -66,7 +66,7 @@ def _reads(sch: StorageSchema) -> AdminReads:
     claimed = select(cr.c.first_seq).where(
         cr.c.queue == r.c.queue, cr.c.priority == r.c.priority, cr.c.enqueue_shard == r.c.enqueue_shard,
         cr.c.first_seq <= r.c.lane_seq, cr.c.last_seq >= r.c.lane_seq).exists()
-    is_open = receipt_open(sch.closures.parent, sch.closure_batches.parent, c)
+    is_open = receipt_open(sch, c)
     key = (r.c.ready_slot == bindparam("k_slot"), r.c.queue == bindparam("k_queue"),
            r.c.priority == bindparam("k_priority"), r.c.enqueue_shard == bindparam("k_shard"),
            r.c.lane_seq == bindparam("k_seq"))

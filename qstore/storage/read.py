@@ -86,7 +86,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
         cr.c.queue == r.c.queue, cr.c.priority == r.c.priority,
         cr.c.enqueue_shard == r.c.enqueue_shard, cr.c.first_seq <= r.c.lane_seq,
         cr.c.last_seq >= r.c.lane_seq).exists()
-    is_open = receipt_open(sch.closures.parent, sch.closure_batches.parent, c)
+    is_open = receipt_open(sch, c)
     leased = attempt_leased(le, c)
     h = sch.claim_heads
     receipts = sch.config.lease_claim_receipts

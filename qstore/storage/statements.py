@@ -186,12 +186,15 @@ def schema_func(sch: StorageSchema, name: str, *args: Any) -> Function[Any]:
     return getattr(getattr(func, sch.config.schema), name)(*args)
 
 
-def receipt_open(closures: FromClause, batches: FromClause, claims: FromClause) -> ColumnElement[bool]:
+def receipt_open(sch: StorageSchema, claims: FromClause, slot: int | None = None) -> ColumnElement[bool]:
     """No closure of either form names the receipt row of ``claims`` (same claim slot, job
-    and run lease): neither a row of ``closures`` (``lease_claim_closures``) nor a member of
-    a row of ``batches`` (``lease_claim_closure_batches``, found by the receipt's block of
-    job ids). The one definition of an open receipt; ``closures``, ``batches`` and
-    ``claims`` are parents, children or aliases of the three families."""
+    and run lease): neither a row of ``lease_claim_closures`` nor a member of a row of
+    ``lease_claim_closure_batches`` (found by the receipt's block of job ids). The one
+    definition of an open receipt. ``claims`` is ``lease_claims`` or an alias of it, or with
+    ``slot`` its child of that claim slot, whose closures are then read from the children of
+    the same slot only."""
+    closures = sch.closures.parent if slot is None else sch.closures.children[slot]
+    batches = sch.closure_batches.parent if slot is None else sch.closure_batches.children[slot]
     cl, c = closures.c, claims.c
     narrow = select(cl.job_id).where(cl.claim_slot == c.claim_slot, cl.job_id == c.job_id,
                                      cl.run_lease == c.run_lease).exists()

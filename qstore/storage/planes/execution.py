@@ -126,7 +126,7 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
                     enqueue_shard=SmallInteger(), lane_seq=BigInteger())
     hp = unnest_rows("p", job_id=BigInteger(), run_lease=BigInteger(), progress=JSONB())
     on_c = and_(c.c.job_id == hp.c.job_id, c.c.run_lease == hp.c.run_lease)
-    is_open = receipt_open(cl, sch.closure_batches.parent, c)
+    is_open = receipt_open(sch, c)
     # a batch closure (the fast path's) beside the narrow closure's key: checked by the
     # statement after lock_claims, so it sees every closure committed before the lock
     in_batch = closed_in_batch(sch.closure_batches.parent, c.c.claim_slot, c.c.job_id, c.c.run_lease)

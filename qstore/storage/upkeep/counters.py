@@ -114,7 +114,7 @@ def _slot_rollup(sch: StorageSchema, k: int) -> SlotRollup:
         active=select(or_(
             select(literal(1)).select_from(le).where(le.c.ready_slot == k).exists(),
             select(literal(1)).select_from(c).where(
-                c.c.ready_slot == k, receipt_open(sch.closures.parent, sch.closure_batches.parent, c)).exists(),
+                c.c.ready_slot == k, receipt_open(sch, c)).exists(),
         )),
     )
 

@@ -59,7 +59,7 @@ def _statements(sch: StorageSchema) -> RescueStatements:
     # index conditions (a volatile clock_timestamp() would make them filters over every row)
     now = func.statement_timestamp()
     cutoff = now - bindparam("staleness", type_=INTERVAL())
-    is_open = receipt_open(sch.closures.parent, sch.closure_batches.parent, c)
+    is_open = receipt_open(sch, c)
     leased = attempt_leased(le, c)
     st_c = st.alias("st_c")
     st_l = st.alias("st_l")

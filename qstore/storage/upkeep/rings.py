@@ -138,7 +138,7 @@ def _queue_gates(sch: StorageSchema, k: int) -> QueueGates:
         tombstoned = select(t.c.lane_seq).where(same_lane(t, row), t.c.lane_seq == row.c.lane_seq).exists()
         return and_(~tombstoned, ~covered(crk, row), ~covered(crp, row))
 
-    is_open = receipt_open(sch.closures.parent, sch.closure_batches.parent, c)
+    is_open = receipt_open(sch, c)
     pending = select(literal(1)).select_from(r).where(is_pending(r))
     # Claims consume a lane in position order, so a slot that still holds a backlog has
     # pending rows at the end of its lanes: probing the last few rows of every lane finds
@@ -171,8 +171,8 @@ def _derived_gate(sch: StorageSchema, ring_name: str, k: int) -> Select[Any]:
     closure in the same slot."""
     if ring_name == "lease":
         return bounded_count(select(literal(1)).select_from(sch.leases.children[k]))
-    c, cl, cb = sch.claims.children[k], sch.closures.children[k], sch.closure_batches.children[k]
-    return bounded_count(select(literal(1)).select_from(c).where(receipt_open(cl, cb, c)))
+    c = sch.claims.children[k]
+    return bounded_count(select(literal(1)).select_from(c).where(receipt_open(sch, c, k)))
 
 
 # -- rotate ----------------------------------------------------------------------------------

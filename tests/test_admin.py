@@ -306,6 +306,20 @@ def test_age_waiting_priorities_lifts_only_old_rows_one_level(engine, st):
     assert count(engine, st, "ready_tombstones") == 1
 
 
+def test_age_waiting_priorities_leaves_claimed_rows_and_other_lanes_positions_alone(engine, st):
+    st.set_queue_options(engine, "q", enqueue_shards=1)
+    first, second, third = (add(engine, st, priority=3) for _ in range(3))  # positions 1-3 of (q, 3)
+    higher = [add(engine, st, priority=2) for _ in range(2)]  # positions 1-2 of (q, 2)
+    with engine.begin() as c:
+        c.execute(text(f'UPDATE "{st.schema()}".ready_entries SET run_at = run_at - interval \'1 hour\''))
+    assert [j.job.id for j in st.claim_runtime_batch(engine, "q", 2)] == higher  # (q, 2): 1-2 claimed
+    assert [j.job.id for j in st.claim_runtime_batch(engine, "q", 1)] == [first]  # (q, 3): 1 claimed
+    # the two oldest unclaimed rows: a claimed candidate would take a place of the two, and
+    # (q, 2)'s range over position 2 must not cover second's position 2 in (q, 3)
+    assert st.age_waiting_priorities(engine, 60, 2) == [second, third]
+    assert st.load_job(engine, first).state == JobState.RUNNING
+
+
 def test_age_waiting_priorities_honours_the_limit(engine, st):
     a, b = add(engine, st, priority=4), add(engine, st, priority=4)
     time.sleep(0.1)

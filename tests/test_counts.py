@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -9,6 +10,8 @@ from jobtools import BACKLOG, relation
 from sqlalchemy import text
 
 from qstore import InsertOpts, InsertParams, JobState, QueueCounts, ValidationError
+from qstore.storage.admin import _reads as admin_reads
+from qstore.storage.read import _statements as read_statements
 
 UTC = timezone.utc
 
@@ -90,6 +93,108 @@ def test_counts_reject_bad_queue_names(engine, storage):
     for read in (storage.queue_counts, storage.queue_counts_fast):
         with pytest.raises(ValidationError):
             read(engine, "")
+
+
+# -- available: the rows no claim range covers ---------------------------------------------------
+
+UNCOVERED = """SELECT count(*) FROM {r} r WHERE r.queue = ANY(:queues)
+  AND NOT EXISTS (SELECT 1 FROM {t} t
+                  WHERE (t.ready_slot, t.queue, t.priority, t.enqueue_shard, t.lane_seq)
+                      = (r.ready_slot, r.queue, r.priority, r.enqueue_shard, r.lane_seq))
+  AND NOT EXISTS (SELECT 1 FROM {cr} c
+                  WHERE (c.queue, c.priority, c.enqueue_shard) = (r.queue, r.priority, r.enqueue_shard)
+                    AND c.first_seq <= r.lane_seq AND c.last_seq >= r.lane_seq)"""
+
+
+def uncovered(engine, storage, *queues: str) -> int:
+    """The available count by its definition, one range lookup per row (the oracle)."""
+    s = storage.schema()
+    sql = UNCOVERED.format(r=relation(s, "ready_entries"), t=relation(s, "ready_tombstones"),
+                           cr=relation(s, "ready_claim_ranges"))
+    with engine.connect() as c:
+        return c.execute(text(sql), {"queues": list(queues)}).scalar_one()
+
+
+def range_lookups(conn, stmt, **params: object) -> list[str]:
+    """The nodes of ``stmt``'s plan that compare claim-range positions (a lookup per row)."""
+    expanded = stmt.compile(conn).construct_expanded_state(params)
+    plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {expanded.statement}", expanded.parameters).scalar_one()
+    found: list[str] = []
+
+    def walk(node: dict) -> None:
+        for key in ("Join Filter", "Hash Cond", "Merge Cond", "Index Cond", "Filter"):
+            if "first_seq" in node.get(key, "") or "last_seq" in node.get(key, ""):
+                found.append(f"{node['Node Type']}: {node[key]}")
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk(plan[0]["Plan"])
+    return found
+
+
+def test_claim_ranges_cover_positions_of_their_own_lane_only(engine, storage):
+    storage.set_queue_options(engine, "q", enqueue_shards=1)
+    storage.set_queue_options(engine, "other", enqueue_shards=1)
+    # three lanes whose positions are the same 1..6: (q, 1), (q, 2) and (other, 1)
+    storage.enqueue_params_batch(engine, [job({"i": i}, priority=1) for i in range(6)])
+    storage.enqueue_params_batch(engine, [job({"i": i}, priority=2) for i in range(6)])
+    storage.enqueue_params_batch(engine, [job({"i": i}, queue="other", priority=1) for i in range(6)])
+    assert len(storage.claim_runtime_batch(engine, "other", 5)) == 5
+    assert len(storage.claim_runtime_batch(engine, "q", 2)) == 2  # (q, 1): positions 1-2
+    assert len(storage.claim_runtime_batch(engine, "q", 1)) == 1  # a range that starts at its row
+    assert storage.queue_counts(engine, "q") == QueueCounts(available=9, running=3, terminal=0)
+    assert storage.queue_counts(engine, "other") == QueueCounts(available=1, running=5, terminal=0)
+    assert uncovered(engine, storage, "q") == 9
+
+
+def test_a_range_covers_its_lanes_positions_whatever_slot_it_lives_in(engine, storage):
+    storage.set_queue_options(engine, "q", enqueue_shards=1)
+    storage.enqueue_params_batch(engine, [job({"i": i}) for i in range(6)])  # slot 0, positions 1-6
+    assert storage.rotate(engine).kind == "rotated"
+    lane = {"queue": "q", "priority": storage.load_job(engine, 1).priority}
+    with engine.begin() as c:  # a range in slot 1 over positions 2-3 of slot 0's rows
+        c.execute(text(f"INSERT INTO {relation(storage.schema(), 'ready_claim_ranges')} "
+                       "(ready_slot, ready_generation, queue, priority, enqueue_shard, first_seq, last_seq) "
+                       "SELECT 1, 1, :queue, :priority, enqueue_shard, 2, 3 FROM "
+                       f"{relation(storage.schema(), 'ready_entries')} WHERE job_id = 1"), lane)
+    assert storage.queue_counts(engine, "q").available == uncovered(engine, storage, "q") == 4
+
+
+def test_available_is_the_uncovered_untombstoned_rows_through_claims_cancels_and_turns(engine, storage):
+    rng = random.Random(29)
+    queues = ("q", "other")
+    turned = 0
+    for step in range(40):
+        q = rng.choice(queues)
+        action = rng.random()
+        if action < 0.35:
+            storage.enqueue_params_batch(engine, [job({"i": i}, queue=q, priority=rng.randint(1, 3))
+                                                  for i in range(rng.randint(1, 6))])
+        elif action < 0.7:
+            got = storage.claim_runtime_batch(engine, q, rng.randint(1, 4))
+            if got and rng.random() < 0.5:
+                storage.complete_runtime_batch(engine, got)
+        elif action < 0.85:
+            with engine.connect() as c:
+                ids = c.execute(text(f"SELECT job_id FROM {relation(storage.schema(), 'ready_entries')}"))
+                ids = ids.scalars().all()
+            if ids:
+                storage.cancel_job(engine, rng.choice(ids))  # available: a tombstone; else nothing new
+        else:  # later rows and ranges in the next queue slot
+            turned += storage.rotate(engine).kind == "rotated"
+        for name in queues:
+            assert storage.queue_counts(engine, name).available == uncovered(engine, storage, name), step
+    assert turned >= 2  # the rows and ranges compared lie in several slots
+
+
+def test_the_counts_and_aging_read_claim_ranges_once_not_per_row(engine, storage):
+    storage.enqueue_params_batch(engine, [job({"i": i}, priority=3) for i in range(20)])
+    for _ in range(5):
+        storage.claim_runtime_batch(engine, "q", 1)
+    with engine.connect() as conn:
+        assert range_lookups(conn, read_statements(storage.tables).counts, queues=["q"]) == []
+        assert range_lookups(conn, admin_reads(storage.tables).aging_candidates,
+                             interval=timedelta(0), limit=10) == []
 
 
 # -- load_job ---------------------------------------------------------------------------------

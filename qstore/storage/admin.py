@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import BigInteger, CompoundSelect, Connection, Select, bindparam, func, select
 
 from qstore.schema import StorageSchema
-from qstore.schema.queue_plane import WheelResolution
+from qstore.schema.queue_plane import WheelResolution, at_lane_position
 from qstore.storage import destinations
 from qstore.storage.bodies import Body
 from qstore.storage.checks import seconds
@@ -56,21 +56,21 @@ class AdminReads:
 
 @functools.lru_cache(maxsize=64)
 def _reads(sch: StorageSchema) -> AdminReads:
-    r, t, cr = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent
+    r = sch.ready.parent
     c, le = sch.claims.parent, sch.leases.parent
     d = live_deferred(sch)
     job = bindparam("b_job", type_=BigInteger())
-    tombstoned = select(t.c.job_id).where(
-        t.c.ready_slot == r.c.ready_slot, t.c.queue == r.c.queue, t.c.priority == r.c.priority,
-        t.c.enqueue_shard == r.c.enqueue_shard, t.c.lane_seq == r.c.lane_seq).exists()
-    claimed = select(cr.c.first_seq).where(
-        cr.c.queue == r.c.queue, cr.c.priority == r.c.priority, cr.c.enqueue_shard == r.c.enqueue_shard,
-        cr.c.first_seq <= r.c.lane_seq, cr.c.last_seq >= r.c.lane_seq).exists()
+    tombstoned = queue.ready_tombstoned(sch, r)
+    claimed = queue.ready_claimed(sch, r)
     is_open = receipt_open(sch, c)
     key = (r.c.ready_slot == bindparam("k_slot"), r.c.queue == bindparam("k_queue"),
            r.c.priority == bindparam("k_priority"), r.c.enqueue_shard == bindparam("k_shard"),
            r.c.lane_seq == bindparam("k_seq"))
     now = func.clock_timestamp()
+    # every unclaimed row waiting that long above the top priority (one ordered pass over the
+    # rows and the claim ranges, not a range lookup per row: see unclaimed_ready)
+    waited = queue.unclaimed_ready(sch, None, r.c.priority > 1, r.c.run_at <= now - bindparam("interval"),
+                                   name="waited")
     return AdminReads(
         ready_candidates=select(r).where(r.c.job_id == job, ~tombstoned).order_by(r.c.lane_seq.desc()),
         still_unclaimed=select(r.c.job_id).where(*key, ~tombstoned, ~claimed),
@@ -78,9 +78,8 @@ def _reads(sch: StorageSchema) -> AdminReads:
         .union(select(c.c.job_id, c.c.run_lease).where(c.c.job_id == job, is_open)),
         waiting=select(le.c.job_id, le.c.run_lease).where(le.c.job_id == job, le.c.state == JobState.WAITING_EXTERNAL),
         scheduled=select(d).where(d.c.job_id == job, d.c.state == JobState.SCHEDULED),
-        aging_candidates=select(r).where(r.c.priority > 1, r.c.run_at <= now - bindparam("interval"),
-                                         ~tombstoned, ~claimed).order_by(r.c.run_at, r.c.job_id)
-        .limit(bindparam("limit")),
+        aging_candidates=select(r).select_from(r.join(waited, at_lane_position(waited, r)))
+        .order_by(r.c.run_at, r.c.job_id).limit(bindparam("limit")),
     )
 
 

@@ -20,6 +20,7 @@ from sqlalchemy import BigInteger, BindParameter, Connection, Select, and_, bind
 
 from qstore.errors import CallbackNotFoundError, StaleAttemptError, ValidationError
 from qstore.schema import StorageSchema
+from qstore.schema.queue_plane import at_lane_position
 from qstore.storage import destinations, read
 from qstore.storage.bodies import Body
 from qstore.storage.checks import seconds
@@ -65,8 +66,7 @@ def _reads(sch: StorageSchema) -> CallbackReads:
     lp = attempt_progress(sch, "lp", le.c.job_id, le.c.run_lease,
                           None if sch.config.lease_claim_receipts else le.c.lease_slot)
     merged = AttemptProgress(lp, st)
-    body_join = and_(r.c.ready_slot == le.c.ready_slot, r.c.queue == le.c.queue, r.c.priority == le.c.priority,
-                     r.c.enqueue_shard == le.c.enqueue_shard, r.c.lane_seq == le.c.lane_seq)
+    body_join = at_lane_position(r, le)
     lease_view = (select(le, r.c.kind, r.c.args, r.c.payload, r.c.run_at, r.c.created_at, r.c.unique_key,
                          r.c.unique_states, merged.progress.label("progress"), st.c.callback_filter,
                          st.c.callback_on_complete, st.c.callback_on_fail, st.c.callback_transform,

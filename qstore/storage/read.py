@@ -74,18 +74,12 @@ class ReadStatements:
 
 @functools.lru_cache(maxsize=64)
 def _statements(sch: StorageSchema) -> ReadStatements:
-    r, t, cr = sch.ready.parent, sch.tombstones.parent, sch.claim_ranges.parent
+    r, t = sch.ready.parent, sch.tombstones.parent
     c, le, st = sch.claims.parent, sch.leases.parent, sch.attempt_state
     job = bindparam("job_id", type_=BigInteger())
     queues = bindparam("queues", type_=Text(), expanding=True)
     waiting = live_deferred(sch)
-    tombstoned = select(t.c.job_id).where(
-        t.c.ready_slot == r.c.ready_slot, t.c.queue == r.c.queue, t.c.priority == r.c.priority,
-        t.c.enqueue_shard == r.c.enqueue_shard, t.c.lane_seq == r.c.lane_seq).exists()
-    claimed = select(cr.c.first_seq).where(
-        cr.c.queue == r.c.queue, cr.c.priority == r.c.priority,
-        cr.c.enqueue_shard == r.c.enqueue_shard, cr.c.first_seq <= r.c.lane_seq,
-        cr.c.last_seq >= r.c.lane_seq).exists()
+    claimed = queue_plane.ready_claimed(sch, r)
     is_open = receipt_open(sch, c)
     leased = attempt_leased(le, c)
     h = sch.claim_heads
@@ -131,7 +125,7 @@ def _statements(sch: StorageSchema) -> ReadStatements:
                            queue_plane.select_batch_done_of_job(sch, job)),
         # one statement, so the three counts come from one snapshot
         counts=select(
-            count(select(r.c.job_id).where(r.c.queue.in_(queues), ~tombstoned, ~claimed)),
+            select(func.count()).select_from(queue_plane.unclaimed_ready(sch, queues)).scalar_subquery(),
             count(select(le.c.job_id).where(le.c.queue.in_(queues), le.c.state == JobState.RUNNING))
             + count(select(c.c.job_id).where(c.c.queue.in_(queues), is_open, ~leased)),
             case((func.coalesce(trusted, False), pruned + live + deltas), else_=pruned + scanned),
@@ -204,7 +198,10 @@ def queue_counts(ctx: StorageContext, conn: Connection, queue: str) -> QueueCoun
     """Exact counts over all stripes of ``queue``, read in one statement (one snapshot):
     available = untombstoned ready rows not covered by a claim range; running = running
     leases + receipt-only open claims; terminal = pruned history (rollups and the prune
-    ledger) + live counters and deltas (trusted) or a done-row scan."""
+    ledger) + live counters and deltas (trusted) or a done-row scan. Available reads the
+    queue's ready rows in the ring and their claim ranges once, in one sort
+    (:func:`~qstore.storage.planes.queue.unclaimed_ready`): its cost is a sort of those rows
+    plus those ranges, not a comparison of every row with every range of its lane."""
     queues = stripes_for(queue, ctx.config.queue_stripe_count)
     available, running, terminal = conn.execute(_statements(ctx.schema).counts, {"queues": queues}).one()
     return QueueCounts(available=int(available), running=int(running), terminal=int(terminal))

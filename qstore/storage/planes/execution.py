@@ -59,6 +59,7 @@ from sqlalchemy.sql.dml import ReturningDelete, Update
 
 from qstore.errors import InvariantError, IsolationLevelError
 from qstore.schema import StorageSchema
+from qstore.schema.queue_plane import at_lane_position
 from qstore.storage.bodies import Body, ReadyKey, Taken
 from qstore.storage.columns import payload_fields
 from qstore.storage.statements import attempt_leased, closed_in_batch, receipt_open, unnest_rows
@@ -151,9 +152,7 @@ def statements(sch: StorageSchema) -> ExecutionStatements:
             select(c.c.claim_slot, c.c.job_id, c.c.run_lease, bindparam("outcome", type_=Text()))
             .select_from(c.join(p, on_pair(c))).where(no_lease, ~in_batch),
         ).on_conflict_do_nothing().returning(cl.c.job_id, cl.c.run_lease),
-        bodies=select(r).select_from(r.join(k, and_(
-            r.c.ready_slot == k.c.ready_slot, r.c.queue == k.c.queue, r.c.priority == k.c.priority,
-            r.c.enqueue_shard == k.c.enqueue_shard, r.c.lane_seq == k.c.lane_seq))),
+        bodies=select(r).select_from(r.join(k, at_lane_position(r, k))),
         drop_state=delete(st).where(on_pair(st)).returning(st.c.job_id, st.c.run_lease, st.c.progress,
                                                            st.c.heartbeat_at),
         # the latest progress row of each attempt (greatest seq first per pair)

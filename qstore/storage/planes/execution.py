@@ -4,9 +4,10 @@ attempts' heartbeats and progress (``attempt_progress``) and their callback stat
 
 Every way of ending an attempt (complete, retry, snooze, cancel, fail, DLQ, rescue, callback
 resolution) goes through :func:`take_attempts`. Order of locks: claim rows (``FOR UPDATE``,
-sorted by claim slot, job and run lease) → leases → closures. A materialised lease is found and deleted by ``(job_id,
-run_lease)``; every lease deletion closes the attempt's receipt in the same transaction, and
-a receipt is closed without a lease only when no lease exists for the attempt. Finishing an
+sorted by claim slot, job and run lease) → leases → closures. A materialised lease is found
+and deleted by ``(job_id, run_lease)``; every lease deletion closes the attempt's receipt in
+the same transaction, and a receipt is closed without a lease only when no lease exists for
+the attempt. Finishing an
 attempt is at-most-once: every closer (this module and the server's ``complete_receipts``)
 locks the receipt first and checks, in a later statement that therefore sees every closure
 committed before the lock was granted, that no closure of either form (a
@@ -217,12 +218,11 @@ def ended_in_read_committed(locked: Any) -> None:
     (rows of ``lock_claims`` or ``cb_lock_claim``, which carry the transaction's isolation)
     were locked in READ COMMITTED: the statements after the lock must see every closure
     committed while it was awaited, and only READ COMMITTED takes a new snapshot per
-    statement. Nothing has been written when it raises."""
-    for row in locked:
-        if row.isolation != "read committed":
-            raise IsolationLevelError(row.isolation)
-        return
-
+    statement. Every row carries the same value, so the first is read; nothing has been
+    written when it raises."""
+    first = next(iter(locked), None)
+    if first is not None and first.isolation != "read committed":
+        raise IsolationLevelError(first.isolation)
 
 
 def take_attempts(conn: Connection, sch: StorageSchema, pairs: Sequence[tuple[int, int]], outcome: Closure,

@@ -9,7 +9,6 @@ writes a lease."""
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timezone
 
@@ -419,17 +418,13 @@ def test_the_fast_statement_leaves_a_receipt_a_previous_release_materialised_on_
 
 def test_a_fast_completion_waiting_for_a_heartbeat_completes_the_attempt_once_it_commits(engine, rst):
     c = running(engine, rst)
-    got: list[list[tuple[int, int]]] = []
-    with engine.connect() as beat:
-        beat.begin()
-        assert rst.heartbeat_batch(beat, [(c.job.id, 1)]) == 1  # holds the receipt's lock
-        fast = threading.Thread(target=lambda: got.append(complete_receipts(engine, rst, c)))
-        fast.start()
-        time.sleep(0.3)
-        assert fast.is_alive()  # waiting for the receipt
-        beat.commit()
-    fast.join(10)
-    assert got == [[(c.job.id, 1)]]
+    beats: list[int] = []
+    # the heartbeat's transaction holds the receipt's lock; race() checks that the fast
+    # completion waits on it, then commits the heartbeat
+    got = race(engine, lambda beat: beats.append(rst.heartbeat_batch(beat, [(c.job.id, 1)])),
+               lambda: complete_receipts(engine, rst, c))
+    assert beats == [1]
+    assert got == [(c.job.id, 1)]
     assert state(engine, rst, c.job.id) == JobState.COMPLETED
 
 

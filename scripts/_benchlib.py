@@ -237,6 +237,115 @@ def wal_breakdown(engine: Engine, start_lsn: str, end_lsn: str) -> dict[str, Any
 
 
 # -- server and client cost of a measured stretch -------------------------------------------
+def process_cpu(pid: int) -> float:
+    """CPU seconds process ``pid`` has run so far: ``/proc/<pid>/schedstat`` (nanoseconds on
+    a CPU), else user + system from ``/proc/<pid>/stat`` (clock ticks of 10 ms)."""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def database_backends_cpu(db: str) -> dict[int, float]:
+    """CPU seconds so far of every server process on this host whose title names database
+    ``db`` (its backends), by pid; empty when ``/proc`` shows none."""
+    out: dict[int, float] = {}
+    needle = f" {db} ".encode()
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read(200)
+            if not title.startswith(b"postgres: ") or needle not in title:
+                continue
+            out[pid] = process_cpu(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+#: What a sampled backend of :class:`WaitSampler` was doing, by ``pg_stat_activity``'s
+#: state and wait event: the categories, in the order they are reported.
+WAIT_STATES = ("on_cpu", "wal_flush", "lock_row", "lock_relation", "lock_other", "lwlock", "io",
+               "client_in_xact", "other")
+
+
+def wait_state(state: str | None, kind: str | None, event: str | None) -> str | None:
+    """The :data:`WAIT_STATES` category of one ``pg_stat_activity`` row (None: idle outside
+    a transaction, which is not counted). ``on_cpu`` is a backend running a statement with
+    no wait event (on a CPU, or waiting for one); ``wal_flush`` its commit's WAL write and
+    sync; ``lock_row`` a wait for another transaction (a row or tuple lock);
+    ``client_in_xact`` a session inside a transaction waiting for its client."""
+    if state == "active":
+        if kind is None:
+            return "on_cpu"
+        if event in ("WALSync", "WALWrite", "WALInsert") or (kind == "LWLock" and event and event.startswith("WAL")):
+            return "wal_flush"
+        if kind == "Lock":
+            return {"transactionid": "lock_row", "tuple": "lock_row", "relation": "lock_relation"}.get(
+                event or "", "lock_other")
+        return {"LWLock": "lwlock", "IO": "io"}.get(kind, "other")
+    if state in ("idle in transaction", "idle in transaction (aborted)"):
+        return "client_in_xact"
+    return None
+
+
+class WaitSampler:
+    """Samples ``pg_stat_activity`` every ``interval`` seconds on a thread of its own, for
+    the client backends of one database, and counts what each was doing
+    (:func:`wait_state`). Its session is on the server's maintenance database (``postgres``),
+    so the backend CPU a :class:`ServerMeter` reads for the measured database leaves it out;
+    its thread's CPU is :attr:`cpu_s`. :meth:`summary` gives, per category, the mean number
+    of backends in it over the samples and its share of the counted states."""
+
+    def __init__(self, engine: Engine, interval: float = 0.005) -> None:
+        self._url = engine.url.set(drivername="postgresql", database="postgres").render_as_string(
+            hide_password=False)
+        with engine.connect() as conn:
+            self._db = str(conn.execute(text("SELECT current_database()")).scalar_one())
+        self._interval = interval
+        self.counts = dict.fromkeys(WAIT_STATES, 0)
+        self.samples = 0
+        self.cpu_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="wait-sampler", daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.thread_time()
+        with psycopg.connect(self._url, autocommit=True) as conn:
+            query = ("SELECT state, wait_event_type, wait_event FROM pg_stat_activity "
+                     "WHERE datname = %s AND backend_type = 'client backend'")
+            while not self._stop.wait(self._interval):
+                for row in conn.execute(query, (self._db,), prepare=True).fetchall():
+                    cat = wait_state(*row)
+                    if cat is not None:
+                        self.counts[cat] += 1
+                self.samples += 1
+        self.cpu_s = time.thread_time() - t0
+
+    def start(self) -> WaitSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        counted = sum(self.counts.values())
+        n = max(self.samples, 1)
+        return {"samples": self.samples,
+                "mean_backends": {k: v / n for k, v in self.counts.items()},
+                "share": {k: (v / counted if counted else 0.0) for k, v in self.counts.items()}}
+
+
 class ServerMeter:
     """What the server spent on one database between :meth:`start` and :meth:`stop`:
 
@@ -254,16 +363,20 @@ class ServerMeter:
       five times a second so a backend that exits early still counts up to its last sample
       (call :meth:`sample` just before closing sessions); that thread's own CPU is reported
       (``sampler_cpu_s``) so callers can take it out of the client's process time;
-    * ``xacts``: transactions committed or rolled back in the database."""
+    * ``xacts``: transactions committed or rolled back in the database;
+    * with ``waits``, ``waits``: what the database's backends were doing, sampled every 5 ms
+      (:class:`WaitSampler`; its thread's CPU is added to ``sampler_cpu_s``). The sampling
+      costs the client and the server some CPU of their own: a run that reports it is not
+      one to take rates from."""
 
-    def __init__(self, engine: Engine, breakdown: bool = False) -> None:
+    def __init__(self, engine: Engine, breakdown: bool = False, waits: bool = False) -> None:
         self._engine = engine
         self._breakdown = breakdown
+        self._waits = WaitSampler(engine) if waits else None
         self._slot: Connection | None = None
         with engine.connect() as conn:
             self._db = str(conn.execute(text("SELECT current_database()")).scalar_one())
             self._local = str(engine.url.host) in ("127.0.0.1", "localhost", "::1", "None")
-        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._first: dict[int, float] = {}
         self._last: dict[int, float] = {}
         self._stop = threading.Event()
@@ -282,32 +395,7 @@ class ServerMeter:
 
     def _backends(self) -> dict[int, float]:
         """CPU seconds of every process whose title names this database's backends."""
-        out: dict[int, float] = {}
-        needle = f" {self._db} ".encode()
-        try:
-            pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-        except OSError:
-            return out
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    title = f.read(200)
-                if not title.startswith(b"postgres: ") or needle not in title:
-                    continue
-                out[pid] = self._cpu_of(pid)
-            except (OSError, ValueError, IndexError):
-                continue
-        return out
-
-    def _cpu_of(self, pid: int) -> float:
-        # schedstat: nanoseconds on a CPU; stat: user + system in clock ticks (10 ms)
-        try:
-            with open(f"/proc/{pid}/schedstat", "rb") as f:
-                return int(f.read().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / self._tick
+        return database_backends_cpu(self._db)
 
     def sample(self) -> None:
         """Read the backends' CPU now (before sessions that are about to close go away)."""
@@ -348,6 +436,8 @@ class ServerMeter:
         vacuum_catalogs(self._engine)
         self._hold_wal()
         self._lsn0, self._active0, self._xacts0 = self._stats()
+        if self._waits is not None:
+            self._waits.start()
         if self._local:
             first = self._backends()
             self._readable = bool(first)
@@ -360,6 +450,7 @@ class ServerMeter:
         """Stop measuring; ``engines``: engines whose pooled sessions may hold statistics not
         yet reported (each idle pooled session is made to report them)."""
         wal_lsn = wal_position(self._engine)
+        waits = self._waits.stop() if self._waits is not None else None
         cpu: float | None = None
         if self._thread is not None:
             last = self._backends()
@@ -384,7 +475,8 @@ class ServerMeter:
         return {"wal_bytes": wal, "wal_db_bytes": db_wal, "wal_by_relation": detail,
                 "wal_from": self._lsn0, "wal_to": wal_lsn,
                 "active_ms": active - self._active0, "backend_cpu_s": cpu,
-                "xacts": xacts - self._xacts0, "sampler_cpu_s": self._sampler_cpu}
+                "xacts": xacts - self._xacts0, "waits": waits,
+                "sampler_cpu_s": self._sampler_cpu + (self._waits.cpu_s if self._waits is not None else 0.0)}
 
 
 def database_wal(engine: Engine, start_lsn: str, end_lsn: str) -> int | None:

@@ -1,7 +1,10 @@
-"""Client CPU of one single-job enqueue on an ``Engine``, next to the same work sent by hand.
+"""Client and server CPU of one single-job enqueue on an ``Engine``, next to the same work
+sent by hand.
 
-Four ways of writing one job, each timed over ``--calls`` calls per round with
-``time.process_time()`` (client CPU) and ``time.perf_counter()`` (wall, for calls/s):
+Five ways of writing one job, each timed over ``--calls`` calls per round with
+``time.process_time()`` (client CPU), ``time.perf_counter()`` (wall, for calls/s) and the CPU
+the database's backends spent meanwhile (server CPU, from ``/proc``: the server must run on
+this host; the other sessions sit idle while a case runs):
 
 * ``defer``: a task's ``defer(engine, n=1)`` (the app's default telemetry);
 * ``defer_kept``: the same inside ``with qstore.kept_connection(engine) as producing``
@@ -45,13 +48,27 @@ CASES = ("defer", "defer_kept", "enqueue", "raw", "classic")
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
-def _time(fn: Callable[[], object], calls: int) -> tuple[float, float]:
-    """(CPU µs per call, calls/s by wall time) of ``calls`` calls of ``fn``."""
+def _server_cpu(db: str) -> float | None:
+    """CPU seconds so far of the backends of database ``db`` on this host (None when the
+    server runs elsewhere)."""
+    from _benchlib import database_backends_cpu
+
+    backends = database_backends_cpu(db)
+    return sum(backends.values()) if backends else None
+
+
+def _time(fn: Callable[[], object], calls: int, db: str) -> tuple[float, float, float | None]:
+    """(client CPU µs per call, calls/s by wall time, server CPU µs per call) of ``calls``
+    calls of ``fn``. The server's figure is what every backend of ``db`` spent meanwhile:
+    the others sit idle while ``fn`` runs."""
+    s0 = _server_cpu(db)
     c0, w0 = time.process_time(), time.perf_counter()
     for _ in range(calls):
         fn()
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-    return cpu / calls * 1e6, calls / wall
+    s1 = _server_cpu(db)
+    server = None if s0 is None or s1 is None else (s1 - s0) / calls * 1e6
+    return cpu / calls * 1e6, calls / wall, server
 
 
 def serve(url: str, schema: str, classic_schema: str, warm: int) -> None:
@@ -107,16 +124,17 @@ def serve(url: str, schema: str, classic_schema: str, warm: int) -> None:
 
     fns = {"defer": defer, "defer_kept": defer_kept, "enqueue": enqueue, "raw": raw_sql, "classic": classic}
     cases = [name for name in CASES if name != "defer_kept" or kept is not None]
+    db = str(engine.url.database)
     for name in cases:
-        _time(fns[name], warm)
+        _time(fns[name], warm, db)
     print(json.dumps({"qstore": qstore.__file__, "cases": cases}), flush=True)
     for line in sys.stdin:
         calls, first = (int(x) for x in line.split())
         order = cases[first % len(cases):] + cases[:first % len(cases)]
         out = {}
         for name in order:
-            cpu, rate = _time(fns[name], calls)
-            out[name] = {"cpu_us": cpu, "calls_per_s": rate}
+            cpu, rate, server = _time(fns[name], calls, db)
+            out[name] = {"cpu_us": cpu, "calls_per_s": rate, "server_cpu_us": server}
         print(json.dumps(out), flush=True)
     blocks.close()
     producer.close()
@@ -219,12 +237,17 @@ def main() -> int:
             rate = statistics.median(x[name]["calls_per_s"] for x in rounds)
             vs_classic = statistics.median(x[name]["calls_per_s"] / x["classic"]["calls_per_s"] for x in rounds)
             cpu_vs_raw = statistics.median(x[name]["cpu_us"] - x["raw"]["cpu_us"] for x in rounds)
+            servers = [x[name].get("server_cpu_us") for x in rounds]
+            server = statistics.median(servers) if None not in servers else None
             figures.setdefault(label, {})[name] = {"cpu_us": round(cpu, 1), "calls_per_s": round(rate),
                                                    "vs_classic": round(vs_classic, 3),
-                                                   "cpu_us_above_raw": round(cpu_vs_raw, 1)}
-            rows.append([label, name, f"{cpu:.1f}", f"{cpu_vs_raw:+.1f}", f"{rate:,.0f}", f"{vs_classic:.2f}x"])
+                                                   "cpu_us_above_raw": round(cpu_vs_raw, 1),
+                                                   "server_cpu_us": None if server is None else round(server, 1)}
+            rows.append([label, name, f"{cpu:.1f}", f"{cpu_vs_raw:+.1f}",
+                         "" if server is None else f"{server:.0f}", f"{rate:,.0f}", f"{vs_classic:.2f}x"])
     print(f"{args.rounds} rounds of {args.calls} calls per case (medians over the rounds):")
-    print(format_table(["tree", "case", "CPU µs/call", "CPU µs over raw", "calls/s", "rate ÷ classic"], rows))
+    print(format_table(["tree", "case", "client CPU µs/call", "client CPU µs over raw", "server CPU µs/call",
+                        "calls/s", "rate ÷ classic"], rows))
     if len(trees) > 1:
         base = trees[0][0]
         for label, _ in trees[1:]:

@@ -108,6 +108,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_storage as bs
 from _benchlib import (
+    WAIT_STATES,
     PacedSchedule,
     ServerMeter,
     Waker,
@@ -341,7 +342,7 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
         engine.dispose()
     with pinned(engine, phase == "pinned"):
         worker = new_worker(app, engine, args, is_async=is_async, cycles=cycles)
-        meter = ServerMeter(engine, breakdown=trace is not None).start()
+        meter = ServerMeter(engine, breakdown=trace is not None, waits=args.wait_states).start()
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         worker.start()
@@ -435,7 +436,7 @@ def pg_drain(engine: Engine, cpg: ClassicPsycopg, phase: str, n: int, args: argp
     checkpoint(engine)
     cpg.enqueue_copy(bs.workload(n))
     cpg.vacuum()
-    meter = ServerMeter(engine, breakdown=trace is not None)
+    meter = ServerMeter(engine, breakdown=trace is not None, waits=args.wait_states)
     clock: dict[str, float] = {}
 
     handled: list[float] = []  # each handler's start (list.append: one step under the GIL)
@@ -665,7 +666,26 @@ def print_drain(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
         for name, pr in rr["cycles_vs_worker"].items():
             print(f"          {name} / {'async_worker' if name.startswith('async_') else 'worker'} of the same "
                   f"round: median {bs.times(pr['median'])}, each {' '.join(f'{x:.3f}' for x in pr['each'])}")
+    print_waits(results)
     bs.print_targets(summary["targets"], "worker drain")
+
+
+def print_waits(results: list[dict[str, Any]]) -> None:
+    """With ``--wait-states``: what each drain's backends were doing (``WaitSampler``), as
+    the mean number of the database's backends in each state over the drain, the medians
+    over the rounds per system and phase."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        w = r["server"].get("waits")
+        if w:
+            by.setdefault(f"{r['system']}/{r['phase']}", []).append(w["mean_backends"])
+    if not by:
+        return
+    print("\nThe database's backends during each drain, by state (mean number of backends over "
+          "5 ms samples, medians over the rounds; sampling costs CPU: take no rates from this run):")
+    print(format_table(["system/phase", *WAIT_STATES, "all"],
+                       [[k, *(f"{median([x[c] for x in ws]) or 0.0:.2f}" for c in WAIT_STATES),
+                         f"{median([sum(x.values()) for x in ws]) or 0.0:.2f}"] for k, ws in by.items()]))
 
 
 def print_accounting(results: list[dict[str, Any]]) -> None:
@@ -1264,6 +1284,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shared-pool", action="store_true",
                    help="drain and pickup: the workers use the run's engine's pool (own_pool=False) "
                         "instead of a pool of their own made from it")
+    p.add_argument("--wait-states", action="store_true",
+                   help="drain: sample what the database's backends are doing every 5 ms (costs CPU; "
+                        "not for rates)")
     p.add_argument("--json", type=Path)
     p.add_argument("--schedule", type=schedule_setting, action="append", default=[], metavar="FIELD=VALUE",
                    help="a MaintenanceSchedule field of the worker's maintainer (repeatable), e.g. "

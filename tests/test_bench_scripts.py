@@ -187,6 +187,49 @@ def test_worker_bench_loads_the_drain_into_as_many_lanes_as_asked(fresh_db_url, 
     assert (worker["lanes"], worker["drain"]["jobs"], worker["problems"]) == (4, 200, [])
 
 
+def test_worker_bench_samples_the_backends_states_of_each_drain_when_asked(fresh_db_url, tmp_path):
+    out = tmp_path / "worker_waits.json"
+    proc = run_script("bench_worker.py", "--url", fresh_db_url, "--mode", "drain", "--jobs", "2000",
+                      "--concurrency", "4", "--phases", "clean", "--classics", "psycopg", "--skip-storage",
+                      "--account-jobs", "0", "--wait-states", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    drained = json.loads(out.read_text())["drain"]["results"]
+    assert {r["system"] for r in drained} == {"classic_pg", "worker"}
+    for r in drained:
+        waits = r["server"]["waits"]
+        assert waits["samples"] > 0 and set(waits["mean_backends"]) == set(bench_lib().WAIT_STATES), r["system"]
+        # the drain's own backends ran statements while it was sampled
+        assert waits["mean_backends"]["on_cpu"] > 0, (r["system"], waits)
+    assert "The database's backends during each drain, by state" in proc.stdout
+
+
+@pytest.mark.parametrize(("row", "state"), [
+    (("active", None, None), "on_cpu"),
+    (("active", "IO", "WALSync"), "wal_flush"),
+    (("active", "LWLock", "WALWrite"), "wal_flush"),
+    (("active", "Lock", "transactionid"), "lock_row"),
+    (("active", "Lock", "tuple"), "lock_row"),
+    (("active", "Lock", "relation"), "lock_relation"),
+    (("active", "Lock", "advisory"), "lock_other"),
+    (("active", "LWLock", "BufferContent"), "lwlock"),
+    (("active", "IO", "DataFileRead"), "io"),
+    (("active", "Client", "ClientRead"), "other"),
+    (("idle in transaction", "Client", "ClientRead"), "client_in_xact"),
+    (("idle", "Client", "ClientRead"), None),
+])
+def test_a_sampled_backend_is_counted_in_the_state_its_row_shows(row, state):
+    assert bench_lib().wait_state(*row) == state
+
+
+def bench_lib():
+    """``scripts/_benchlib.py``, imported as the scripts import it."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    import _benchlib
+
+    return _benchlib
+
+
 def test_worker_bench_drains_through_the_worker_beside_both_classic_queues_and_the_storage_loop(
         fresh_db_url, tmp_path):
     out = tmp_path / "worker_vs.json"
@@ -353,6 +396,8 @@ def test_defer_client_bench_times_every_case_of_each_tree_and_drops_its_schemas(
     for cases in report["figures"].values():
         assert set(cases) == {"defer", "defer_kept", "enqueue", "raw", "classic"}
         assert all(c["cpu_us"] > 0 and c["calls_per_s"] > 0 for c in cases.values())
+        # the server runs on this host: each case's backends are read from /proc
+        assert all(c["server_cpu_us"] > 0 for c in cases.values()), cases
     assert schemas_named(fresh_db_url, "nspname IN ('qstore_defer_client_bench', 'bench_defer_client_classic')") == []
 
 

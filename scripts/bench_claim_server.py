@@ -28,7 +28,6 @@ replaces.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from importlib import resources
@@ -40,7 +39,7 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _benchlib import ensure_database, make_engine
+from _benchlib import ensure_database, make_engine, process_cpu
 from classic_psycopg import ClassicPsycopg, libpq_url
 
 from qstore.config import QueueStorageConfig
@@ -182,12 +181,11 @@ class Classic(System):
 
 
 def backend_cpu(pid: int) -> float | None:
-    """User+system CPU seconds of server process ``pid`` (None when not on this host)."""
+    """CPU seconds of server process ``pid`` so far (None when it is not on this host)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return process_cpu(pid)
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def claim_locks(conn: psycopg.Connection[Any], system: System) -> tuple[int, int]:

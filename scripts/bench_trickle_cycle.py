@@ -3,7 +3,7 @@
 One loop on two kept connections of an ``Engine`` (as a producer and a worker's claim cycle
 hold them): enqueue one job, then ``complete_and_claim`` the job claimed before and claim
 the new one, one job per cycle (the worker's cycle when jobs arrive one at a time). Each
-block of ``--cycles`` cycles is timed by the claiming backend's own CPU (``/proc/<pid>/stat``,
+block of ``--cycles`` cycles is timed by the claiming backend's own CPU (``/proc/<pid>/schedstat``,
 the server process on this host) and by wall time per ``complete_and_claim`` call.
 Reported: the medians over ``--blocks`` blocks, and how the server planned the cycle's
 prepared statement on that connection (``pg_prepared_statements``: the generic plan is made
@@ -21,21 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
+import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _benchlib import process_cpu
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 QUEUE = "trickle"
-
-
-def backend_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of the server process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(url: str, schema: str, cycles: int, blocks: int, warm: int) -> dict[str, Any]:
@@ -71,9 +69,9 @@ def measure(url: str, schema: str, cycles: int, blocks: int, warm: int) -> dict[
         _, driver, _ = claiming.__dict__["qstore_kept_connection"].take()
         pid = int(driver.execute("SELECT pg_backend_pid()").fetchone()[0])
         for _ in range(blocks):
-            c0 = backend_cpu(pid)
+            c0 = process_cpu(pid)
             walls = [cycle() for _ in range(cycles)]
-            cpu_us.append((backend_cpu(pid) - c0) / cycles * 1e6)
+            cpu_us.append((process_cpu(pid) - c0) / cycles * 1e6)
             wall_us.append(statistics.median(walls) * 1e6)
         plans = driver.execute(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements "

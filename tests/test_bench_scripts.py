@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -177,30 +178,34 @@ def test_worker_bench_drains_every_job_with_each_variant(fresh_db_url, tmp_path)
     assert data["pickup"]["n"] == 5
 
 
-def test_worker_bench_loads_the_drain_into_as_many_lanes_as_asked(fresh_db_url, tmp_path):
-    out = tmp_path / "worker_lanes.json"
-    proc = run_script("bench_worker.py", "--url", fresh_db_url, "--mode", "drain", "--jobs", "200",
+def clean_drain(url: str, tmp_path: Path, jobs: int, *extra: str) -> tuple[dict[str, Any], str]:
+    """``bench_worker.py``'s clean drain of ``jobs`` jobs (concurrency 4, the psycopg classic
+    queue beside the worker, no storage loop, no accounting run) with ``extra`` arguments:
+    its JSON report's ``drain`` part and its output."""
+    out = tmp_path / "drain.json"
+    proc = run_script("bench_worker.py", "--url", url, "--mode", "drain", "--jobs", str(jobs),
                       "--concurrency", "4", "--phases", "clean", "--classics", "psycopg", "--skip-storage",
-                      "--account-jobs", "0", "--load-lanes", "4", "--json", str(out))
+                      "--account-jobs", "0", *extra, "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    [worker] = [r for r in json.loads(out.read_text())["drain"]["results"] if r["system"] == "worker"]
+    return json.loads(out.read_text())["drain"], proc.stdout
+
+
+def test_worker_bench_loads_the_drain_into_as_many_lanes_as_asked(fresh_db_url, tmp_path):
+    report, _ = clean_drain(fresh_db_url, tmp_path, 200, "--load-lanes", "4")
+    [worker] = [r for r in report["results"] if r["system"] == "worker"]
     assert (worker["lanes"], worker["drain"]["jobs"], worker["problems"]) == (4, 200, [])
 
 
 def test_worker_bench_samples_the_backends_states_of_each_drain_when_asked(fresh_db_url, tmp_path):
-    out = tmp_path / "worker_waits.json"
-    proc = run_script("bench_worker.py", "--url", fresh_db_url, "--mode", "drain", "--jobs", "2000",
-                      "--concurrency", "4", "--phases", "clean", "--classics", "psycopg", "--skip-storage",
-                      "--account-jobs", "0", "--wait-states", "--json", str(out))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    drained = json.loads(out.read_text())["drain"]["results"]
+    report, stdout = clean_drain(fresh_db_url, tmp_path, 2000, "--wait-states")
+    drained = report["results"]
     assert {r["system"] for r in drained} == {"classic_pg", "worker"}
     for r in drained:
         waits = r["server"]["waits"]
         assert waits["samples"] > 0 and set(waits["mean_backends"]) == set(bench_lib().WAIT_STATES), r["system"]
         # the drain's own backends ran statements while it was sampled
         assert waits["mean_backends"]["on_cpu"] > 0, (r["system"], waits)
-    assert "The database's backends during each drain, by state" in proc.stdout
+    assert "The database's backends during each drain, by state" in stdout
 
 
 @pytest.mark.parametrize(("row", "state"), [
@@ -288,16 +293,11 @@ def test_worker_bench_drains_through_the_worker_beside_both_classic_queues_and_t
 
 
 def test_worker_bench_with_async_runs_the_async_worker_beside_the_worker(fresh_db_url, tmp_path):
-    out = tmp_path / "async_vs.json"
-    proc = run_script("bench_worker.py", "--url", fresh_db_url, "--jobs", "300", "--concurrency", "4",
-                      "--mode", "drain", "--async", "--phases", "clean", "--classics", "psycopg",
-                      "--skip-storage", "--account-jobs", "0", "--json", str(out))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    data = json.loads(out.read_text())
-    drained = {r["system"]: r for r in data["drain"]["results"]}
+    report, _ = clean_drain(fresh_db_url, tmp_path, 300, "--async")
+    drained = {r["system"]: r for r in report["results"]}
     assert set(drained) == {"classic_pg", "worker", "async_worker"}
     assert drained["async_worker"]["drain"]["jobs"] == 300 and not drained["async_worker"]["problems"]
-    assert data["drain"]["summary"]["ratios"]["clean"]["async_vs_worker"] > 0
+    assert report["summary"]["ratios"]["clean"]["async_vs_worker"] > 0
 
 
 def test_psycopg_classic_queue_drains_every_job_exactly_once_with_each_driver_and_claim(

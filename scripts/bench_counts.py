@@ -1,4 +1,5 @@
-"""How long the exact counts take on a backlog that was claimed one job at a time.
+"""How long the exact counts and a job's lookup take on a backlog that was claimed one job
+at a time.
 
 A queue's available count is its ready rows that no claim range of their lane covers. A
 trickle claims one job per call, so each claimed job leaves a claim range of its own, and
@@ -14,7 +15,10 @@ times, ``--rounds`` times each and alternating:
   form the exact counts used before they read the ranges in one ordered pass;
 * ``age_waiting_priorities`` with nothing old enough to lift (its candidates' scan only),
   then with every row old enough, lifting ``10`` jobs a call (each round moves ten more
-  unclaimed jobs: a tombstone and a new ready row each; the counts do not change).
+  unclaimed jobs: a tombstone and a new ready row each; the counts do not change);
+* ``load_job`` of the first job completed and of the last job enqueued (still available),
+  ``--lookups`` calls each per round (the median call). No statistics are gathered on the
+  schema (this server runs with autovacuum off), so the planner sees only the tables' sizes.
 
 Reported: the medians in milliseconds. The script installs a schema of its own and drops it
 at the end.
@@ -51,8 +55,8 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return (time.perf_counter() - t0) * 1000.0, out
 
 
-def measure(url: str, schema: str, jobs: int, claimed: int, batch: int, lanes: int, rounds: int
-            ) -> dict[str, Any]:
+def measure(url: str, schema: str, jobs: int, claimed: int, batch: int, lanes: int, rounds: int,
+            lookups: int = 20) -> dict[str, Any]:
     """Install ``schema``, build the backlog, time the reads; the medians (ms) and the counts."""
     from sqlalchemy import create_engine, text
 
@@ -69,16 +73,21 @@ def measure(url: str, schema: str, jobs: int, claimed: int, batch: int, lanes: i
         step = -(-jobs // max(1, lanes))
         for i in range(0, jobs, step):
             storage.enqueue_params_copy(engine, params[i:i + step])
+        first_done: int | None = None
         with engine.connect() as conn:
             for i in range(0, claimed, batch):
                 got = storage.claim_runtime_batch(conn, QUEUE, min(batch, claimed - i))
                 storage.complete_runtime_batch(conn, got)
                 conn.commit()
+                if first_done is None and got:
+                    first_done = got[0].job.id
+            last_job = conn.execute(text(f'SELECT max(job_id) FROM "{schema}".ready_entries')).scalar_one()
         lookup = text(PER_ROW_LOOKUP.format(s=f'"{schema}"'))
         with engine.connect() as conn:
             ranges = conn.execute(text(f'SELECT count(*) FROM "{schema}".ready_claim_ranges')).scalar_one()
         times: dict[str, list[float]] = {"queue_counts": [], "per_row_lookup": [], "age_waiting_priorities": [],
-                                         "age_waiting_priorities_all_old": []}
+                                         "age_waiting_priorities_all_old": [], "load_job_completed": [],
+                                         "load_job_available": []}
         counts: Any = None
         looked_up = None
         for _ in range(rounds):
@@ -91,6 +100,14 @@ def measure(url: str, schema: str, jobs: int, claimed: int, batch: int, lanes: i
             times["age_waiting_priorities"].append(ms)
             ms, _ = timed(lambda: storage.age_waiting_priorities(engine, 0.001, 10))
             times["age_waiting_priorities_all_old"].append(ms)
+            for key, job_id in (("load_job_completed", first_done), ("load_job_available", last_job)):
+                if job_id is not None:
+                    calls = []
+                    for _ in range(lookups):
+                        t0 = time.perf_counter()
+                        storage.load_job(engine, job_id)
+                        calls.append((time.perf_counter() - t0) * 1000.0)
+                    times[key].append(statistics.median(calls))
     finally:
         with engine.begin() as conn:
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
@@ -99,7 +116,11 @@ def measure(url: str, schema: str, jobs: int, claimed: int, batch: int, lanes: i
         raise SystemExit(f"queue_counts says {counts.available} available, the per-row lookup {looked_up}")
     return {"jobs": jobs, "claimed": claimed, "claim_batch": batch, "claim_ranges": int(ranges),
             "available": counts.available,
-            **{f"{k}_ms": statistics.median(v) for k, v in times.items()}, "rounds_ms": times}
+            **{f"{k}_ms": statistics.median(v) if v else None for k, v in times.items()}, "rounds_ms": times}
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} ms"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,15 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--claim-batch", type=int, default=1, help="jobs per claim call")
     parser.add_argument("--lanes", type=int, default=8, help="COPY calls that load the jobs, one lane each")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lookups", type=int, default=20, help="load_job calls per job and round")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
     schema = f"qstore_counts_{uuid.uuid4().hex[:8]}"
-    f = measure(args.url, schema, args.jobs, args.claimed, args.claim_batch, args.lanes, args.rounds)
+    f = measure(args.url, schema, args.jobs, args.claimed, args.claim_batch, args.lanes, args.rounds, args.lookups)
     print(f"{f['jobs']:,} jobs in {args.lanes} lanes, {f['claimed']:,} claimed {args.claim_batch} per call "
           f"({f['claim_ranges']:,} claim ranges), {f['available']:,} available; medians of {args.rounds}: "
           f"queue_counts {f['queue_counts_ms']:.1f} ms, available by a lookup per row "
           f"{f['per_row_lookup_ms']:.1f} ms, age_waiting_priorities {f['age_waiting_priorities_ms']:.1f} ms "
-          f"(nothing old) / {f['age_waiting_priorities_all_old_ms']:.1f} ms (all old)")
+          f"(nothing old) / {f['age_waiting_priorities_all_old_ms']:.1f} ms (all old), load_job "
+          f"{_ms(f['load_job_completed_ms'])} (a completed job) / {_ms(f['load_job_available_ms'])} (an available one)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(f, fh, indent=2)

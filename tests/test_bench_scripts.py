@@ -453,12 +453,13 @@ def test_trickle_cycle_bench_reads_the_claiming_backends_cpu_and_plans_and_drops
 def test_counts_bench_times_the_counts_on_a_claimed_backlog_and_drops_its_schema(fresh_db_url, tmp_path):
     out = tmp_path / "counts.json"
     proc = run_script("bench_counts.py", "--url", fresh_db_url, "--jobs", "60", "--claimed", "25", "--claim-batch", "5", "--lanes", "2",
-                      "--rounds", "2", "--json", str(out))
+                      "--rounds", "2", "--lookups", "3", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     figures = json.loads(out.read_text())
     assert (figures["claim_ranges"], figures["available"]) == (5, 35)
     assert all(figures[f"{k}_ms"] > 0 for k in ("queue_counts", "per_row_lookup", "age_waiting_priorities",
-                                                 "age_waiting_priorities_all_old"))
+                                                 "age_waiting_priorities_all_old", "load_job_completed",
+                                                 "load_job_available"))
     assert schemas_named(fresh_db_url, "nspname LIKE 'qstore_counts_%'") == []
 
 

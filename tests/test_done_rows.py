@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from jobtools import add, assert_closures_sound, claim, params, running
 from operation_cases import CASES
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, text, union_all
 from sqlalchemy.dialects import postgresql
 
 from qstore import QueueStorage, QueueStorageConfig, UniqueOpts
@@ -515,6 +515,48 @@ def test_the_lookup_of_a_jobs_batch_members_probes_indexes_only(engine, with_his
     assert [u for u in used if not u[3]] == []
     assert _job_id_probes(used, "ready_entries") == {f"ready_entries_{k}" for k in range(SLOTS)}, used
     assert _probed(used, "done_batches") == {f"done_batches_{k}" for k in range(SLOTS)}, used
+
+
+def unanalysed_ring(engine: Engine, s: QueueStorage, jobs: int = 40_000) -> None:
+    """Slot 0 of a fresh install filled straight with ``jobs`` ready rows in one lane, the
+    first half of them completed as narrow done rows, the second half as batch members (32
+    to a batch row), and no statistics gathered: the planner sees only the tables' sizes."""
+    q = f'"{s.schema()}"'
+    half = jobs // 2
+    with engine.begin() as c:
+        c.execute(text(f"INSERT INTO {q}.ready_entries (ready_slot, ready_generation, job_id, kind, queue, "
+                       f"priority, lane_seq) SELECT 0, 0, g, 'k', 'q', 2, g FROM generate_series(1, {jobs}) g"))
+        c.execute(text(f"INSERT INTO {q}.done_entries (ready_slot, ready_generation, job_id, kind, queue, state, "
+                       f"priority, attempt, run_lease, lane_seq) SELECT 0, 0, g, 'k', 'q', 'completed', 2, 1, 1, g "
+                       f"FROM generate_series(1, {half}) g"))
+        c.execute(text(f"INSERT INTO {q}.done_batches (ready_slot, ready_generation, queue, priority, enqueue_shard, "
+                       f"lane_block, lane_seqs, job_ids, run_leases, attempts, attempted_ats) "
+                       f"SELECT 0, 0, 'q', 2, 0, min(g) / {DONE_BLOCK}, array_agg(g ORDER BY g), "
+                       f"array_agg(g ORDER BY g), array_agg(1::bigint), array_agg(1::smallint), array_agg(now()) "
+                       f"FROM generate_series({half + 1}, {jobs}) g GROUP BY g / 32"))
+
+
+def test_a_jobs_done_rows_are_probed_by_key_in_a_ring_without_statistics(engine, st):
+    """The read-only lookup of a job's done rows and batch members (``load_job``'s) is a
+    probe by key at the planner's own settings, even where no statistics were ever gathered
+    (autovacuum off, a child just refilled): no sequential scan of ``done_entries`` or
+    ``done_batches`` and no hash join. Written as joins, the lookups were planned here as
+    hash joins over every done row and every batch row of the slot."""
+    unanalysed_ring(engine, st)
+    sch = storage_schema(st.config)
+    for job_id in (10, 30_000):  # a narrow done row, a batch member
+        stmt = union_all(queue_plane.select_done_of_job(sch, job_id, lock=False),
+                         queue_plane.select_batch_done_of_job(sch, job_id))
+        sql = str(stmt.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
+        with engine.connect() as c:
+            [plan] = c.execute(text(f"EXPLAIN (FORMAT JSON) {sql}")).scalar_one()
+        nodes = list(_plan_nodes(plan["Plan"]))
+        whole = [(n["Node Type"], n.get("Relation Name")) for n in nodes
+                 if n["Node Type"] == "Hash Join" or (n["Node Type"] == "Seq Scan" and n["Relation Name"].startswith(
+                     ("done_entries", "done_batches")) and n["Relation Name"].endswith("_0"))]
+        assert whole == [], (job_id, whole)
+        row = st.load_job(engine, job_id)
+        assert row is not None and (row.id, row.state, row.run_lease) == (job_id, JobState.COMPLETED, 1)
 
 
 def test_done_rows_index_job_id_only_where_created_at_is_set(engine, st):

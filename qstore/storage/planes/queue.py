@@ -58,6 +58,7 @@ from sqlalchemy.dialects.postgresql import BYTEA, JSONB, REGCLASS, TIMESTAMP
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningDelete
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.util import ClauseAdapter
 from sqlalchemy.util.concurrency import await_
 
 from qstore.config import (
@@ -430,8 +431,9 @@ _DONE_KEY = ("ready_slot", "ready_generation", "queue", "priority", "enqueue_sha
 def select_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any], *where: Any,
                        newest_per_job: bool = False, limit: Any = None, lock: bool = True) -> Select[Any]:
     """The hydrated done rows of job ``job_id`` (an id or a bound parameter) matching
-    ``where``: :func:`select_done`'s rows and columns, locked ``FOR UPDATE OF done SKIP
-    LOCKED`` unless ``lock`` is False. Every lookup of done rows by job id goes through here.
+    ``where`` (conditions on ``done_entries``): :func:`select_done`'s rows and columns,
+    locked ``FOR UPDATE OF done SKIP LOCKED`` unless ``lock`` is False. Every lookup of
+    done rows by job id goes through here.
 
     ``done_entries`` has no ``job_id`` index for narrow rows (a claimed attempt's, body
     columns NULL): they are found through the job's ready rows (``ready_entries_job_id_idx``)
@@ -439,7 +441,14 @@ def select_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any], *wh
     row. Wide rows (a body of their own, no ready row) are found through the partial index
     ``done_entries_wide_job_id_idx``. The two branches meet in a ``UNION ALL`` of lane keys,
     each tagged with the branch that found it, and a done row is taken only from the branch
-    its own kind belongs to, so no row is returned twice."""
+    its own kind belongs to, so no row is returned twice.
+
+    Unlocked, each key's done row is read by a ``LATERAL`` subquery with ``LIMIT 1`` (a lane
+    key names at most one done row), which the planner cannot turn into a join: a probe of
+    the primary key per key whatever the tables' statistics. Written as a join, a ring whose
+    statistics were never gathered (autovacuum off, or a child just refilled) was planned as
+    a hash join over every done row retained. The locked form keeps the join, so that its
+    ``ORDER BY … LIMIT`` locks only the row it returns."""
     d, r = sch.done.parent, sch.ready.parent
     kr, kd = r.alias("kr"), d.alias("kd")
     wide = wide_done_row(kd)  # the predicate of done_entries_wide_job_id_idx
@@ -453,11 +462,19 @@ def select_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any], *wh
     # it expects instead of probing its primary key
     on = and_(*(d.c[c] == keys.c[c] for c in _DONE_KEY), d.c.job_id == keys.c.job_id,
               wide_done_row(d) == keys.c.wide)
-    stmt = (select(*s.done_columns)
-            .select_from(keys.join(d, on).outerjoin(r, s.done_hydration))
-            .where(*where))
+    if lock:
+        stmt = (select(*s.done_columns)
+                .select_from(keys.join(d, on).outerjoin(r, s.done_hydration))
+                .where(*where))
+        finalized: ColumnElement[Any] = d.c.finalized_at
+    else:
+        probe = select(d).where(on, *where).limit(1).lateral("dd")
+        to_probe = ClauseAdapter(probe)
+        stmt = (select(*(to_probe.traverse(c) for c in s.done_columns))
+                .select_from(keys.join(probe, true()).outerjoin(r, to_probe.traverse(s.done_hydration))))
+        finalized = probe.c.finalized_at
     if newest_per_job:
-        stmt = stmt.order_by(d.c.finalized_at.desc())
+        stmt = stmt.order_by(finalized.desc())
     if limit is not None:
         stmt = stmt.limit(limit)
     return stmt.with_for_update(of=d, skip_locked=True) if lock else stmt
@@ -467,19 +484,27 @@ def select_batch_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any
     """Job ``job_id``'s members of batch done rows (``done_batches``: completed attempts
     of the completion fast path), with :func:`select_done_of_job`'s columns and names, its
     body read from its ready rows. Found through the ready rows' ``job_id`` index and, per
-    ready row, ``done_batches_lane_idx`` on the row's lane and block of positions. Not
-    locked: a batch row is never updated or deleted."""
+    ready row, ``done_batches_lane_idx`` on the row's lane and block of positions, in a
+    ``LATERAL`` subquery with ``LIMIT 1`` (a position is completed at most once, so it is a
+    member of one batch row at most), which the planner cannot turn into a join: the batch
+    rows are probed per ready row whatever the statistics (as a join, an unanalysed ring
+    was read whole). The limit also keeps the estimate of an unanalysed ring small: priced
+    per ready row without it, the statement's cost passed ``jit_above_cost`` at 400,000
+    ready rows, and compiling it took longer than running it. Not locked: a batch row is
+    never updated or deleted."""
     r = sch.ready.parent
     m = done_members(sch.done_batches.parent, "m")
     on = and_(at_lane_position(m, r), m.c.ready_generation == r.c.ready_generation,
               m.c.lane_block == r.c.lane_seq // DONE_BLOCK, m.c.job_id == r.c.job_id)
+    probe = select(m).where(on).limit(1).lateral("mm")
+    mm = probe.c
     completed = cast(literal(JobState.COMPLETED.value), sch.done.parent.c.state.type)  # done rows' type
     return select(
-        m.c.ready_slot, m.c.ready_generation, m.c.job_id, r.c.kind, m.c.queue,
-        completed.label("state"), m.c.priority, m.c.attempt, m.c.run_lease,
-        m.c.lane_seq, m.c.enqueue_shard, m.c.attempted_at, m.c.finalized_at,
+        mm.ready_slot, mm.ready_generation, mm.job_id, r.c.kind, mm.queue,
+        completed.label("state"), mm.priority, mm.attempt, mm.run_lease,
+        mm.lane_seq, mm.enqueue_shard, mm.attempted_at, mm.finalized_at,
         *(func.nullif(r.c[c], _JSON_NULL).label(c) if c == "payload" else r.c[c] for c in _HYDRATED),
-    ).select_from(r.join(m, on)).where(r.c.job_id == job_id)
+    ).select_from(r.join(probe, true())).where(r.c.job_id == job_id)
 
 
 def delete_done(conn: Connection, sch: StorageSchema, rows: Sequence[Any]) -> None:

@@ -444,8 +444,10 @@ def select_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any], *wh
     its own kind belongs to, so no row is returned twice.
 
     Unlocked, each key's done row is read by a ``LATERAL`` subquery with ``LIMIT 1`` (a lane
-    key names at most one done row), which the planner cannot turn into a join: a probe of
-    the primary key per key whatever the tables' statistics. Written as a join, a ring whose
+    key names at most one done row). The limit keeps the planner from flattening it into
+    the outer query, and its reference to the key makes it a parameterised probe of the
+    primary key per key, run in a nested loop whatever the tables' statistics (it cannot
+    be hashed). Written as a plain join, a ring whose
     statistics were never gathered (autovacuum off, or a child just refilled) was planned as
     a hash join over every done row retained. The locked form keeps the join, so that its
     ``ORDER BY … LIMIT`` locks only the row it returns."""
@@ -486,12 +488,12 @@ def select_batch_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any
     body read from its ready rows. Found through the ready rows' ``job_id`` index and, per
     ready row, ``done_batches_lane_idx`` on the row's lane and block of positions, in a
     ``LATERAL`` subquery with ``LIMIT 1`` (a position is completed at most once, so it is a
-    member of one batch row at most), which the planner cannot turn into a join: the batch
-    rows are probed per ready row whatever the statistics (as a join, an unanalysed ring
-    was read whole). The limit also keeps the estimate of an unanalysed ring small: priced
-    per ready row without it, the statement's cost passed ``jit_above_cost`` at 400,000
-    ready rows, and compiling it took longer than running it. Not locked: a batch row is
-    never updated or deleted."""
+    member of one batch row at most), which the planner cannot flatten: the batch rows are
+    probed per ready row whatever the statistics (as a plain join, an unanalysed ring was
+    read whole by a hash join). The limit also keeps the estimate of an unanalysed ring
+    small. With ``OFFSET 0`` as the fence instead, ``EXPLAIN`` priced the statement above
+    ``jit_above_cost`` at 400,000 ready rows, and compiling it took longer than running
+    it. Not locked: a batch row is never updated or deleted."""
     r = sch.ready.parent
     m = done_members(sch.done_batches.parent, "m")
     on = and_(at_lane_position(m, r), m.c.ready_generation == r.c.ready_generation,

@@ -30,12 +30,17 @@ at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _benchlib import finish
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 QUEUE = "counted"
@@ -142,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{f['per_row_lookup_ms']:.1f} ms, age_waiting_priorities {f['age_waiting_priorities_ms']:.1f} ms "
           f"(nothing old) / {f['age_waiting_priorities_all_old_ms']:.1f} ms (all old), load_job "
           f"{_ms(f['load_job_completed_ms'])} (a completed job) / {_ms(f['load_job_available_ms'])} (an available one)")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(f, fh, indent=2)
-    return 0
+    return finish(Path(args.json) if args.json else None, f, [])
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ CPU is read from ``/proc``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _benchlib import process_cpu
+from _benchlib import finish, process_cpu
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 QUEUE = "trickle"
@@ -101,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{figures['backend_cpu_us']:.0f} us per cycle (blocks: "
           f"{', '.join(f'{x:.0f}' for x in figures['blocks_cpu_us'])}), call p50 {figures['call_p50_us']:.0f} us; "
           f"the cycle's statement: {figures['generic_plans']} generic, {figures['custom_plans']} custom plans")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(figures, f, indent=2)
-    return 0
+    return finish(Path(args.json) if args.json else None, figures, [])
 
 
 if __name__ == "__main__":

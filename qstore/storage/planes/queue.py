@@ -447,10 +447,10 @@ def select_done_of_job(sch: StorageSchema, job_id: int | ColumnElement[Any], *wh
     key names at most one done row). The limit keeps the planner from flattening it into
     the outer query, and its reference to the key makes it a parameterised probe of the
     primary key per key, run in a nested loop whatever the tables' statistics (it cannot
-    be hashed). Written as a plain join, a ring whose
-    statistics were never gathered (autovacuum off, or a child just refilled) was planned as
-    a hash join over every done row retained. The locked form keeps the join, so that its
-    ``ORDER BY … LIMIT`` locks only the row it returns."""
+    be hashed). Written as a plain join, a ring whose statistics were never gathered
+    (autovacuum off, or a child just refilled) was planned as a hash join over every done
+    row retained. The locked form keeps the join, so that its ``ORDER BY … LIMIT`` locks
+    only the row it returns."""
     d, r = sch.done.parent, sch.ready.parent
     kr, kd = r.alias("kr"), d.alias("kd")
     wide = wide_done_row(kd)  # the predicate of done_entries_wide_job_id_idx

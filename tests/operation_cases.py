@@ -392,6 +392,8 @@ CASES: dict[str, Case] = {
     "rescue_expired_deadlines": Case(overdue, lambda s, t, g: s.rescue_expired_deadlines(t), _length(1)),
     "rescue_expired_callbacks": Case(callback_timed_out, lambda s, t, g: s.rescue_expired_callbacks(t), _length(1)),
     "promote_due": Case(retryable_due, lambda s, t, g: s.promote_due(t, JobState.RETRYABLE, 10), _equals(1)),
+    "promote_all_due": Case(retryable_due, lambda s, t, g: s.promote_all_due(t, 10),
+                            _equals({JobState.SCHEDULED: 0, JobState.RETRYABLE: 1})),
     "advance_overflow": Case(overflow_within_span, lambda s, t, g: s.advance_overflow(t, 10), _equals(1)),
     "prune_wheel": Case(resolved_wheel_slot, lambda s, t, g: s.prune_wheel(
         t, datetime.now(timezone.utc) + timedelta(minutes=1)), lambda r, g: len(r.pruned) == 1),

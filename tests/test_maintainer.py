@@ -17,7 +17,7 @@ import pytest
 from jobtools import BACKLOG, relation
 from sqlalchemy import Engine, create_engine, event, text
 
-from qstore import InsertOpts, InsertParams, QueueStorage, ValidationError
+from qstore import InsertOpts, InsertParams, QueueStorage, UniqueOpts, ValidationError
 from qstore.cli import main as cli_main
 from qstore.runtime.maintainer import LEADER_KEY_PREFIX, Maintainer, MaintenanceSchedule, RingTick
 from qstore.types import JobState
@@ -197,6 +197,70 @@ def test_promote_task_moves_more_than_one_batch(
     m = maintainers(schedule=MaintenanceSchedule(promote_batch_size=2, promote_max_batches=3))
     assert run(m, "promote")["scheduled"] == 6  # 3 batches of 2
     assert len(deferred_ids(small, engine)) == 1
+
+
+LIVE_ONLY = 0b0000_0111  # the key is held while scheduled, available or running
+
+
+def keyed(st: QueueStorage, conn: Any, *, states: int, in_s: float | None = None) -> int:
+    """One job of the shared key (kind ``m``, not by args), due ``in_s`` from now if given."""
+    at = None if in_s is None else datetime.now(timezone.utc) + timedelta(seconds=in_s)
+    return st.enqueue(conn, InsertParams("m", {}, InsertOpts(
+        queue=Q, run_at=at, unique=UniqueOpts(by_args=False, states=states))))
+
+
+def test_promote_task_decides_a_key_before_a_worker_can_end_the_later_due_holder(
+        small: QueueStorage, engine: Engine, db_url: str, maintainers: Callable[..., Maintainer]) -> None:
+    """A late promotion of a retry due first and of the job that took its key, due later:
+    a worker that claims and completes whatever is available between any two statements
+    of the promotion still finds the retry failed, naming the key's holder."""
+    a = keyed(small, engine, states=LIVE_ONLY)
+    [claimed] = small.claim_runtime_batch(engine, Q, 1)
+    with engine.begin() as conn:  # the retry releases the key; its partner takes it
+        assert small.retry_after(conn, a, claimed.job.run_lease, 0.05) is not None
+        b = keyed(small, conn, states=LIVE_ONLY, in_s=0.1)
+    time.sleep(0.2)  # both due: the promotion is late
+    worker = create_engine(db_url, pool_size=1)
+    ended: list[int] = []
+
+    def instant_worker(*_: Any) -> None:
+        if not ended or ended[-1] != -1:
+            ended.append(-1)  # no re-entry from the worker's own statements
+            for c in small.claim_runtime_batch(worker, Q, 10):
+                small.complete_runtime_batch(worker, [c])
+                ended.append(c.job.id)
+            ended.remove(-1)
+
+    event.listen(engine, "after_cursor_execute", instant_worker)
+    try:
+        run(maintainers(), "promote")
+    finally:
+        event.remove(engine, "after_cursor_execute", instant_worker)
+        worker.dispose()
+    row = small.load_job(engine, a)
+    assert row is not None and row.state == JobState.FAILED
+    assert row.errors is not None and row.errors[-1]["unique_owner"] == b
+    assert ended == [b]
+
+
+@pytest.mark.parametrize("first", ["retry", "schedule"])
+def test_promote_task_gives_a_free_key_to_the_job_due_first_whatever_its_state(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer], first: str) -> None:
+    """Two due jobs, one retryable and one scheduled, both wanting a key neither holds while
+    waiting: the one due first takes it and the other fails naming it."""
+    available_only = 0b0000_0110  # held while available or running
+    a = keyed(small, engine, states=available_only)
+    [claimed] = small.claim_runtime_batch(engine, Q, 1)
+    retry_in, schedule_in = (0.05, 0.1) if first == "retry" else (0.1, 0.05)
+    assert small.retry_after(engine, a, claimed.job.run_lease, retry_in) is not None
+    b = keyed(small, engine, states=available_only, in_s=schedule_in)
+    time.sleep(0.2)
+    assert run(maintainers(), "promote") == {"scheduled": int(first == "schedule"), "retryable": int(first == "retry")}
+    winner, loser = (a, b) if first == "retry" else (b, a)
+    won, lost = small.load_job(engine, winner), small.load_job(engine, loser)
+    assert won is not None and won.state == JobState.AVAILABLE
+    assert lost is not None and lost.state == JobState.FAILED
+    assert lost.errors is not None and lost.errors[-1]["unique_owner"] == winner
 
 
 def test_rescue_task_reopens_attempts_past_their_deadline(

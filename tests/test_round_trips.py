@@ -2,7 +2,8 @@
 pooled connection an engine of pool size 1 has): an enqueue, an empty claim and a fast
 completion on an ``Engine`` are one round trip each, with no BEGIN or COMMIT; in a caller's
 transaction an enqueue is one statement there. A promotion pass that finds nothing due is one
-round trip per state, a statement the server planned once for the connection."""
+round trip per state (whether it promotes one state or both), a statement the server planned
+once for the connection."""
 
 from __future__ import annotations
 
@@ -121,6 +122,15 @@ def test_a_promotion_pass_that_finds_nothing_due_is_one_round_trip_per_state(one
         for state in (JobState.SCHEDULED, JobState.RETRYABLE):
             assert storage.promote_due(one_connection, state, 10) == 0
     # no BEGIN or COMMIT, and no Parse: the statement prepared by the first pass is reused
+    assert sent.round_trips == 2 and "Query" not in sent.sent and "Parse" not in sent.sent, sent.sent
+
+
+def test_a_promotion_of_both_states_that_finds_nothing_due_is_one_round_trip_per_state(one_connection, storage):
+    _nothing_due_for_promotion(one_connection, storage)
+    nothing = {JobState.SCHEDULED: 0, JobState.RETRYABLE: 0}
+    assert storage.promote_all_due(one_connection, 10) == nothing
+    with wire(pooled_pgconn(one_connection)) as sent:
+        assert storage.promote_all_due(one_connection, 10) == nothing
     assert sent.round_trips == 2 and "Query" not in sent.sent and "Parse" not in sent.sent, sent.sent
 
 

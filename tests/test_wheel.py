@@ -96,6 +96,27 @@ def test_promotion_takes_due_entries_by_run_at_then_priority(engine, st):
     assert st.promote_due(engine, JobState.SCHEDULED, 10) == 0
 
 
+def test_promoting_both_states_takes_up_to_the_batch_of_each(engine, st):
+    t = now() - timedelta(seconds=10)
+    scheduled = [defer(engine, st, t + timedelta(seconds=i)) for i in range(3)]
+    st.enqueue_many(engine, [params(), params()])
+    retried = []
+    for c in st.claim_runtime_batch(engine, "q", 2):
+        assert st.retry_after(engine, c.job.id, c.job.run_lease, 0) is not None
+        retried.append(c.job.id)
+    assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 2, JobState.RETRYABLE: 2}
+    states = {j: st.load_job(engine, j).state for j in scheduled + retried}  # type: ignore[union-attr]
+    assert states == {**dict.fromkeys(scheduled[:2] + retried, JobState.AVAILABLE), scheduled[2]: JobState.SCHEDULED}
+    assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 1, JobState.RETRYABLE: 0}
+    assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 0, JobState.RETRYABLE: 0}
+
+
+def test_promoting_both_states_with_no_batch_moves_nothing(engine, st):
+    defer(engine, st, now() - timedelta(seconds=1))
+    assert st.promote_all_due(engine, 0) == {JobState.SCHEDULED: 0, JobState.RETRYABLE: 0}
+    assert st.promote_all_due(engine, 1) == {JobState.SCHEDULED: 1, JobState.RETRYABLE: 0}
+
+
 def test_promotion_skips_a_paused_queues_entries(engine, st):
     job_id = defer(engine, st, now() - timedelta(seconds=1))
     st.set_queue_options(engine, "q", paused=True)

@@ -329,17 +329,16 @@ class Maintainer:
         ]
 
     def _promote(self) -> dict[str, int]:
-        """Due ``scheduled`` jobs first, then due ``retryable`` ones, in bounded batches."""
-        moved: dict[str, int] = {}
+        """Due ``scheduled`` and ``retryable`` jobs together, in ``run_at`` order across the
+        two states, in bounded batches (one transaction each), until both come back short."""
         size = self.schedule.promote_batch_size
-        for state in (JobState.SCHEDULED, JobState.RETRYABLE):
-            total = 0
-            for _ in range(self.schedule.promote_max_batches):
-                n = self.storage.promote_due(self.engine, state, size)
-                total += n
-                if n < size:
-                    break
-            moved[state.value] = total
+        moved = dict.fromkeys((JobState.SCHEDULED.value, JobState.RETRYABLE.value), 0)
+        for _ in range(self.schedule.promote_max_batches):
+            batch = self.storage.promote_all_due(self.engine, size)
+            for state, n in batch.items():
+                moved[state.value] += n
+            if all(n < size for n in batch.values()):
+                break
         return moved
 
     def _wheel(self) -> dict[str, int]:

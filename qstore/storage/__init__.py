@@ -185,6 +185,7 @@ class Operations:
     rescue_expired_deadlines = op(JOIN, rescue.rescue_expired_deadlines)
     rescue_expired_callbacks = op(JOIN, rescue.rescue_expired_callbacks)
     promote_due = op(UNITS, rescue.promote_due, state=C.promotable_state, batch_size=C.promotion_batch)
+    promote_all_due = op(UNITS, rescue.promote_all_due, batch_size=C.promotion_batch)
     advance_overflow = op(ATOMIC, wheel.advance_overflow, batch_size=C.promotion_batch)
     prune_wheel = op(JOIN, wheel.prune_wheel, at=C.optional_datetime)
 

@@ -37,8 +37,8 @@ from qstore.storage.statements import (
 from qstore.storage.targets import Runner, Transactions
 from qstore.types import JobRow, JobState
 
-__all__ = ["RESCUE_LIMIT", "any_due", "promote_due", "rescue_expired_callbacks", "rescue_expired_deadlines",
-           "rescue_stale_heartbeats"]
+__all__ = ["PROMOTABLE", "RESCUE_LIMIT", "any_due", "promote_all_due", "promote_due", "rescue_expired_callbacks",
+           "rescue_expired_deadlines", "rescue_stale_heartbeats"]
 
 RESCUE_LIMIT = 500
 
@@ -144,6 +144,9 @@ def any_due(run: Runner, sch: StorageSchema, state: JobState) -> bool:
     return bool(run.rows(queue.deferred_statements(sch).due_probes[state.value], {})[0][0])
 
 
+PROMOTABLE = (JobState.SCHEDULED, JobState.RETRYABLE)
+
+
 def promote_due(ctx: StorageContext, tx: Transactions, state: JobState | str, batch_size: int) -> int:
     """Move up to ``batch_size`` due deferred rows of ``state`` (scheduled or retryable; any
     other state, or a ``batch_size`` of 0 or less, moves nothing) of unpaused queues into the
@@ -160,16 +163,45 @@ def promote_due(ctx: StorageContext, tx: Transactions, state: JobState | str, ba
     itself run, in a transaction of its own on an Engine and in a SAVEPOINT of the
     caller's transaction otherwise."""
     st = JobState(state)
-    if st not in (JobState.SCHEDULED, JobState.RETRYABLE) or batch_size <= 0:
+    if st not in PROMOTABLE:
         return 0
+    return _promote(ctx, tx, (st,), batch_size)[st]
+
+
+def promote_all_due(ctx: StorageContext, tx: Transactions, batch_size: int) -> dict[JobState, int]:
+    """:func:`promote_due` for both deferred states at once: up to ``batch_size`` due rows
+    of each state, taken and promoted in one transaction in ``run_at`` order across the
+    two (then priority and job id). Returns how many of each state became available.
+
+    One transaction decides every unique-key contest among the rows it takes: a job due
+    earlier meets its key before a job due later takes it, whatever their states, and no
+    job of the pass can be claimed (and end, releasing its key) before the others are
+    decided. Two separate passes would let a late promotion make the later-due job
+    available first and a worker end it before the earlier one is promoted. The order
+    across states holds within a batch: a state with more than ``batch_size`` due rows
+    leaves its later ones to the next call.
+
+    A pass that finds nothing due costs two statements (one probe per state)."""
+    return _promote(ctx, tx, PROMOTABLE, batch_size)
+
+
+def _promote(ctx: StorageContext, tx: Transactions, states: Sequence[JobState],
+             batch_size: int) -> dict[JobState, int]:
+    moved = dict.fromkeys(states, 0)
+    if batch_size <= 0:
+        return moved
     with tx.hot() as run:
-        if not any_due(run, ctx.schema, st):
-            return 0
+        due = [st for st in states if any_due(run, ctx.schema, st)]
+    if not due:
+        return moved
     with tx.atomic() as conn:
-        taken = queue.take_due(conn, ctx.schema, st, batch_size)
+        taken = [(r, st) for st in due for r in queue.take_due(conn, ctx.schema, st, batch_size)]
         if not taken:
-            return 0
-        rows = sorted(taken, key=lambda r: (r.run_at, r.priority, r.job_id))  # RETURNING keeps no order
+            return moved
+        taken.sort(key=lambda t: (t[0].run_at, t[0].priority, t[0].job_id))  # RETURNING keeps no order
         out = destinations.apply(conn, ctx, [(Body.from_snapshot(r), Decision(Destination.READY), st)
-                                             for r in rows], unique_conflicts=UniqueConflicts.FAIL_JOB)
-    return sum(1 for r in out if r.state == JobState.AVAILABLE)
+                                             for r, st in taken], unique_conflicts=UniqueConflicts.FAIL_JOB)
+    for row, (_, st) in zip(out, taken, strict=True):
+        if row.state == JobState.AVAILABLE:
+            moved[st] += 1
+    return moved

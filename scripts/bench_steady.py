@@ -463,6 +463,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     vacuum_schemas(engine, [qstore.schema])
                 pin = XminPin(engine).__enter__()
                 pinned_since = time.monotonic()
+                # the pinned phase lasts its length from the pin itself (the vacuum before
+                # it can take a while on a loaded host), and the recovery phase follows it
+                unpin_at = pinned_since - t0 + pinned_s
+                total = unpin_at + recovery_s
                 phase = "pinned"
                 censuses["at_pin_start"] = census(engine, [s.schema for s in systems], exact, pin)
                 print(f"t={elapsed:6.1f}s pinned   census at pin start: qstore dead="

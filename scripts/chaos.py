@@ -215,6 +215,9 @@ SERVER_FAULTS = ("restart", "crash", "terminate_all")
 RING_TASKS = ("queue_ring", "lease_ring", "claim_ring")
 #: how long the controller waits for a fault's recovery (leadership) before the next fault
 RECOVERY_WAIT = 30.0
+#: how long after leadership is back the next fault waits at least (the rings' upkeep ticks
+#: every 0.05-0.1 s; a loaded host can take much longer between two ticks)
+RING_SETTLE = 2.0
 
 
 @dataclass(frozen=True)
@@ -1571,13 +1574,21 @@ class Controller:
 
     def measure_recovery(self) -> None:
         """Leadership is back once a live session (after a termination: not one of those
-        terminated) holds the leader lock; give up after :data:`RECOVERY_WAIT`."""
+        terminated) holds the leader lock; give up after :data:`RECOVERY_WAIT`. The fault
+        counts as over (the next may come) :data:`RING_SETTLE` seconds after leadership is
+        back: the rings' upkeep, checked per fault until the next one, then had time for a
+        tick whatever the plan's spacing of the faults."""
         r = self._recovering
         assert r is not None
-        pid = self.leader_pid()
-        back = pid is not None and pid not in r["gone"]
-        if back or time.monotonic() > r["until"]:
-            r["rec"]["leader_back_s"] = round(time.time() - r["rec"]["up_at"], 3) if back else None
+        now = time.monotonic()
+        if "back_at" not in r:
+            pid = self.leader_pid()
+            if pid is not None and pid not in r["gone"]:
+                r["back_at"] = now
+                r["rec"]["leader_back_s"] = round(time.time() - r["rec"]["up_at"], 3)
+        settled = "back_at" in r and now >= r["back_at"] + RING_SETTLE
+        if settled or now > r["until"]:
+            r["rec"].setdefault("leader_back_s", None)
             self.faults.append(r["rec"])
             self._recovering = None
 

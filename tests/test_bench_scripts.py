@@ -36,6 +36,7 @@ def storage_bench(module_fresh_db_url: str, tmp_path_factory: pytest.TempPathFac
     return json.loads(out.read_text())
 
 
+@pytest.mark.xdist_group("storage_bench")  # its module fixture runs the bench once
 def test_storage_bench_drains_every_job_exactly_once_for_both_systems_and_phases(storage_bench):
     runs = {(r["system"], r["phase"]): r for r in storage_bench["results"]}
     assert set(runs) == {(s, p) for s in ("qstore", "classic") for p in ("clean", "pinned")}
@@ -48,6 +49,7 @@ def test_storage_bench_drains_every_job_exactly_once_for_both_systems_and_phases
     assert {t["result"] for t in targets.values()} <= {"PASS", "FAIL"}
 
 
+@pytest.mark.xdist_group("storage_bench")  # its module fixture runs the bench once
 def test_storage_bench_counts_no_dead_tuples_in_qstore_tables_under_a_pinned_horizon(storage_bench):
     if storage_bench["dead_tuple_source"] != "pgstattuple":
         pytest.skip("exact dead-tuple counts need pgstattuple on the server")

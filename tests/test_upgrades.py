@@ -28,6 +28,10 @@ from qstore import QueueStorage, QueueStorageConfig
 from qstore.migrate import REVISIONS, current_revision, downgrade, upgrade
 from qstore.types import JobState, RetryFromDlqOpts
 
+#: one worker process runs the whole module: its module fixtures (a database, 38 installs
+#: written by the previous release and upgraded) are built once, not once per process
+pytestmark = pytest.mark.xdist_group("upgrades")
+
 HERE = Path(__file__).resolve().parent
 PREVIOUS_WHEEL = HERE / "data" / "previous_release" / "qstore-0.1.0-1b55e32.whl"
 WORKER = HERE / "previous_release_worker.py"

@@ -164,6 +164,11 @@ SLOW_TESTS = frozenset({
     "test_shape_and_cli_errors.py::test_standalone_alembic_without_a_url_is_one_failed_line_with_the_fix",
 })
 FUZZ_FAST_SCALE = "0.1"
+#: Modules whose tests take the longest, longest first: each tier sends their tests to the
+#: worker processes first, so the run does not end with one process working through a long
+#: module while the other has nothing left to do.
+LONGEST_FIRST = ("test_upgrades", "test_bench_scripts", "test_state_machine", "test_chaos",
+                 "test_worker_process", "test_periodic", "test_host_app", "test_migrations")
 
 
 def _slow_tier(config: pytest.Config) -> bool:
@@ -208,6 +213,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif (getattr(item, "originalname", "") == MISSING_SCHEMA_TABLE
               and operations.index(item.callspec.params["name"]) % 8 != 2):  # type: ignore[attr-defined]
             item.add_marker(pytest.mark.slow)
+    first = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(first)))  # stable: in-module order kept
 
 
 hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)

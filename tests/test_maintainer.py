@@ -202,9 +202,12 @@ def test_promote_task_moves_more_than_one_batch(
 LIVE_ONLY = 0b0000_0111  # the key is held while scheduled, available or running
 
 
-def keyed(st: QueueStorage, conn: Any, *, states: int, in_s: float | None = None) -> int:
-    """One job of the shared key (kind ``m``, not by args), due ``in_s`` from now if given."""
-    at = None if in_s is None else datetime.now(timezone.utc) + timedelta(seconds=in_s)
+def keyed(st: QueueStorage, conn: Any, *, states: int, in_s: float | None = None,
+          at: datetime | None = None) -> int:
+    """One job of the shared key (kind ``m``, not by args), due ``in_s`` from now or at
+    ``at`` if given."""
+    if in_s is not None:
+        at = datetime.now(timezone.utc) + timedelta(seconds=in_s)
     return st.enqueue(conn, InsertParams("m", {}, InsertOpts(
         queue=Q, run_at=at, unique=UniqueOpts(by_args=False, states=states))))
 
@@ -251,10 +254,12 @@ def test_promote_task_gives_a_free_key_to_the_job_due_first_whatever_its_state(
     available_only = 0b0000_0110  # held while available or running
     a = keyed(small, engine, states=available_only)
     [claimed] = small.claim_runtime_batch(engine, Q, 1)
-    retry_in, schedule_in = (0.05, 0.1) if first == "retry" else (0.1, 0.05)
-    assert small.retry_after(engine, a, claimed.job.run_lease, retry_in) is not None
-    b = keyed(small, engine, states=available_only, in_s=schedule_in)
-    time.sleep(0.2)
+    retried = small.retry_after(engine, a, claimed.job.run_lease, 0.1)
+    assert retried is not None and retried.run_at is not None
+    # the schedule is due 50 ms after the retry or 50 ms before it, however long this took
+    b = keyed(small, engine, states=available_only,
+              at=retried.run_at + timedelta(seconds=0.05 if first == "retry" else -0.05))
+    time.sleep(max(0.0, (retried.run_at - datetime.now(timezone.utc)).total_seconds()) + 0.1)
     assert run(maintainers(), "promote") == {"scheduled": int(first == "schedule"), "retryable": int(first == "retry")}
     winner, loser = (a, b) if first == "retry" else (b, a)
     won, lost = small.load_job(engine, winner), small.load_job(engine, loser)

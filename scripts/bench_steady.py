@@ -479,6 +479,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pin.__exit__(None, None, None)
                 pin = None
                 phase = "recovery"
+                # the recovery phase lasts its length from the unpin (the census before it
+                # can take seconds on a loaded host), so it always gets its samples
+                total = time.monotonic() - t0 + recovery_s
                 print(f"t={elapsed:6.1f}s pinned   census at the end of the pinned phase: qstore "
                       f"dead={end[qstore.schema]['total']:,}", flush=True)
             if elapsed >= next_sample:  # on the --sample grid; a slot a census overran is skipped

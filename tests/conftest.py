@@ -53,7 +53,6 @@ from qstore.migrate import version_location
 # the missing-schema check of every fourth operation (one the rollback check skips); the
 # slow tier runs the rest.
 SLOW_MODULES = frozenset({
-    "test_bench_scripts",    # runs the benchmark scripts end to end
     "test_chaos",            # the chaos harness at CI scale
     "test_state_machine",    # stateful property tests of the whole lifecycle
     "test_upgrades",         # installs of every previous release, upgraded under load
@@ -165,21 +164,14 @@ SLOW_TESTS = frozenset({
     "test_shape_and_cli_errors.py::test_standalone_alembic_without_a_url_is_one_failed_line_with_the_fix",
 })
 #: The extended tier (``pytest -q -m extended``; not run by CI, whose two tiers must fit in
-#: its time on a slow 2-core host): the rest of the benchmark scripts end to end. The long
-#: tier keeps the worker, storage, steady and dead-tuple census benchmarks.
-EXTENDED_TESTS = frozenset(f"test_bench_scripts.py::{name}" for name in (
-    "test_worker_bench_drains_every_job_with_each_variant",
-    "test_mix_bench_ends_every_job_as_planned_exactly_once_in_both_systems",
-    "test_claim_server_bench_also_runs_the_claim_of_an_earlier_revision",
-    "test_claim_server_bench_claims_one_job_per_loop_in_every_system_and_drops_its_schemas",
-    "test_worker_bench_with_async_runs_the_async_worker_beside_the_worker",
-    "test_worker_bench_splits_the_async_workers_pickups_too",
-    "test_worker_bench_loads_the_drain_into_as_many_lanes_as_asked",
-    "test_worker_bench_samples_the_backends_states_of_each_drain_when_asked",
-    "test_steady_bench_drives_qstore_through_its_worker_when_asked",
-    "test_wal_per_batch_facts_measures_both_designs_for_every_batch_size",
-    "test_defer_client_bench_times_every_case_of_each_tree_and_drops_its_schemas",
-    "test_counts_bench_times_the_counts_on_a_claimed_backlog_and_drops_its_schema",
+#: its 20 minutes on a slow 2-core host): the benchmark scripts end to end, and the demo's
+#: longer runs. Modules listed here go there whole; the fast tier keeps the demo's short run.
+EXTENDED_MODULES = frozenset({"test_bench_scripts"})
+EXTENDED_TESTS = frozenset(f"test_demo.py::{name}" for name in (
+    "test_the_steady_run_plots_a_png",
+    "test_a_short_steady_run_summarises_both_systems_side_by_side",
+    "test_the_steady_run_pins_and_releases_the_horizon",
+    "test_piped_progress_is_plain_lines_one_per_system_per_sample",
 ))
 FUZZ_FAST_SCALE = "0.1"
 #: Modules whose tests take the longest, longest first: each tier sends their tests to the
@@ -221,7 +213,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         module = item.path.stem
         named = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
-        if named in EXTENDED_TESTS:
+        if module in EXTENDED_MODULES or named in EXTENDED_TESTS:
             item.add_marker(pytest.mark.extended)
         elif (module in SLOW_MODULES or named in SLOW_TESTS or (module == "test_input_fuzz" and slow_tier)
                 or _second_receipt_mode(item)):

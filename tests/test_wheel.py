@@ -15,7 +15,7 @@ from sqlalchemy import text
 from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig, RetryFromDlqOpts
 from qstore.config import WHEEL_BUCKET_SECONDS, WHEEL_GUARD_SLOTS, WHEEL_SLOTS
 from qstore.runtime.maintainer import Maintainer, MaintenanceSchedule
-from qstore.types import JobState
+from qstore.types import JobRow, JobState
 
 UTC = timezone.utc
 FAR = timedelta(hours=2)  # beyond the wheel's span: a wait in the overflow
@@ -150,6 +150,52 @@ def test_concurrent_promoters_promote_each_entry_exactly_once(engine, st):
     copies = ready_copies(engine, st)
     assert len(copies) == 300 and set(copies.values()) == {1}
     assert st.queue_counts(engine, "q").available == 300
+
+
+def _blocked_or_done(engine, thread: threading.Thread, seconds: float = 5.0) -> None:
+    """Wait until ``thread`` has ended or another session of this database waits for a lock."""
+    end = time.monotonic() + seconds
+    with engine.connect() as c:
+        while thread.is_alive() and time.monotonic() < end:
+            if c.execute(text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                              "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()")).scalar_one():
+                return
+            c.rollback()
+            time.sleep(0.02)
+
+
+def test_a_promotion_between_two_cancels_of_one_transaction_neither_waits_nor_deadlocks(engine, st):
+    """A caller's transaction cancels a due retryable job, then a due scheduled one; a
+    promotion of both states runs between the two cancels. The promotion skips the entry the
+    caller's transaction holds instead of waiting for it (waiting while it holds the other
+    entry's mark would deadlock with the caller's second cancel), promotes the scheduled
+    job, and the caller's second cancel then finds that job available and cancels it."""
+    st.enqueue_many(engine, [params()])
+    (c,) = st.claim_runtime_batch(engine, "q", 1)
+    assert st.retry_after(engine, c.job.id, c.job.run_lease, 0) is not None
+    retried, scheduled = c.job.id, defer(engine, st, now() - timedelta(seconds=1))
+    outcome: list[object] = []
+
+    def promote() -> None:
+        try:
+            outcome.append(st.promote_all_due(engine, 100))
+        except BaseException as err:  # reported below
+            outcome.append(err)
+
+    promoter = threading.Thread(target=promote)
+    with engine.connect() as conn:
+        assert st.cancel_job(conn, retried) is not None
+        promoter.start()
+        _blocked_or_done(engine, promoter)
+        try:
+            second = st.cancel_job(conn, scheduled)
+        finally:
+            conn.commit()
+            promoter.join()
+    assert outcome == [{JobState.SCHEDULED: 1, JobState.RETRYABLE: 0}]
+    assert second is not None and second.state is JobState.CANCELLED
+    assert {j: st.load_job(engine, j).state for j in (retried, scheduled)} == dict.fromkeys(  # type: ignore[union-attr]
+        (retried, scheduled), JobState.CANCELLED)
 
 
 def test_a_due_job_is_promoted_by_one_promote_tick(engine, st):
@@ -342,6 +388,59 @@ def test_cancel_of_a_promoted_wait_finds_the_available_job(engine, st):
     row = st.cancel_job(engine, job_id)
     assert row is not None and row.state is JobState.CANCELLED
     assert st.promote_due(engine, JobState.SCHEDULED, 10) == 0
+
+
+def _due_wait(engine, st, place: str) -> int:
+    """A scheduled job due a second ago, in the wheel or in an overflow row not yet moved in."""
+    job_id = defer(engine, st, now() + (NEAR if place == "wheel" else FAR))
+    with engine.begin() as c:
+        table = "deferred_wheel" if place == "wheel" else "deferred_jobs"
+        c.execute(text(f'UPDATE "{st.schema()}".{table} SET run_at = clock_timestamp() - interval \'1 second\''))
+    return job_id
+
+
+def _behind_a_promotion(engine, st, call) -> object:
+    """Run ``call`` in a thread while a promotion of every due wait holds its transaction
+    open, check that the call waits for it, commit the promotion; what ``call`` returned."""
+    outcome: list[object] = []
+
+    def target() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as err:  # reported below
+            outcome.append(err)
+
+    caller = threading.Thread(target=target)
+    with engine.connect() as promotion:
+        assert st.promote_all_due(promotion, 10)[JobState.SCHEDULED] == 1
+        caller.start()
+        _blocked_or_done(engine, caller)
+        assert caller.is_alive()  # waiting for the promotion's lock
+        promotion.commit()
+    caller.join()
+    (result,) = outcome
+    return result
+
+
+@pytest.mark.parametrize("place", ["wheel", "overflow"])
+def test_a_cancel_that_waits_for_a_promotion_cancels_the_job_it_made_available(engine, st, place):
+    """The cancel looks in the ready ring first, finds nothing, then waits for the wait a
+    promotion holds; once the promotion commits, the job is available, and the cancel ends
+    it there instead of reporting that nothing was live."""
+    job_id = _due_wait(engine, st, place)
+    row = _behind_a_promotion(engine, st, lambda: st.cancel_job(engine, job_id))
+    assert isinstance(row, JobRow) and row.state is JobState.CANCELLED, row
+    assert st.load_job(engine, job_id).state is JobState.CANCELLED  # type: ignore[union-attr]
+    assert st.queue_counts(engine, "q").available == 0
+
+
+@pytest.mark.parametrize("place", ["wheel", "overflow"])
+def test_a_priority_change_that_waits_for_a_promotion_moves_the_job_it_made_available(engine, st, place):
+    job_id = _due_wait(engine, st, place)
+    assert _behind_a_promotion(engine, st, lambda: st.set_priority(engine, job_id, 1)) is True
+    row = st.load_job(engine, job_id)
+    assert row is not None and (row.state, row.priority) == (JobState.AVAILABLE, 1)
+    assert st.queue_counts(engine, "q").available == 1
 
 
 @pytest.mark.parametrize("delay", [NEAR, FAR], ids=["wheel", "overflow"])

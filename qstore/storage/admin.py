@@ -133,7 +133,26 @@ def retry_jobs_by_ids(ctx: StorageContext, conn: Connection, ids: Sequence[int])
 def cancel_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | None:
     """Cancel whatever is live: an unclaimed ready position (a tombstone and a narrow done
     row beside its ready row), a running/waiting attempt (closed, NOTIFY on the cancel
-    channel), or a deferred row."""
+    channel), or a deferred row.
+
+    A wait that a concurrent promotion took while this looked elsewhere is found where the
+    promotion put it: the deferred take waits for the promotion's commit, and the ready
+    ring and the attempts are looked at again after it."""
+    sch = ctx.schema
+    row = _cancel_ready_or_running(ctx, conn, job_id)
+    if row is not None:
+        return row
+    rows = queue.take_deferred(conn, sch, job_id, [JobState.SCHEDULED, JobState.RETRYABLE])
+    if rows:
+        r = rows[0]
+        return destinations.apply(conn, ctx, [(Body.from_snapshot(r), Decision(Destination.TERMINAL, JobState.CANCELLED),
+                                               JobState(r.state))])[0]
+    return _cancel_ready_or_running(ctx, conn, job_id)
+
+
+def _cancel_ready_or_running(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | None:
+    """:func:`cancel_job`'s first two places: an unclaimed ready position, then a live
+    attempt."""
     sch = ctx.schema
     body = _take_unclaimed(conn, sch, job_id)
     if body is not None:
@@ -149,11 +168,6 @@ def cancel_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | N
                 ready_payloads={t.job_id: t.payload})[0]
             queue.notify(conn, sch.config.cancel_channel, json.dumps({"job_id": t.job_id, "run_lease": t.run_lease}))
             return row
-    rows = queue.take_deferred(conn, sch, job_id, [JobState.SCHEDULED, JobState.RETRYABLE])
-    if rows:
-        r = rows[0]
-        return destinations.apply(conn, ctx, [(Body.from_snapshot(r), Decision(Destination.TERMINAL, JobState.CANCELLED),
-                                               JobState(r.state))])[0]
     return None
 
 
@@ -177,7 +191,8 @@ def _target_queue(sch: StorageSchema, current: str, queue_name: str | None, job_
 
 def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | None, priority: int | None) -> bool:
     """Change queue and/or priority of a scheduled or unclaimed available job. False when
-    nothing matched or nothing would change (retryable, running and terminal jobs stay)."""
+    nothing matched or nothing would change (retryable, running and terminal jobs stay). A
+    scheduled job that a concurrent promotion made available is moved where it went."""
     sch = ctx.schema
     s = _reads(sch)
     seen = conn.execute(s.scheduled, {"b_job": job_id}).first()
@@ -189,20 +204,21 @@ def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | N
         # the wait ends (its wheel entry marked moved, or its overflow row deleted) and a new
         # one with the new queue and priority is appended, due at the same time
         taken = queue.take_deferred(conn, sch, job_id, [JobState.SCHEDULED], resolution=WheelResolution.MOVED)
-        if not taken:
-            return False  # promoted or cancelled meanwhile
-        row = taken[0]
-        new_q = _target_queue(sch, row.queue, new_queue, job_id)
-        new_p = priority if priority is not None else row.priority
-        snapshot = Body.from_snapshot(row)
-        meta = snapshot.job.metadata
-        if new_p != row.priority:
-            meta = _stamp(meta, ORIGINAL_PRIORITY, row.priority)
-        if new_q != row.queue:
-            meta = _stamp(meta, ORIGINAL_QUEUE, logical_queue(row.queue))
-        moved = snapshot.replace(queue=new_q, priority=new_p, metadata=meta)
-        queue.write_deferred(conn, sch, [(moved, JobState.SCHEDULED, row.run_at, row.finalized_at)])
-        return True
+        if taken:
+            row = taken[0]
+            new_q = _target_queue(sch, row.queue, new_queue, job_id)
+            new_p = priority if priority is not None else row.priority
+            snapshot = Body.from_snapshot(row)
+            meta = snapshot.job.metadata
+            if new_p != row.priority:
+                meta = _stamp(meta, ORIGINAL_PRIORITY, row.priority)
+            if new_q != row.queue:
+                meta = _stamp(meta, ORIGINAL_QUEUE, logical_queue(row.queue))
+            moved = snapshot.replace(queue=new_q, priority=new_p, metadata=meta)
+            queue.write_deferred(conn, sch, [(moved, JobState.SCHEDULED, row.run_at, row.finalized_at)])
+            return True
+        # promoted meanwhile (the take waited for the promotion's commit): the job may now be
+        # an unclaimed ready position, looked for below; cancelled meanwhile, it is not
     for r in conn.execute(s.ready_candidates, {"b_job": job_id}).all():
         new_q = _target_queue(sch, r.queue, new_queue, job_id)
         new_p = priority if priority is not None else r.priority

@@ -667,7 +667,11 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
     to_wheel = into_wheel(src, src.c.bucket.isnot(None)).cte("to_wheel")
     defer = insert(df).from_select(names, select(*snapshot(src)).where(src.c.bucket.is_(None))).add_cte(to_wheel)
 
-    # taking a live entry: a mark that lands (ON CONFLICT DO NOTHING) owns it
+    # taking a live entry: a mark that lands (ON CONFLICT DO NOTHING) owns it. Every taker
+    # first locks the entry row: one taking a single job waits for that lock, a promotion
+    # skips entries locked by others. A promotion so never waits for another transaction's
+    # mark while it holds marks of its own, which would deadlock with a transaction that
+    # takes two entries in the other order (a multi-job cancel, say).
     unmarked = wheel_entry_live(w, mk)
     states: Any = bindparam("states", expanding=True)
 
@@ -681,7 +685,7 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
 
     job = bindparam("b_job", type_=BigInteger())
     entry = select(w.c.wheel_slot, w.c.entry_id, w.c.job_id).where(
-        w.c.job_id == job, w.c.state.in_(states), unmarked).cte("entry")
+        w.c.job_id == job, w.c.state.in_(states), unmarked).with_for_update(of=w).cte("entry")
     take_entry = claimed(entry, bindparam("resolution", type_=Text()))
 
     def paused(queue: Any) -> Any:
@@ -694,7 +698,8 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
     limit = bindparam("limit", type_=Integer())
     due = (select(w.c.wheel_slot, w.c.entry_id, w.c.job_id)
            .where(w.c.state == bindparam("state"), w.c.run_at <= due_at, unmarked, ~paused(w.c.queue))
-           .order_by(w.c.run_at, w.c.priority, w.c.job_id).limit(limit).cte("due"))
+           .order_by(w.c.run_at, w.c.priority, w.c.job_id).limit(limit)
+           .with_for_update(of=w, skip_locked=True).cte("due"))
     take_due_entries = claimed(due, literal(WheelResolution.PROMOTED.value, Text()))
 
     due_overflow = (select(df.c.job_id).where(df.c.state == bindparam("state"), df.c.run_at <= due_at,

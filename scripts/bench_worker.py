@@ -94,6 +94,8 @@ import asyncio
 import bisect
 import functools
 import inspect
+import os
+import re
 import sys
 import threading
 import time
@@ -344,6 +346,7 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
         worker = new_worker(app, engine, args, is_async=is_async, cycles=cycles)
         meter = ServerMeter(engine, breakdown=trace is not None, waits=args.wait_states).start()
         cpu0 = time.process_time()
+        threads0 = thread_cpu_ns()
         t0 = time.perf_counter()
         worker.start()
         try:
@@ -351,6 +354,7 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
                 raise RuntimeError(f"worker started {len(recorder.started)} of {n} jobs")
             t1 = wait_completed(worker, n, args.timeout)
             cpu = time.process_time() - cpu0
+            res["client_cpu_by_thread"] = cpu_by_thread(threads0, thread_cpu_ns(), n)
             if trace is not None:
                 res["wire"] = trace.counts()
             use = meter.stop(engine)
@@ -376,6 +380,41 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
     res["dead_total"] = sum(f["dead"] for f in dead.values())
     res["problems"] = problems
     return res
+
+
+def thread_cpu_ns() -> dict[int, int]:
+    """CPU nanoseconds each thread of this process has run so far, by native thread id
+    (``/proc/self/task/<tid>/schedstat``; empty where ``/proc`` has no such file)."""
+    out: dict[int, int] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return out
+
+
+def thread_group(name: str) -> str:
+    """The part of a thread's name that its siblings share (``qstore-handler-3`` and
+    ``qstore-claim-jobs#1`` count as ``qstore-handler`` and ``qstore-claim-jobs``)."""
+    return re.sub(r"(#\d+)?(-\d+)?$", "", name.split(" (")[0]) or name
+
+
+def cpu_by_thread(before: dict[int, int], after: dict[int, int], jobs: int) -> dict[str, float]:
+    """The CPU each group of threads (:func:`thread_group`) ran between ``before`` and
+    ``after``, in µs per job; threads that ended in between are not counted. Thread names
+    are read now, so call it while the worker's threads still run."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[str, float] = {}
+    for tid, ns in after.items():
+        group = thread_group(names.get(tid, "other"))
+        out[group] = out.get(group, 0.0) + (ns - before.get(tid, 0)) / 1e3 / max(jobs, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def stats_of(worker: Any) -> dict[str, Any]:
@@ -667,7 +706,26 @@ def print_drain(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
             print(f"          {name} / {'async_worker' if name.startswith('async_') else 'worker'} of the same "
                   f"round: median {bs.times(pr['median'])}, each {' '.join(f'{x:.3f}' for x in pr['each'])}")
     print_waits(results)
+    print_threads(results)
     bs.print_targets(summary["targets"], "worker drain")
+
+
+def print_threads(results: list[dict[str, Any]]) -> None:
+    """The worker drains' client CPU per job by thread group (:func:`cpu_by_thread`),
+    medians over the rounds per system and phase; the benchmark's own threads (its
+    sampler, the pinning session) are in ``MainThread`` and ``other``."""
+    by: dict[str, list[dict[str, float]]] = {}
+    for r in results:
+        if r.get("client_cpu_by_thread"):
+            by.setdefault(f"{r['system']}/{r['phase']}", []).append(r["client_cpu_by_thread"])
+    if not by:
+        return
+    groups = sorted({g for rs in by.values() for r in rs for g in r},
+                    key=lambda g: -max(r.get(g, 0.0) for rs in by.values() for r in rs))
+    print("\nClient CPU per job by thread (µs, /proc schedstat, medians over the rounds):")
+    print(format_table(["system/phase", *groups],
+                       [[k, *(f"{median([r.get(g, 0.0) for r in rs]) or 0.0:.1f}" for g in groups)]
+                        for k, rs in by.items()]))
 
 
 def print_waits(results: list[dict[str, Any]]) -> None:

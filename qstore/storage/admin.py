@@ -218,7 +218,7 @@ def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | N
             queue.write_deferred(conn, sch, [(moved, JobState.SCHEDULED, row.run_at, row.finalized_at)])
             return True
         # promoted meanwhile (the take waited for the promotion's commit): the job may now be
-        # an unclaimed ready position, looked for below; cancelled meanwhile, it is not
+        # an unclaimed ready position, looked for below (cancelled meanwhile: found nowhere)
     for r in conn.execute(s.ready_candidates, {"b_job": job_id}).all():
         new_q = _target_queue(sch, r.queue, new_queue, job_id)
         new_p = priority if priority is not None else r.priority

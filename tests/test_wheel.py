@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from jobtools import BACKLOG, count, params
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig, RetryFromDlqOpts
 from qstore.config import WHEEL_BUCKET_SECONDS, WHEEL_GUARD_SLOTS, WHEEL_SLOTS
@@ -388,6 +388,34 @@ def test_cancel_of_a_promoted_wait_finds_the_available_job(engine, st):
     row = st.cancel_job(engine, job_id)
     assert row is not None and row.state is JobState.CANCELLED
     assert st.promote_due(engine, JobState.SCHEDULED, 10) == 0
+
+
+def test_two_multi_job_cancels_of_the_same_waits_in_opposite_orders_do_not_deadlock(engine, st):
+    """A multi-job cancel takes its jobs in ascending id order, whatever order it was given:
+    two such calls over the same jobs lock them in the same order, so the second waits for
+    the first instead of deadlocking with it. The rows come back in the caller's order."""
+    a, b = defer(engine, st, now() + NEAR), defer(engine, st, now() + NEAR)
+    outcome: list[object] = []
+
+    def second() -> None:
+        try:
+            outcome.append(st.cancel_jobs_by_ids(engine, [a, b]))
+        except BaseException as err:  # reported below
+            outcome.append(err)
+
+    other = threading.Thread(target=second)
+    with engine.connect() as first:
+        @event.listens_for(first, "after_cursor_execute")
+        def once_a_wait_is_held(conn, cursor, statement, *args) -> None:
+            if "deferred_wheel_marks" in statement and "FOR UPDATE" in statement and other.ident is None:
+                other.start()  # the first call holds one wait: the second call runs now
+                _blocked_or_done(engine, other)
+
+        rows = st.cancel_jobs_by_ids(first, [b, a])
+        first.commit()
+    other.join()
+    assert [r.id for r in rows] == [b, a] and {r.state for r in rows} == {JobState.CANCELLED}
+    assert outcome == [[]]  # found both cancelled once the first call committed
 
 
 def _due_wait(engine, st, place: str) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -125,9 +125,18 @@ def retry_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | No
     return destinations.apply(conn, ctx, [(body, Decision(Destination.READY, attempt=0), JobState(rows[0].state))])[0]
 
 
+def _each_in_id_order(ids: Sequence[int], one: Callable[[int], JobRow | None]) -> list[JobRow]:
+    """``one(i)`` for each distinct id in ascending order; the rows it returned, in the order
+    of ``ids``. Two calls over overlapping ids take their jobs' locks in the same order, so
+    one waits for the other instead of deadlocking with it."""
+    rows = {i: r for i in sorted(set(ids)) if (r := one(i)) is not None}
+    return [rows[i] for i in dict.fromkeys(ids) if i in rows]
+
+
 def retry_jobs_by_ids(ctx: StorageContext, conn: Connection, ids: Sequence[int]) -> list[JobRow]:
-    """``retry_job`` for each id, all in one transaction (all-or-nothing on error)."""
-    return [r for i in ids if (r := retry_job(ctx, conn, i)) is not None]
+    """``retry_job`` for each id, all in one transaction (all-or-nothing on error), taken in
+    ascending id order; the retried rows in the order of ``ids``."""
+    return _each_in_id_order(ids, lambda i: retry_job(ctx, conn, i))
 
 
 def cancel_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | None:
@@ -172,8 +181,10 @@ def _cancel_ready_or_running(ctx: StorageContext, conn: Connection, job_id: int)
 
 
 def cancel_jobs_by_ids(ctx: StorageContext, conn: Connection, ids: Sequence[int]) -> list[JobRow]:
-    """``cancel_job`` for each id, all in one transaction."""
-    return [r for i in ids if (r := cancel_job(ctx, conn, i)) is not None]
+    """``cancel_job`` for each id, all in one transaction, taken in ascending id order (two
+    calls over the same jobs cannot deadlock each other); the cancelled rows in the order of
+    ``ids``."""
+    return _each_in_id_order(ids, lambda i: cancel_job(ctx, conn, i))
 
 
 def _stamp(metadata: dict[str, Any], key: str, value: Any) -> dict[str, Any]:

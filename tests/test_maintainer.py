@@ -199,6 +199,19 @@ def test_promote_task_moves_more_than_one_batch(
     assert len(deferred_ids(small, engine)) == 1
 
 
+def test_promote_task_goes_on_while_batches_of_both_states_come_back_full(
+        small: QueueStorage, engine: Engine, maintainers: Callable[..., Maintainer]) -> None:
+    """A batch holds the waits due first across both states, so a full batch may hold
+    fewer than a batch of each: the task goes on until a batch comes back short."""
+    enqueue(small, engine, 3, run_at=datetime.now(timezone.utc) - timedelta(seconds=10))
+    enqueue(small, engine, 2)
+    for c in small.claim_runtime_batch(engine, Q, 2):
+        assert small.retry_after(engine, c.job.id, c.job.run_lease, 0) is not None
+    m = maintainers(schedule=MaintenanceSchedule(promote_batch_size=2, promote_max_batches=5))
+    assert run(m, "promote") == {"scheduled": 3, "retryable": 2}  # batches {2, 0}, {1, 1}, {0, 1}
+    assert deferred_ids(small, engine) == []
+
+
 LIVE_ONLY = 0b0000_0111  # the key is held while scheduled, available or running
 
 

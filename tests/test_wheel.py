@@ -96,19 +96,42 @@ def test_promotion_takes_due_entries_by_run_at_then_priority(engine, st):
     assert st.promote_due(engine, JobState.SCHEDULED, 10) == 0
 
 
-def test_promoting_both_states_takes_up_to_the_batch_of_each(engine, st):
+def test_promoting_both_states_takes_the_batch_due_first_across_both(engine, st):
+    """Three schedules due ten seconds ago and two retries due now, batches of two: the
+    schedules go first, then the third schedule with the first retry, then the other retry;
+    no call takes a wait due later than one it leaves, whatever their states."""
     t = now() - timedelta(seconds=10)
     scheduled = [defer(engine, st, t + timedelta(seconds=i)) for i in range(3)]
     st.enqueue_many(engine, [params(), params()])
     retried = []
-    for c in st.claim_runtime_batch(engine, "q", 2):
+    for c in sorted(st.claim_runtime_batch(engine, "q", 2), key=lambda c: c.job.id):
         assert st.retry_after(engine, c.job.id, c.job.run_lease, 0) is not None
         retried.append(c.job.id)
-    assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 2, JobState.RETRYABLE: 2}
-    states = {j: st.load_job(engine, j).state for j in scheduled + retried}  # type: ignore[union-attr]
-    assert states == {**dict.fromkeys(scheduled[:2] + retried, JobState.AVAILABLE), scheduled[2]: JobState.SCHEDULED}
-    assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 1, JobState.RETRYABLE: 0}
+
+    def waiting() -> set[int]:
+        return {j for j in scheduled + retried
+                if st.load_job(engine, j).state in (JobState.SCHEDULED, JobState.RETRYABLE)}  # type: ignore[union-attr]
+
+    assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 2, JobState.RETRYABLE: 0}
+    assert waiting() == {scheduled[2], *retried}
+    assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 1, JobState.RETRYABLE: 1}
+    assert waiting() == {retried[1]}
+    assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 0, JobState.RETRYABLE: 1}
     assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 0, JobState.RETRYABLE: 0}
+
+
+def test_promoting_both_states_orders_overflow_rows_with_wheel_entries(engine, st):
+    """A due overflow row (one the maintainer has not moved into the wheel) takes its turn
+    by its due time among the wheel's entries of the other state."""
+    late = defer(engine, st, now() + FAR)
+    with engine.begin() as c:
+        c.execute(text(f'UPDATE "{st.schema()}".deferred_jobs SET run_at = clock_timestamp() - interval \'20 seconds\''))
+    st.enqueue_many(engine, [params()])
+    (c,) = st.claim_runtime_batch(engine, "q", 1)
+    assert st.retry_after(engine, c.job.id, c.job.run_lease, 0) is not None
+    assert st.promote_all_due(engine, 1) == {JobState.SCHEDULED: 1, JobState.RETRYABLE: 0}
+    assert st.load_job(engine, late).state is JobState.AVAILABLE  # type: ignore[union-attr]
+    assert st.promote_all_due(engine, 1) == {JobState.SCHEDULED: 0, JobState.RETRYABLE: 1}
 
 
 def test_promoting_both_states_with_no_batch_moves_nothing(engine, st):
@@ -560,14 +583,16 @@ def test_waits_leave_no_dead_tuple_in_the_backlog_under_a_pinned_horizon(fresh_e
 
 
 
-@pytest.mark.parametrize("statement", ["take_due_entries", "take_due_overflow"])
+@pytest.mark.parametrize("statement", ["take_due_entries", "take_due_overflow", "due_bound"])
 def test_promotion_reads_only_due_waits_through_the_due_index(engine, st, statement: str) -> None:
     """The due bound is an index condition, so a promotion reads the due waits, not every
     wait of the state (a volatile clock in the bound would make it a filter over all)."""
-    from qstore.storage.planes.queue import deferred_statements
+    from qstore.storage.planes.queue import NO_DUE_BOUND, deferred_statements
 
     compiled = getattr(deferred_statements(st.tables), statement).compile(engine)
-    params = {**compiled.params, "state": "scheduled", "limit": 10}
+    run_at, priority, job = NO_DUE_BOUND
+    params = {**compiled.params, "state": "scheduled", "limit": 10, "skip": 9, "upto_run_at": run_at,
+              "upto_priority": priority, "upto_job": job}
     with engine.connect() as conn:
         plan = "\n".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + str(compiled), params))
     conds = [line for line in plan.splitlines() if "Index Cond" in line and "state =" in line]

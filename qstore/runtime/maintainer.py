@@ -330,14 +330,15 @@ class Maintainer:
 
     def _promote(self) -> dict[str, int]:
         """Due ``scheduled`` and ``retryable`` jobs together, in ``run_at`` order across the
-        two states, in bounded batches (one transaction each), until both come back short."""
+        two states, in bounded batches (one transaction each), until a batch comes back
+        short."""
         size = self.schedule.promote_batch_size
         moved = dict.fromkeys((JobState.SCHEDULED.value, JobState.RETRYABLE.value), 0)
         for _ in range(self.schedule.promote_max_batches):
             batch = self.storage.promote_all_due(self.engine, size)
             for state, n in batch.items():
                 moved[state.value] += n
-            if all(n < size for n in batch.values()):
+            if sum(batch.values()) < size:
                 break
         return moved
 

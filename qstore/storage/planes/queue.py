@@ -23,7 +23,7 @@ import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -78,11 +78,14 @@ from qstore.storage.statements import HotStatement, schema_func, unnest_rows, wh
 from qstore.types import JobState
 
 __all__ = [
+    "NO_DUE_BOUND",
+    "DueKey",
     "QueueStatements",
     "advance_overflow",
     "allocate_ids",
     "copy_ready",
     "delete_done",
+    "due_bound",
     "insert_deferred",
     "insert_ready",
     "lock_wheel_slot",
@@ -540,18 +543,36 @@ def take_deferred(conn: Connection, sch: StorageSchema, job_id: int, states: Seq
     return rows
 
 
-def take_due(conn: Connection, sch: StorageSchema, state: JobState, limit: int) -> list[Any]:
-    """Take up to ``limit`` due waits in ``state`` of unpaused queues for promotion (oldest
-    ``run_at`` first, then priority and job id): wheel entries are marked ``promoted`` (an
-    entry another promoter marked first is left to it), then, for what the limit leaves,
-    due overflow rows are deleted (rows locked by others are skipped). ``RETURNING`` keeps
-    no order."""
+#: The promotion order's key of a wait: ``(run_at, priority, job_id)``.
+DueKey = tuple[datetime, int, int]
+#: A key no wait goes beyond (the latest timestamp, priority and job id the columns hold).
+NO_DUE_BOUND: DueKey = (datetime(9999, 12, 31, tzinfo=timezone.utc), 32767, 2**63 - 1)
+
+
+def take_due(conn: Connection, sch: StorageSchema, state: JobState, limit: int,
+             upto: DueKey = NO_DUE_BOUND) -> list[Any]:
+    """Take up to ``limit`` due waits in ``state`` of unpaused queues whose key (``run_at``,
+    priority, job id) is at most ``upto``, for promotion (the lowest keys first): wheel
+    entries are marked ``promoted`` (entries locked by another taker are skipped), then, for
+    what the limit leaves, due overflow rows are deleted (rows locked by others are
+    skipped). ``RETURNING`` keeps no order."""
     d = deferred_statements(sch)
-    arg = {"state": state.value, "limit": limit}
+    run_at, priority, job_id = upto
+    arg = {"state": state.value, "limit": limit, "upto_run_at": run_at, "upto_priority": priority,
+           "upto_job": job_id}
     rows = list(conn.execute(d.take_due_entries, arg).all())
     if len(rows) < limit:
-        rows += conn.execute(d.take_due_overflow, {"state": state.value, "limit": limit - len(rows)}).all()
+        rows += conn.execute(d.take_due_overflow, {**arg, "limit": limit - len(rows)}).all()
     return rows
+
+
+def due_bound(conn: Connection, sch: StorageSchema, limit: int) -> DueKey:
+    """The key of the ``limit``-th due wait of unpaused queues across both deferred states
+    (wheel and overflow; by ``run_at``, then priority and job id), or :data:`NO_DUE_BOUND`
+    when fewer are due: taking each state's waits up to it takes the ``limit`` waits due
+    first, whatever their states."""
+    row = conn.execute(deferred_statements(sch).due_bound, {"limit": limit, "skip": limit - 1}).first()
+    return NO_DUE_BOUND if row is None else (row[0], int(row[1]), int(row[2]))
 
 
 def advance_overflow(conn: Connection, sch: StorageSchema, limit: int) -> int:
@@ -636,6 +657,7 @@ class DeferredStatements:
     take_overflow: ReturningDelete[Any]
     take_due_entries: Select[Any]
     take_due_overflow: ReturningDelete[Any]
+    due_bound: Select[Any]
     due_probes: dict[str, HotStatement]
     advance: Select[Any]
     bucket_now: Select[Any]
@@ -696,17 +718,37 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
     # filter over every waiting entry of the state)
     due_at = func.statement_timestamp()
     limit = bindparam("limit", type_=Integer())
+    upto = tuple_(bindparam("upto_run_at", type_=TIMESTAMP(timezone=True)),
+                  bindparam("upto_priority", type_=SmallInteger()), bindparam("upto_job", type_=BigInteger()))
+
+    def key(t: Any) -> Any:
+        return tuple_(t.c.run_at, t.c.priority, t.c.job_id)
+
     due = (select(w.c.wheel_slot, w.c.entry_id, w.c.job_id)
-           .where(w.c.state == bindparam("state"), w.c.run_at <= due_at, unmarked, ~paused(w.c.queue))
+           .where(w.c.state == bindparam("state"), w.c.run_at <= due_at, key(w) <= upto, unmarked,
+                  ~paused(w.c.queue))
            .order_by(w.c.run_at, w.c.priority, w.c.job_id).limit(limit)
            .with_for_update(of=w, skip_locked=True).cte("due"))
     take_due_entries = claimed(due, literal(WheelResolution.PROMOTED.value, Text()))
 
     due_overflow = (select(df.c.job_id).where(df.c.state == bindparam("state"), df.c.run_at <= due_at,
-                                              ~paused(df.c.queue))
+                                              key(df) <= upto, ~paused(df.c.queue))
                     .order_by(df.c.run_at, df.c.priority, df.c.job_id).limit(limit)
                     .with_for_update(skip_locked=True))
     take_due_overflow = df.delete().where(df.c.job_id.in_(due_overflow.scalar_subquery())).returning(*df.c)
+
+    # the key of the limit-th wait due first across both states: each state's own first
+    # `limit` waits in the wheel and in the overflow (four index scans), merged
+    def first_due(t: Any, state: str, *live: Any) -> Select[Any]:
+        return (select(t.c.run_at, t.c.priority, t.c.job_id)
+                .where(t.c.state == state, t.c.run_at <= due_at, *live, ~paused(t.c.queue))
+                .order_by(t.c.run_at, t.c.priority, t.c.job_id).limit(limit))
+
+    firsts = union_all(*(first_due(t, st, *live) for t, live in ((w, (unmarked,)), (df, ()))
+                         for st in (JobState.SCHEDULED.value, JobState.RETRYABLE.value))).subquery("firsts")
+    due_bound = (select(firsts.c.run_at, firsts.c.priority, firsts.c.job_id)
+                 .order_by(firsts.c.run_at, firsts.c.priority, firsts.c.job_id)
+                 .offset(bindparam("skip", type_=Integer())).limit(1))
 
     # whether a take would find anything: the same conditions, no order, no lock, no write;
     # one parameterless statement per state, prepared (planned once per connection)
@@ -734,7 +776,8 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
     return DeferredStatements(
         defer=defer, take_entry=take_entry,
         take_overflow=df.delete().where(df.c.job_id == job, df.c.state.in_(states)).returning(*df.c),
-        take_due_entries=take_due_entries, take_due_overflow=take_due_overflow, due_probes=due_probes,
+        take_due_entries=take_due_entries, take_due_overflow=take_due_overflow, due_bound=due_bound,
+        due_probes=due_probes,
         advance=advance,
         bucket_now=select(_bucket_of(func.coalesce(at, now))),
     )

@@ -169,17 +169,20 @@ def promote_due(ctx: StorageContext, tx: Transactions, state: JobState | str, ba
 
 
 def promote_all_due(ctx: StorageContext, tx: Transactions, batch_size: int) -> dict[JobState, int]:
-    """:func:`promote_due` for both deferred states at once: up to ``batch_size`` due rows
-    of each state, taken and promoted in one transaction in ``run_at`` order across the
-    two (then priority and job id). Returns how many of each state became available.
+    """:func:`promote_due` for both deferred states at once: the ``batch_size`` due waits
+    due first across the two states (by ``run_at``, then priority and job id), taken and
+    promoted in one transaction in that order. Returns how many of each state became
+    available.
 
-    One transaction decides every unique-key contest among the rows it takes: a job due
+    One transaction decides every unique-key contest among the waits it takes: a job due
     earlier meets its key before a job due later takes it, whatever their states, and no
     job of the pass can be claimed (and end, releasing its key) before the others are
     decided. Two separate passes would let a late promotion make the later-due job
-    available first and a worker end it before the earlier one is promoted. The order
-    across states holds within a batch: a state with more than ``batch_size`` due rows
-    leaves its later ones to the next call.
+    available first and a worker end it before the earlier one is promoted. The order holds
+    across calls too: a call takes nothing due after a wait it leaves (when both states
+    have something due, it first reads the key of the ``batch_size``-th wait due, and each
+    state is taken up to it). Waits another transaction holds (a cancel, say) are skipped,
+    and a wait that comes due while the call runs may be taken or left.
 
     A pass that finds nothing due costs two statements (one probe per state)."""
     return _promote(ctx, tx, PROMOTABLE, batch_size)
@@ -195,7 +198,8 @@ def _promote(ctx: StorageContext, tx: Transactions, states: Sequence[JobState],
     if not due:
         return moved
     with tx.atomic() as conn:
-        taken = [(r, st) for st in due for r in queue.take_due(conn, ctx.schema, st, batch_size)]
+        upto = queue.due_bound(conn, ctx.schema, batch_size) if len(due) > 1 else queue.NO_DUE_BOUND
+        taken = [(r, st) for st in due for r in queue.take_due(conn, ctx.schema, st, batch_size, upto)]
         if not taken:
             return moved
         taken.sort(key=lambda t: (t[0].run_at, t[0].priority, t[0].job_id))  # RETURNING keeps no order

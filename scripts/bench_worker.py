@@ -269,6 +269,8 @@ def new_worker(app: App, engine: Engine, args: argparse.Namespace, *, is_async: 
         extra["prefetch"] = args.prefetch
     if args.claim_ahead is not None:
         extra["claim_ahead"] = args.claim_ahead
+    if args.claim_batch is not None:
+        extra["claim_batch"] = args.claim_batch
     settings = WorkerSettings(queues=[bs.QUEUE], concurrency=args.concurrency, schedule=args.schedule, **extra)
     if is_async:
         return LoopWorker(app, args.url, engine, settings)
@@ -1314,6 +1316,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "of the queue's lanes (default 1: one COPY, one lane)")
     p.add_argument("--prefetch", type=int, default=None,
                    help="drain and pickup: the workers' prefetch (default: the setting's default)")
+    p.add_argument("--claim-batch", type=int, default=None,
+                   help="drain and pickup: the workers' claim_batch (default: the setting's default)")
     p.add_argument("--claim-ahead", type=int, default=None,
                    help="drain and pickup: the workers' claim_ahead (default: the setting's default; "
                         "0 turns claiming ahead off)")

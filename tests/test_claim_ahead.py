@@ -30,7 +30,7 @@ from qstore.worker import AsyncWorker, Worker, WorkerSettings
 
 
 def test_claim_ahead_defaults_to_one_claim_and_to_nothing_without_prefetch() -> None:
-    assert WorkerSettings().claim_ahead == WorkerSettings().claim_batch == 32
+    assert WorkerSettings().claim_ahead == WorkerSettings().claim_batch == 64
     assert WorkerSettings(claim_batch=8).claim_ahead == 8
     assert WorkerSettings(prefetch=0).claim_ahead == 0  # claim only for free handlers: nothing ahead
     assert WorkerSettings(prefetch=0, claim_ahead=4).claim_ahead == 4

@@ -78,9 +78,10 @@ def worker_settings(args: argparse.Namespace) -> Any:
     from qstore.runtime.worker import WorkerSettings
 
     chosen = {name: value for name, value in (("claims_in_flight", args.claims_in_flight),
-                                                ("claim_ahead", args.claim_ahead)) if value is not None}
+                                                ("claim_ahead", args.claim_ahead),
+                                                ("claim_batch", args.claim_batch)) if value is not None}
     return WorkerSettings(queues=args.queue or None, concurrency=args.concurrency,
-                          claim_batch=args.claim_batch, prefetch=args.prefetch, **chosen,
+                          prefetch=args.prefetch, **chosen,
                           poll_interval=args.poll_interval, heartbeat_interval=args.heartbeat_interval,
                           shutdown_timeout=args.shutdown_timeout, maintain=not args.no_maintain,
                           own_pool=False)
@@ -136,8 +137,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", action="append", metavar="Q",
                    help="queue to work (repeatable; default: the queues of the app's tasks)")
     p.add_argument("--concurrency", type=int, default=16, help="handlers running at once (default 16)")
-    p.add_argument("--claim-batch", type=int, default=32,
-                   help="most jobs one claim takes (never more than free handlers; default 32)")
+    p.add_argument("--claim-batch", type=int, default=None,
+                   help="most jobs one claim takes (never more than free places; default: WorkerSettings' "
+                        "default, 64)")
     p.add_argument("--prefetch", type=int, default=None,
                    help="claimed jobs that may wait for a free handler (default: --concurrency)")
     p.add_argument("--claims-in-flight", type=int, default=None, metavar="N",

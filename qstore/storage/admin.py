@@ -200,6 +200,17 @@ def _target_queue(sch: StorageSchema, current: str, queue_name: str | None, job_
     return queue_name if n <= 1 or is_stripe(queue_name) else f"{queue_name}#{job_id % n}"
 
 
+def _moved(body: Body, queue_was: str, priority_was: int, new_queue: str, new_priority: int) -> Body:
+    """``body`` in ``new_queue`` at ``new_priority``; its metadata keeps the original
+    priority and (logical) queue it had before its first change of each."""
+    meta = body.job.metadata
+    if new_priority != priority_was:
+        meta = _stamp(meta, ORIGINAL_PRIORITY, priority_was)
+    if new_queue != queue_was:
+        meta = _stamp(meta, ORIGINAL_QUEUE, logical_queue(queue_was))
+    return body.replace(queue=new_queue, priority=new_priority, metadata=meta)
+
+
 def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | None, priority: int | None) -> bool:
     """Change queue and/or priority of a scheduled or unclaimed available job. False when
     nothing matched or nothing would change (retryable, running and terminal jobs stay). A
@@ -219,13 +230,7 @@ def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | N
             row = taken[0]
             new_q = _target_queue(sch, row.queue, new_queue, job_id)
             new_p = priority if priority is not None else row.priority
-            snapshot = Body.from_snapshot(row)
-            meta = snapshot.job.metadata
-            if new_p != row.priority:
-                meta = _stamp(meta, ORIGINAL_PRIORITY, row.priority)
-            if new_q != row.queue:
-                meta = _stamp(meta, ORIGINAL_QUEUE, logical_queue(row.queue))
-            moved = snapshot.replace(queue=new_q, priority=new_p, metadata=meta)
+            moved = _moved(Body.from_snapshot(row), row.queue, row.priority, new_q, new_p)
             queue.write_deferred(conn, sch, [(moved, JobState.SCHEDULED, row.run_at, row.finalized_at)])
             return True
         # promoted meanwhile (the take waited for the promotion's commit): the job may now be
@@ -238,12 +243,7 @@ def _move(ctx: StorageContext, conn: Connection, job_id: int, new_queue: str | N
         body = _take_available(conn, sch, r)
         if body is None:
             continue
-        meta = body.job.metadata
-        if new_p != r.priority:
-            meta = _stamp(meta, ORIGINAL_PRIORITY, r.priority)
-        if new_q != r.queue:
-            meta = _stamp(meta, ORIGINAL_QUEUE, logical_queue(r.queue))
-        moved = body.replace(queue=new_q, priority=new_p, metadata=meta)
+        moved = _moved(body, r.queue, r.priority, new_q, new_p)
         destinations.apply(conn, ctx, [(moved, Decision(Destination.READY), JobState.AVAILABLE)])
         return True
     return False

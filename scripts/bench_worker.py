@@ -402,9 +402,10 @@ def thread_cpu_ns() -> dict[int, int]:
 
 
 def thread_group(name: str) -> str:
-    """The part of a thread's name that its siblings share (``qstore-handler-3`` and
-    ``qstore-claim-jobs#1`` count as ``qstore-handler`` and ``qstore-claim-jobs``)."""
-    return re.sub(r"(#\d+)?(-\d+)?$", "", name.split(" (")[0]) or name
+    """The part of a thread's name that its siblings share (``qstore-handler-3``,
+    ``qstore-claim-jobs#1`` and ``qstore-outcome_0`` count as ``qstore-handler``,
+    ``qstore-claim-jobs`` and ``qstore-outcome``)."""
+    return re.sub(r"(#\d+)?([-_]\d+)?$", "", name.split(" (")[0]) or name
 
 
 def cpu_by_thread(before: dict[int, int], after: dict[int, int], jobs: int) -> dict[str, float]:

@@ -7,7 +7,7 @@ worker (no maintainer) is started and timed until every job is completed. Varian
 * ``loop``: no worker, the hand-written loop an application writes without one (``concurrency``
   threads, each claiming 10, calling the handler per job, completing the batch): the
   reference;
-* ``plain``: ``claim_runtime_batch`` (the default), ``claim_batch`` 32, ``concurrency`` 16;
+* ``plain``: ``claim_runtime_batch`` (the default), ``claim_batch`` (default 64), ``concurrency`` 16;
 * ``claimers``: the same through bounded claimers (``max_claimers`` 4:
   ``claim_runtime_batch_with_aging_for_instance``);
 * ``batch10``: claim batches of 10; ``prefetch``: 16 claimed jobs may wait for a handler;

@@ -208,7 +208,21 @@ def test_promote_task_goes_on_while_batches_of_both_states_come_back_full(
     for c in small.claim_runtime_batch(engine, Q, 2):
         assert small.retry_after(engine, c.job.id, c.job.run_lease, 0) is not None
     m = maintainers(schedule=MaintenanceSchedule(promote_batch_size=2, promote_max_batches=5))
-    assert run(m, "promote") == {"scheduled": 3, "retryable": 2}  # batches {2, 0}, {1, 1}, {0, 1}
+    batches: list[dict[str, int]] = []
+    promote_all_due = small.promote_all_due
+
+    def spy(*args: Any) -> dict[JobState, int]:
+        out = promote_all_due(*args)
+        batches.append({st.value: n for st, n in out.items()})
+        return out
+
+    small.promote_all_due = spy  # type: ignore[method-assign]
+    try:
+        assert run(m, "promote") == {"scheduled": 3, "retryable": 2}
+    finally:
+        del small.promote_all_due
+    assert batches == [{"scheduled": 2, "retryable": 0}, {"scheduled": 1, "retryable": 1},
+                       {"scheduled": 0, "retryable": 1}]
     assert deferred_ids(small, engine) == []
 
 

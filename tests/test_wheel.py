@@ -120,6 +120,24 @@ def test_promoting_both_states_takes_the_batch_due_first_across_both(engine, st)
     assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 0, JobState.RETRYABLE: 0}
 
 
+def test_waits_another_transaction_holds_do_not_keep_a_promotion_from_the_rest(engine, st):
+    """A caller's transaction is cancelling the two waits due first; a promotion of both
+    states in batches of two promotes the next two instead of stopping at the held ones."""
+    t = now() - timedelta(seconds=10)
+    held = [defer(engine, st, t + timedelta(seconds=i)) for i in range(2)]
+    later = defer(engine, st, t + timedelta(seconds=2))
+    st.enqueue_many(engine, [params()])
+    (c,) = st.claim_runtime_batch(engine, "q", 1)
+    assert st.retry_after(engine, c.job.id, c.job.run_lease, 0) is not None
+    with engine.connect() as cancelling:
+        assert len(st.cancel_jobs_by_ids(cancelling, held)) == 2
+        assert st.promote_all_due(engine, 2) == {JobState.SCHEDULED: 1, JobState.RETRYABLE: 1}
+        cancelling.commit()
+    states = {j: st.load_job(engine, j).state for j in (*held, later, c.job.id)}  # type: ignore[union-attr]
+    assert states == {**dict.fromkeys(held, JobState.CANCELLED), later: JobState.AVAILABLE,
+                      c.job.id: JobState.AVAILABLE}
+
+
 def test_promoting_both_states_orders_overflow_rows_with_wheel_entries(engine, st):
     """A due overflow row (one the maintainer has not moved into the wheel) takes its turn
     by its due time among the wheel's entries of the other state."""
@@ -175,13 +193,18 @@ def test_concurrent_promoters_promote_each_entry_exactly_once(engine, st):
     assert st.queue_counts(engine, "q").available == 300
 
 
-def _blocked_or_done(engine, thread: threading.Thread, seconds: float = 5.0) -> None:
-    """Wait until ``thread`` has ended or another session of this database waits for a lock."""
+def backend_pid(conn) -> int:
+    return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def _blocked_or_done(engine, thread: threading.Thread, holder: int, seconds: float = 15.0) -> None:
+    """Wait until ``thread`` has ended or a session waits for a lock the session ``holder``
+    (a backend pid) holds."""
     end = time.monotonic() + seconds
     with engine.connect() as c:
         while thread.is_alive() and time.monotonic() < end:
-            if c.execute(text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                              "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()")).scalar_one():
+            if c.execute(text("SELECT count(*) FROM pg_stat_activity WHERE :holder = ANY(pg_blocking_pids(pid))"),
+                         {"holder": holder}).scalar_one():
                 return
             c.rollback()
             time.sleep(0.02)
@@ -207,9 +230,10 @@ def test_a_promotion_between_two_cancels_of_one_transaction_neither_waits_nor_de
 
     promoter = threading.Thread(target=promote)
     with engine.connect() as conn:
+        holder = backend_pid(conn)
         assert st.cancel_job(conn, retried) is not None
         promoter.start()
-        _blocked_or_done(engine, promoter)
+        _blocked_or_done(engine, promoter, holder)
         try:
             second = st.cancel_job(conn, scheduled)
         finally:
@@ -428,11 +452,13 @@ def test_two_multi_job_cancels_of_the_same_waits_in_opposite_orders_do_not_deadl
 
     other = threading.Thread(target=second)
     with engine.connect() as first:
+        holder = backend_pid(first)
+
         @event.listens_for(first, "after_cursor_execute")
         def once_a_wait_is_held(conn, cursor, statement, *args) -> None:
             if "deferred_wheel_marks" in statement and "FOR UPDATE" in statement and other.ident is None:
                 other.start()  # the first call holds one wait: the second call runs now
-                _blocked_or_done(engine, other)
+                _blocked_or_done(engine, other, holder)
 
         rows = st.cancel_jobs_by_ids(first, [b, a])
         first.commit()
@@ -463,9 +489,10 @@ def _behind_a_promotion(engine, st, call) -> object:
 
     caller = threading.Thread(target=target)
     with engine.connect() as promotion:
+        holder = backend_pid(promotion)
         assert st.promote_all_due(promotion, 10)[JobState.SCHEDULED] == 1
         caller.start()
-        _blocked_or_done(engine, caller)
+        _blocked_or_done(engine, caller, holder)
         assert caller.is_alive()  # waiting for the promotion's lock
         promotion.commit()
     caller.join()

@@ -127,8 +127,9 @@ def retry_job(ctx: StorageContext, conn: Connection, job_id: int) -> JobRow | No
 
 def _each_in_id_order(ids: Sequence[int], one: Callable[[int], JobRow | None]) -> list[JobRow]:
     """``one(i)`` for each distinct id in ascending order; the rows it returned, in the order
-    of ``ids``. Two calls over overlapping ids take their jobs' locks in the same order, so
-    one waits for the other instead of deadlocking with it."""
+    of ``ids``. Two calls over the same ids take their jobs' locks in the same order, so one
+    waits for the other instead of deadlocking with it (calls over different ids that share
+    a lane can still meet at the lane's head, which is locked in id order too)."""
     rows = {i: r for i in sorted(set(ids)) if (r := one(i)) is not None}
     return [rows[i] for i in dict.fromkeys(ids) if i in rows]
 
@@ -182,7 +183,7 @@ def _cancel_ready_or_running(ctx: StorageContext, conn: Connection, job_id: int)
 
 def cancel_jobs_by_ids(ctx: StorageContext, conn: Connection, ids: Sequence[int]) -> list[JobRow]:
     """``cancel_job`` for each id, all in one transaction, taken in ascending id order (two
-    calls over the same jobs cannot deadlock each other); the cancelled rows in the order of
+    calls over the same jobs do not deadlock each other); the cancelled rows in the order of
     ``ids``."""
     return _each_in_id_order(ids, lambda i: cancel_job(ctx, conn, i))
 

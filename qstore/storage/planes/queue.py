@@ -738,14 +738,20 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
     take_due_overflow = df.delete().where(df.c.job_id.in_(due_overflow.scalar_subquery())).returning(*df.c)
 
     # the key of the limit-th wait due first across both states: each state's own first
-    # `limit` waits in the wheel and in the overflow (four index scans), merged
-    def first_due(t: Any, state: str, *live: Any) -> Select[Any]:
+    # `limit` waits in the wheel and in the overflow (four index scans), merged. Each scan
+    # locks what it reads and skips what other takers hold, as the takes do: a wait held
+    # elsewhere (a cancel in progress) neither counts toward the bound nor is taken, so
+    # waits held by others never keep the promotion from the rest. The takes that follow
+    # in the same transaction find these rows locked by their own transaction.
+    def first_due(t: Any, state: str, *live: Any) -> Any:
         return (select(t.c.run_at, t.c.priority, t.c.job_id)
                 .where(t.c.state == state, t.c.run_at <= due_at, *live, ~paused(t.c.queue))
-                .order_by(t.c.run_at, t.c.priority, t.c.job_id).limit(limit))
+                .order_by(t.c.run_at, t.c.priority, t.c.job_id).limit(limit)
+                .with_for_update(of=t, skip_locked=True).cte(f"first_{t.name}_{state}"))
 
-    firsts = union_all(*(first_due(t, st, *live) for t, live in ((w, (unmarked,)), (df, ()))
-                         for st in (JobState.SCHEDULED.value, JobState.RETRYABLE.value))).subquery("firsts")
+    firsts = union_all(*(select(*c.c) for c in (
+        first_due(t, st, *live) for t, live in ((w, (unmarked,)), (df, ()))
+        for st in (JobState.SCHEDULED.value, JobState.RETRYABLE.value)))).subquery("firsts")
     due_bound = (select(firsts.c.run_at, firsts.c.priority, firsts.c.job_id)
                  .order_by(firsts.c.run_at, firsts.c.priority, firsts.c.job_id)
                  .offset(bindparam("skip", type_=Integer())).limit(1))

@@ -49,6 +49,7 @@ __all__ = [
     "percentile",
     "pinned",
     "server_info",
+    "thread_cpu_ns",
     "timed_enqueue",
     "timed_single_enqueue",
     "verdict",
@@ -237,16 +238,38 @@ def wal_breakdown(engine: Engine, start_lsn: str, end_lsn: str) -> dict[str, Any
 
 
 # -- server and client cost of a measured stretch -------------------------------------------
+def _schedstat_ns(path: str) -> int:
+    """The first field of a ``schedstat`` file: nanoseconds on a CPU. Raises ``OSError``,
+    ``ValueError`` or ``IndexError`` where the file is missing or unreadable."""
+    with open(path, "rb") as f:
+        return int(f.read().split()[0])
+
+
 def process_cpu(pid: int) -> float:
     """CPU seconds process ``pid`` has run so far: ``/proc/<pid>/schedstat`` (nanoseconds on
     a CPU), else user + system from ``/proc/<pid>/stat`` (clock ticks of 10 ms)."""
     try:
-        with open(f"/proc/{pid}/schedstat", "rb") as f:
-            return int(f.read().split()[0]) / 1e9
+        return _schedstat_ns(f"/proc/{pid}/schedstat") / 1e9
     except (OSError, ValueError, IndexError):
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_ns() -> dict[int, int]:
+    """CPU nanoseconds each thread of this process has run so far, by native thread id
+    (``/proc/self/task/<tid>/schedstat``; empty where ``/proc`` has no such file)."""
+    out: dict[int, int] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            out[int(tid)] = _schedstat_ns(f"/proc/self/task/{tid}/schedstat")
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return out
 
 
 def database_backends_cpu(db: str) -> dict[int, float]:

@@ -94,7 +94,6 @@ import asyncio
 import bisect
 import functools
 import inspect
-import os
 import re
 import sys
 import threading
@@ -128,6 +127,7 @@ from _benchlib import (
     per_job,
     pinned,
     server_info,
+    thread_cpu_ns,
     timed_single_enqueue,
     verdict,
 )
@@ -382,23 +382,6 @@ def worker_drain(engine: Engine, system: bs.QstoreSystem, phase: str, n: int,
     res["dead_total"] = sum(f["dead"] for f in dead.values())
     res["problems"] = problems
     return res
-
-
-def thread_cpu_ns() -> dict[int, int]:
-    """CPU nanoseconds each thread of this process has run so far, by native thread id
-    (``/proc/self/task/<tid>/schedstat``; empty where ``/proc`` has no such file)."""
-    out: dict[int, int] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-                out[int(tid)] = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended meanwhile
-    return out
 
 
 def thread_group(name: str) -> str:

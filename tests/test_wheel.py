@@ -9,7 +9,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from jobtools import BACKLOG, count, params
+from jobtools import BACKLOG, blocked_by, count, params, race
 from sqlalchemy import event, text
 
 from qstore import InsertOpts, InsertParams, QueueStorage, QueueStorageConfig, RetryFromDlqOpts
@@ -193,21 +193,7 @@ def test_concurrent_promoters_promote_each_entry_exactly_once(engine, st):
     assert st.queue_counts(engine, "q").available == 300
 
 
-def backend_pid(conn) -> int:
-    return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
-
-
-def _blocked_or_done(engine, thread: threading.Thread, holder: int, seconds: float = 15.0) -> None:
-    """Wait until ``thread`` has ended or a session waits for a lock the session ``holder``
-    (a backend pid) holds."""
-    end = time.monotonic() + seconds
-    with engine.connect() as c:
-        while thread.is_alive() and time.monotonic() < end:
-            if c.execute(text("SELECT count(*) FROM pg_stat_activity WHERE :holder = ANY(pg_blocking_pids(pid))"),
-                         {"holder": holder}).scalar_one():
-                return
-            c.rollback()
-            time.sleep(0.02)
+PID = text("SELECT pg_backend_pid()")
 
 
 def test_a_promotion_between_two_cancels_of_one_transaction_neither_waits_nor_deadlocks(engine, st):
@@ -221,19 +207,22 @@ def test_a_promotion_between_two_cancels_of_one_transaction_neither_waits_nor_de
     assert st.retry_after(engine, c.job.id, c.job.run_lease, 0) is not None
     retried, scheduled = c.job.id, defer(engine, st, now() - timedelta(seconds=1))
     outcome: list[object] = []
+    done = threading.Event()
 
     def promote() -> None:
         try:
             outcome.append(st.promote_all_due(engine, 100))
         except BaseException as err:  # reported below
             outcome.append(err)
+        finally:
+            done.set()
 
     promoter = threading.Thread(target=promote)
     with engine.connect() as conn:
-        holder = backend_pid(conn)
+        holder = conn.execute(PID).scalar_one()
         assert st.cancel_job(conn, retried) is not None
         promoter.start()
-        _blocked_or_done(engine, promoter, holder)
+        blocked_by(engine, holder, done)  # (the fixed promotion does not wait: done first)
         try:
             second = st.cancel_job(conn, scheduled)
         finally:
@@ -443,22 +432,25 @@ def test_two_multi_job_cancels_of_the_same_waits_in_opposite_orders_do_not_deadl
     the first instead of deadlocking with it. The rows come back in the caller's order."""
     a, b = defer(engine, st, now() + NEAR), defer(engine, st, now() + NEAR)
     outcome: list[object] = []
+    done = threading.Event()
 
     def second() -> None:
         try:
             outcome.append(st.cancel_jobs_by_ids(engine, [a, b]))
         except BaseException as err:  # reported below
             outcome.append(err)
+        finally:
+            done.set()
 
     other = threading.Thread(target=second)
     with engine.connect() as first:
-        holder = backend_pid(first)
+        holder = first.execute(PID).scalar_one()
 
         @event.listens_for(first, "after_cursor_execute")
         def once_a_wait_is_held(conn, cursor, statement, *args) -> None:
             if "deferred_wheel_marks" in statement and "FOR UPDATE" in statement and other.ident is None:
                 other.start()  # the first call holds one wait: the second call runs now
-                _blocked_or_done(engine, other, holder)
+                blocked_by(engine, holder, done)
 
         rows = st.cancel_jobs_by_ids(first, [b, a])
         first.commit()
@@ -477,27 +469,13 @@ def _due_wait(engine, st, place: str) -> int:
 
 
 def _behind_a_promotion(engine, st, call) -> object:
-    """Run ``call`` in a thread while a promotion of every due wait holds its transaction
-    open, check that the call waits for it, commit the promotion; what ``call`` returned."""
-    outcome: list[object] = []
+    """Run ``call`` while a promotion of the due wait holds its transaction open, check
+    that the call waits for it, commit the promotion; what ``call`` returned."""
 
-    def target() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as err:  # reported below
-            outcome.append(err)
+    def promote(conn) -> None:
+        assert st.promote_all_due(conn, 10)[JobState.SCHEDULED] == 1
 
-    caller = threading.Thread(target=target)
-    with engine.connect() as promotion:
-        holder = backend_pid(promotion)
-        assert st.promote_all_due(promotion, 10)[JobState.SCHEDULED] == 1
-        caller.start()
-        _blocked_or_done(engine, caller, holder)
-        assert caller.is_alive()  # waiting for the promotion's lock
-        promotion.commit()
-    caller.join()
-    (result,) = outcome
-    return result
+    return race(engine, promote, call)
 
 
 @pytest.mark.parametrize("place", ["wheel", "overflow"])

@@ -721,20 +721,22 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
     upto = tuple_(bindparam("upto_run_at", type_=TIMESTAMP(timezone=True)),
                   bindparam("upto_priority", type_=SmallInteger()), bindparam("upto_job", type_=BigInteger()))
 
-    def key(t: Any) -> Any:
-        return tuple_(t.c.run_at, t.c.priority, t.c.job_id)
+    def key(t: Any) -> list[Any]:
+        return [t.c.run_at, t.c.priority, t.c.job_id]
 
-    due = (select(w.c.wheel_slot, w.c.entry_id, w.c.job_id)
-           .where(w.c.state == bindparam("state"), w.c.run_at <= due_at, key(w) <= upto, unmarked,
-                  ~paused(w.c.queue))
-           .order_by(w.c.run_at, w.c.priority, w.c.job_id).limit(limit)
-           .with_for_update(of=w, skip_locked=True).cte("due"))
+    def first_due(t: Any, state: Any, columns: Sequence[Any], *conds: Any) -> Select[Any]:
+        """The first ``limit`` due waits of ``state`` in ``t`` (the wheel or the overflow)
+        of unpaused queues, in promotion order, locked; waits other takers hold are
+        skipped (every promotion statement reads the due waits through this)."""
+        return (select(*columns).where(t.c.state == state, t.c.run_at <= due_at, *conds, ~paused(t.c.queue))
+                .order_by(*key(t)).limit(limit).with_for_update(of=t, skip_locked=True))
+
+    state: Any = bindparam("state")
+    due = first_due(w, state, [w.c.wheel_slot, w.c.entry_id, w.c.job_id], tuple_(*key(w)) <= upto,
+                    unmarked).cte("due")
     take_due_entries = claimed(due, literal(WheelResolution.PROMOTED.value, Text()))
 
-    due_overflow = (select(df.c.job_id).where(df.c.state == bindparam("state"), df.c.run_at <= due_at,
-                                              key(df) <= upto, ~paused(df.c.queue))
-                    .order_by(df.c.run_at, df.c.priority, df.c.job_id).limit(limit)
-                    .with_for_update(skip_locked=True))
+    due_overflow = first_due(df, state, [df.c.job_id], tuple_(*key(df)) <= upto)
     take_due_overflow = df.delete().where(df.c.job_id.in_(due_overflow.scalar_subquery())).returning(*df.c)
 
     # the key of the limit-th wait due first across both states: each state's own first
@@ -743,14 +745,8 @@ def deferred_statements(sch: StorageSchema) -> DeferredStatements:
     # elsewhere (a cancel in progress) neither counts toward the bound nor is taken, so
     # waits held by others never keep the promotion from the rest. The takes that follow
     # in the same transaction find these rows locked by their own transaction.
-    def first_due(t: Any, state: str, *live: Any) -> Any:
-        return (select(t.c.run_at, t.c.priority, t.c.job_id)
-                .where(t.c.state == state, t.c.run_at <= due_at, *live, ~paused(t.c.queue))
-                .order_by(t.c.run_at, t.c.priority, t.c.job_id).limit(limit)
-                .with_for_update(of=t, skip_locked=True).cte(f"first_{t.name}_{state}"))
-
     firsts = union_all(*(select(*c.c) for c in (
-        first_due(t, st, *live) for t, live in ((w, (unmarked,)), (df, ()))
+        first_due(t, st, key(t), *live).cte(f"first_{t.name}_{st}") for t, live in ((w, (unmarked,)), (df, ()))
         for st in (JobState.SCHEDULED.value, JobState.RETRYABLE.value)))).subquery("firsts")
     due_bound = (select(firsts.c.run_at, firsts.c.priority, firsts.c.job_id)
                  .order_by(firsts.c.run_at, firsts.c.priority, firsts.c.job_id)
